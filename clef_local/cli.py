@@ -1,0 +1,103 @@
+"""``clef-local``: a thin command line over the Python API; each subcommand parses arguments and calls it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+EXAMPLES = ("triage", "moderation", "routing")
+
+
+def _model_path(value: str | None) -> Path:
+    if value:
+        return Path(value)
+    from clef_local.defaults import default_model_path
+
+    return default_model_path()
+
+
+def _read_request(args: argparse.Namespace) -> Any:
+    if args.example:
+        return json.loads(resources.files("clef_local.examples").joinpath(f"{args.example}.json").read_text())
+    source = args.request
+    text = sys.stdin.read() if source == "-" else Path(source).read_text(encoding="utf-8")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SystemExit(f"error: {source}: not valid JSON ({exc})") from exc
+
+
+def cmd_decide(args: argparse.Namespace) -> int:
+    """Answer one SystemOne request and print the response JSON."""
+    import clef_local
+    from clef_local.answers import round_floats
+
+    request = _read_request(args)
+    model = clef_local.load(_model_path(args.model), dtype=args.dtype, confidence=args.confidence)
+    response = model.decide(request, truncate_state=args.truncate_state)
+    if not args.full_precision:
+        response = round_floats(response, 4)
+    print(json.dumps(response, ensure_ascii=False, indent=2))
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    """Print what a release holds and how it would run."""
+    import clef_local
+
+    model = clef_local.load(_model_path(args.model), dtype=args.dtype)
+    print(json.dumps(model.describe(), indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="clef-local", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def add_model_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--model", help="release directory (default: the built-in default model)")
+        p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                       help="backbone compute dtype (auto: as stored); the head always runs in float32")
+
+    decide = sub.add_parser("decide", help="answer a /v1/systemone request", description=cmd_decide.__doc__)
+    add_model_args(decide)
+    source = decide.add_mutually_exclusive_group(required=True)
+    source.add_argument("--request", help="request JSON file, or - for standard input")
+    source.add_argument("--example", choices=EXAMPLES, help="a built-in example request")
+    decide.add_argument("--confidence", choices=["jev", "reference"], default="jev",
+                        help="jev: distance from uniform (default); reference: peak probability")
+    decide.add_argument("--truncate-state", action="store_true",
+                        help="drop the end of a state that does not fit instead of failing")
+    decide.add_argument("--full-precision", action="store_true", help="do not round floats to 4 decimals")
+    decide.set_defaults(func=cmd_decide)
+
+    inspect = sub.add_parser("inspect", help="describe a release", description=cmd_inspect.__doc__)
+    add_model_args(inspect)
+    inspect.set_defaults(func=cmd_inspect)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    from clef_local.errors import ClefError
+
+    try:
+        return args.func(args)
+    except ClefError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as exc:
+        print(f"error: {exc.filename}: no such file", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""Encode a SystemOne request into token ids and spans, exactly as Clef was trained (DESIGN §2.1).
+
+Every piece of the prompt is tokenized on its own (BPE merges never cross pieces) and the ids are concatenated.
+The question span is the rendered instructions; each option span is the rendered ``{"option_id", "description"}``
+object. Identical pieces (``"OPTION 3: "``, ``"\\n"``, ...) are tokenized once per request, and all pieces of a
+request go to the tokenizer in one batch call.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from clef_local.errors import ApiUsageError, MaxTokensExceededError
+
+SYSTEM_PROMPT = (
+    "Read the complete state and schema. Decide every field jointly. "
+    "Each answer must be exactly one of that field's allowed options."
+)
+PREFIX = f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\nSTATE:\n"
+SUFFIX = "\n<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nJOINT SCHEMA DECISIONS:"
+SCHEMA_HEADER = "\n\nSCHEMA FIELDS:\n"
+IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+VIDEO_PLACEHOLDER = "<|vision_start|><|video_pad|><|vision_end|>"
+QUESTION_TYPES = {"noul": 0, "choice": 1, "score": 2}
+NOUL_DEFAULTS = {
+    "true": "The proposition is true or the answer is yes.",
+    "false": "The proposition is false or the answer is no.",
+}
+# The reference implementation's context limit; a backbone with a shorter context lowers it.
+REFERENCE_MAX_LENGTH = 16384
+
+
+class PieceTokenizer(Protocol):
+    """What the encoder needs from a tokenizer: ids of each piece, without special tokens added."""
+
+    def encode_pieces(self, pieces: Sequence[str]) -> list[list[int]]: ...
+
+
+@dataclass(frozen=True)
+class EncodedQuestion:
+    question_id: str
+    question_type: int  # 0 noul, 1 choice, 2 score
+    question_span: tuple[int, int]  # [start, end) in input_ids
+    option_spans: tuple[tuple[int, int], ...]
+    option_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class EncodedRecord:
+    input_ids: tuple[int, ...]
+    questions: tuple[EncodedQuestion, ...]
+    state_tokens: int  # state tokens kept
+    truncated_tokens: int = 0  # state tokens dropped (only with truncate_state=True)
+
+
+def render(value: Any) -> str:
+    """A string as is; anything else as compact, key-sorted JSON that keeps non-ASCII characters."""
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
+
+
+def question_options(question: dict[str, Any]) -> list[tuple[str, Any]]:
+    """The allowed options of a question as ``(option_id, description)`` in model order."""
+    kind = question["type"]
+    criteria = question.get("criteria")
+    if kind == "noul":
+        overrides = criteria or {}
+        return [(key, overrides[key] if key in overrides else NOUL_DEFAULTS[key]) for key in ("true", "false")]
+    if kind == "choice":
+        return sorted((str(key), value) for key, value in criteria.items())
+    if kind == "score":
+        return [(str(level), text) for level, text in enumerate(criteria)]
+    raise ApiUsageError(f"unknown question type {kind!r}; expected noul, choice or score")
+
+
+def option_semantics(option_id: str, description: Any) -> str:
+    semantics: dict[str, Any] = {"option_id": option_id}
+    if description is not None:
+        semantics["description"] = description
+    return render(semantics)
+
+
+class _Pieces:
+    """Collects prompt pieces, tokenizing each distinct string once."""
+
+    def __init__(self) -> None:
+        self.order: list[str] = []
+        self.index: dict[str, int] = {}
+        self.sequence: list[int] = []
+
+    def add(self, text: str) -> int:
+        """Append a piece; returns its position in the sequence."""
+        slot = self.index.get(text)
+        if slot is None:
+            slot = self.index[text] = len(self.order)
+            self.order.append(text)
+        self.sequence.append(slot)
+        return len(self.sequence) - 1
+
+
+def encode_request(
+    tokenizer: PieceTokenizer,
+    record: dict[str, Any],
+    *,
+    max_length: int = REFERENCE_MAX_LENGTH,
+    truncate_state: bool = False,
+    media_ids: Sequence[int] = (),
+) -> EncodedRecord:
+    """Token ids and spans of one request (``state`` + ``questions`` as plain JSON values).
+
+    ``media_ids`` are the processor's ids for the image/video placeholders, inserted right after the prefix.
+    A state that does not fit ``max_length`` raises :class:`MaxTokensExceededError` unless ``truncate_state``,
+    which keeps the state's first tokens as the reference does.
+    """
+    pieces = _Pieces()
+    prefix, state, header = pieces.add(PREFIX), pieces.add(render(record["state"])), pieces.add(SCHEMA_HEADER)
+    # (question piece, [option pieces]) per question, by position in pieces.sequence
+    layout: list[tuple[str, int, int, list[tuple[str, int]]]] = []
+    for number, (question_id, question) in enumerate(record["questions"].items(), start=1):
+        pieces.add(f"\nFIELD {number}\nID: {question_id}\nTYPE: {question['type']}\nINSTRUCTION: ")
+        instructions = question.get("instructions")
+        if instructions is None or instructions == "":
+            instructions = str(question_id)
+        question_piece = pieces.add(render(instructions))
+        pieces.add("\nALLOWED OPTIONS:\n")
+        options = []
+        for k, (option_id, description) in enumerate(question_options(question), start=1):
+            pieces.add(f"OPTION {k}: ")
+            options.append((option_id, pieces.add(option_semantics(option_id, description))))
+            pieces.add("\n")
+        pieces.add("END FIELD\n")
+        layout.append((str(question_id), QUESTION_TYPES[question["type"]], question_piece, options))
+    suffix = pieces.add(SUFFIX)
+
+    ids_of = tokenizer.encode_pieces(pieces.order)
+    piece_ids = [ids_of[slot] for slot in pieces.sequence]
+    prefix_ids = list(piece_ids[prefix]) + list(media_ids)
+    state_ids = piece_ids[state]
+    fixed = len(prefix_ids) + len(piece_ids[suffix]) + sum(len(piece_ids[i]) for i in range(header, suffix))
+    if fixed > max_length:
+        raise MaxTokensExceededError(
+            f"the schema alone needs {fixed} tokens (prompt, questions and options without the state); "
+            f"the context is {max_length}: ask fewer questions or shorter options",
+            input_tokens=fixed,
+            max_tokens=max_length,
+        )
+    truncated = max(0, len(state_ids) + fixed - max_length)
+    if truncated and not truncate_state:
+        raise MaxTokensExceededError(
+            f"state ({len(state_ids)} tokens) + schema ({fixed} tokens) = {len(state_ids) + fixed} tokens "
+            f"exceed the context of {max_length}; shorten the state or pass truncate_state=True "
+            f"to drop its last {truncated} tokens",
+            input_tokens=len(state_ids) + fixed,
+            max_tokens=max_length,
+        )
+    state_ids = state_ids[: len(state_ids) - truncated]
+
+    input_ids: list[int] = prefix_ids + list(state_ids)
+    starts: dict[int, int] = {}
+    for position in range(header, suffix + 1):
+        starts[position] = len(input_ids)
+        input_ids.extend(piece_ids[position])
+
+    def span(position: int) -> tuple[int, int]:
+        return starts[position], starts[position] + len(piece_ids[position])
+
+    questions = tuple(
+        EncodedQuestion(
+            question_id=qid,
+            question_type=qtype,
+            question_span=span(qpiece),
+            option_spans=tuple(span(p) for _, p in options),
+            option_ids=tuple(oid for oid, _ in options),
+        )
+        for qid, qtype, qpiece, options in layout
+    )
+    return EncodedRecord(tuple(input_ids), questions, state_tokens=len(state_ids), truncated_tokens=truncated)
+
+
+def media_placeholder(images: int, videos: int) -> str:
+    """The text whose processor ids go right after the prefix when a request carries media."""
+    return IMAGE_PLACEHOLDER * images + VIDEO_PLACEHOLDER * videos + "\n"

@@ -1,0 +1,1 @@
+"""Example SystemOne requests shipped with the package (`clef-local decide --example NAME`)."""

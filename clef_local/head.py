@@ -1,0 +1,232 @@
+"""The joint schema head (DESIGN §2.3), batched over records, questions and options.
+
+The released head is a small transformer that reads the backbone's final hidden states and scores every allowed
+option of every question at once. Cloudflare's reference loops over records, questions and options in Python; this
+module computes the same numbers with segment sums (``index_add_``), padded option tensors and masked softmaxes, so
+64 questions × 255 options cost little more than one question.
+
+The module names below are the release's state-dict names: ``JointSchemaHead(config).state_dict()`` has exactly
+the keys of ``joint_head.safetensors`` and loads it strictly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from clef_local.layout import HeadLayout
+
+# exp(scale) is clamped at 100 in the release math (DESIGN §2.3, step 7).
+_MAX_LOG_SCALE = math.log(100.0)
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    """``joint_head_config.json``: the only keys a release may carry (DESIGN §2)."""
+
+    hidden_size: int
+    width: int
+    routing_layers: int
+    layers: int
+    heads: int
+    feedforward: int
+    dropout: float = 0.0
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    def to_json_dict(self) -> dict[str, int | float]:
+        return asdict(self)
+
+
+class EvidenceRoutingLayer(nn.Module):
+    """Option queries attend to the record's memory (cross-attention only), then a feed-forward block."""
+
+    def __init__(self, width: int, heads: int, feedforward: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.query_norm = nn.LayerNorm(width)
+        self.memory_norm = nn.LayerNorm(width)
+        self.attention = nn.MultiheadAttention(width, heads, dropout=dropout, batch_first=True)
+        self.attention_dropout = nn.Dropout(dropout)
+        self.feedforward_norm = nn.LayerNorm(width)
+        # Indices 0 and 3 are the release's names (feedforward.0 / feedforward.3).
+        self.feedforward = nn.Sequential(
+            nn.Linear(width, feedforward),
+            nn.GELU(),
+            nn.Dropout(dropout),
+            nn.Linear(feedforward, width),
+            nn.Dropout(dropout),
+        )
+
+    def forward(self, queries: torch.Tensor, memory: torch.Tensor, memory_pad: torch.Tensor) -> torch.Tensor:
+        normed_memory = self.memory_norm(memory)
+        routed, _ = self.attention(
+            self.query_norm(queries),
+            normed_memory,
+            normed_memory,
+            key_padding_mask=memory_pad,
+            need_weights=False,
+        )
+        queries = queries + self.attention_dropout(routed)
+        return queries + self.feedforward(self.feedforward_norm(queries))
+
+
+class JointSchemaHead(nn.Module):
+    """DESIGN §2.3 with the release's parameter names; ``forward`` is batched (see :class:`HeadLayout`)."""
+
+    def __init__(self, config: HeadConfig) -> None:
+        super().__init__()
+        self.config = config
+        h, w, f = config.hidden_size, config.width, config.feedforward
+        self.hidden_norm = nn.LayerNorm(h)
+        self.memory_projection = nn.Linear(h, w, bias=False)
+        self.question_projection = nn.Linear(h, w, bias=False)
+        self.option_question_projection = nn.Linear(h, w, bias=False)
+        self.global_projection = nn.Linear(h, w, bias=False)
+        self.option_context_projection = nn.Linear(h, w, bias=False)
+        self.option_lexical_projection = nn.Linear(h, w, bias=False)
+        self.type_embedding = nn.Embedding(3, w)
+        self.evidence_layers = nn.ModuleList(
+            EvidenceRoutingLayer(w, config.heads, f, config.dropout) for _ in range(config.routing_layers)
+        )
+        self.option_summary_norm = nn.LayerNorm(w)
+        self.layers = nn.ModuleList(
+            nn.TransformerDecoderLayer(
+                d_model=w,
+                nhead=config.heads,
+                dim_feedforward=f,
+                dropout=config.dropout,
+                activation="gelu",
+                batch_first=True,
+                norm_first=True,
+            )
+            for _ in range(config.layers)
+        )
+        self.field_norm = nn.LayerNorm(w)
+        self.option_norm = nn.LayerNorm(w)
+        self.residual_scorer = nn.Sequential(
+            nn.Linear(4 * w, w),
+            nn.GELU(),
+            nn.Dropout(config.dropout),
+            nn.Linear(w, 1),
+        )
+        self.prior_logit_scale = nn.Parameter(torch.zeros(()))
+        self.joint_logit_scale = nn.Parameter(torch.zeros(()))
+        self.residual_gate = nn.Parameter(torch.zeros(()))
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor,
+        lexical_rows: torch.Tensor,
+        layout: HeadLayout,
+    ) -> torch.Tensor:
+        """Logits of every option, shape ``[questions, max_options]`` (padding is ``-inf``).
+
+        ``hidden_states``: ``[B, T, hidden]`` final hidden states (right-padded); ``attention_mask``: ``[B, T]``;
+        ``lexical_rows``: ``[N, hidden]``, the output-embedding rows of ``layout.option_token_ids`` (gathered by
+        the caller, so the full ``lm_head`` matrix can stay wherever it lives).
+        """
+        dtype = self.hidden_norm.weight.dtype
+        hidden = self.hidden_norm(hidden_states.to(dtype))
+        batch, seq_len, _ = hidden.shape
+        flat = hidden.reshape(batch * seq_len, -1)
+        memory = self.memory_projection(hidden)
+        memory_pad = attention_mask == 0
+
+        question_vec = _segment_mean(flat, layout.question_token_index, layout.question_token_segment,
+                                     layout.num_questions)
+        option_ctx = _segment_mean(flat, layout.option_token_index, layout.option_token_segment,
+                                   layout.num_options)
+        option_lex = _segment_mean(lexical_rows.to(dtype), None, layout.option_token_segment, layout.num_options)
+        global_vec = flat[layout.record_last_index]  # [B, h]
+
+        # Option queries, padded per record for cross-attention to that record's memory.
+        queries = (
+            self.option_context_projection(option_ctx)
+            + self.option_lexical_projection(option_lex)
+            + self.option_question_projection(question_vec)[layout.option_question]
+        )
+        routed = _scatter_padded(queries, layout.option_record, layout.option_record_slot, batch,
+                                 layout.max_options_per_record)
+        for layer in self.evidence_layers:
+            routed = layer(routed, memory, memory_pad)
+        routed = routed[layout.option_record, layout.option_record_slot]  # [O, w]
+
+        # Option summary per question: softmax over its options of u·f/√w.
+        base_fields = self.question_projection(question_vec)  # [Q, w]
+        scores = (routed * base_fields[layout.option_question]).sum(-1) / math.sqrt(routed.shape[-1])
+        weights = _padded_softmax(scores, layout)  # [Q, K]
+        per_question = _scatter_padded(routed, layout.option_question, layout.option_slot,
+                                       layout.num_questions, layout.max_options)
+        summary = torch.einsum("qk,qkw->qw", weights, per_question)
+        fields_ = (
+            base_fields
+            + self.option_summary_norm(summary)
+            + self.global_projection(global_vec)[layout.question_record]
+            + self.type_embedding(layout.question_type)
+        )
+
+        # Field transformer: each record's questions as one sequence, memory as cross-attention input.
+        seq = _scatter_padded(fields_, layout.question_record, layout.question_slot, batch,
+                              layout.max_questions_per_record)
+        field_pad = _padding_mask(layout.question_record, layout.question_slot, batch,
+                                  layout.max_questions_per_record)
+        for layer in self.layers:
+            seq = layer(seq, memory, tgt_key_padding_mask=field_pad, memory_key_padding_mask=memory_pad)
+        fields_ = self.field_norm(seq[layout.question_record, layout.question_slot])  # [Q, w]
+
+        # Option logits.
+        anchor = F.normalize(question_vec + global_vec[layout.question_record], dim=-1)
+        prior_scale = self.prior_logit_scale.clamp(max=_MAX_LOG_SCALE).exp()
+        prior = prior_scale * (F.normalize(option_lex, dim=-1) * anchor[layout.option_question]).sum(-1)
+        options = self.option_norm(routed)
+        field_of_option = fields_[layout.option_question]
+        cosine = F.cosine_similarity(field_of_option, options, dim=-1)
+        features = torch.cat(
+            [field_of_option, options, field_of_option * options, (field_of_option - options).abs()], dim=-1
+        )
+        residual = self.residual_scorer(features).squeeze(-1)
+        joint = self.joint_logit_scale.clamp(max=_MAX_LOG_SCALE).exp() * cosine + residual
+        logits = prior + torch.sigmoid(self.residual_gate) * joint  # [O]
+        return _to_padded(logits, layout)
+
+
+def _segment_mean(
+    values: torch.Tensor, index: torch.Tensor | None, segment: torch.Tensor, num_segments: int
+) -> torch.Tensor:
+    """Mean of ``values[index]`` per segment id (every segment is non-empty by construction)."""
+    rows = values if index is None else values.index_select(0, index)
+    sums = torch.zeros(num_segments, rows.shape[-1], dtype=rows.dtype, device=rows.device)
+    sums.index_add_(0, segment, rows)
+    counts = torch.bincount(segment, minlength=num_segments).to(rows.dtype).unsqueeze(-1)
+    return sums / counts
+
+
+def _scatter_padded(
+    rows: torch.Tensor, group: torch.Tensor, slot: torch.Tensor, num_groups: int, width: int
+) -> torch.Tensor:
+    out = rows.new_zeros(num_groups, width, rows.shape[-1])
+    out[group, slot] = rows
+    return out
+
+
+def _padding_mask(group: torch.Tensor, slot: torch.Tensor, num_groups: int, width: int) -> torch.Tensor:
+    pad = torch.ones(num_groups, width, dtype=torch.bool, device=group.device)
+    pad[group, slot] = False
+    return pad
+
+
+def _to_padded(option_values: torch.Tensor, layout: HeadLayout) -> torch.Tensor:
+    out = option_values.new_full((layout.num_questions, layout.max_options), float("-inf"))
+    out[layout.option_question, layout.option_slot] = option_values
+    return out
+
+
+def _padded_softmax(option_values: torch.Tensor, layout: HeadLayout) -> torch.Tensor:
+    return torch.softmax(_to_padded(option_values, layout), dim=-1)

@@ -1,0 +1,147 @@
+"""The public runtime: ``load`` a release, then ``decide`` SystemOne requests, one at a time or batched."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from clef_local.answers import CONFIDENCE_MODES, Confidence, build_response, softmax_rows
+from clef_local.encoding import REFERENCE_MAX_LENGTH, EncodedRecord, encode_request
+from clef_local.errors import ApiUsageError
+from clef_local.layout import build_layout
+from clef_local.release import Release, read_release
+from clef_local.schema import DEFAULT_LIMITS, Limits, request_to_record, validate_request
+from clef_local.tokenizer import ReleaseTokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One request's encoded form and per-question option probabilities (model order: sorted choice ids)."""
+
+    record: dict[str, Any]
+    encoded: EncodedRecord
+    probabilities: list[np.ndarray]  # one float32 vector per question, aligned with encoded.questions
+
+    def response(self, confidence: Confidence = "jev") -> dict[str, Any]:
+        padded = np.zeros((len(self.probabilities), max(len(p) for p in self.probabilities)), np.float32)
+        for row, p in zip(padded, self.probabilities, strict=True):
+            row[: len(p)] = p
+        return build_response(self.record, self.encoded, padded, confidence)
+
+
+class ClefModel:
+    """A loaded Clef release. ``decide`` takes a ``/v1/systemone`` request body and returns its response."""
+
+    def __init__(self, release: Release, backend: Any, tokenizer: ReleaseTokenizer, *,
+                 max_length: int | None = None, confidence: Confidence = "jev",
+                 limits: Limits = DEFAULT_LIMITS) -> None:
+        if confidence not in CONFIDENCE_MODES:
+            raise ValueError(f"confidence must be one of {', '.join(CONFIDENCE_MODES)}, got {confidence!r}")
+        self.release = release
+        self.backend = backend
+        self.tokenizer = tokenizer
+        context = release.max_position_embeddings or REFERENCE_MAX_LENGTH
+        # The reference's limit, lowered to the backbone's context when that is shorter.
+        self.max_length = max_length or min(REFERENCE_MAX_LENGTH, context)
+        self.confidence: Confidence = confidence
+        self.limits = limits
+
+    @property
+    def path(self) -> Path:
+        return self.release.path
+
+    def encode(self, request: Any, *, truncate_state: bool = False) -> tuple[dict[str, Any], EncodedRecord]:
+        """Validate a request and encode it; raises the schema / max-tokens errors of :mod:`clef_local.errors`."""
+        record = request_to_record(validate_request(request, self.limits))
+        if record.get("images") or record.get("videos"):
+            raise ApiUsageError("images and videos are not supported by clef-local yet; send a text or JSON state")
+        encoded = encode_request(self.tokenizer, record, max_length=self.max_length, truncate_state=truncate_state)
+        return record, encoded
+
+    def predict(self, requests: Sequence[Any], *, truncate_state: bool = False,
+                batch_size: int = 8) -> list[Prediction]:
+        """Probabilities for each request, run in padded batches of ``batch_size`` (similar lengths together)."""
+        encoded = [self.encode(r, truncate_state=truncate_state) for r in requests]
+        order = sorted(range(len(encoded)), key=lambda i: len(encoded[i][1].input_ids))
+        results: list[Prediction | None] = [None] * len(encoded)
+        for start in range(0, len(order), batch_size):
+            chunk = order[start : start + batch_size]
+            records = [encoded[i][1] for i in chunk]
+            probs = self._probabilities(records)
+            for i, record_probs in zip(chunk, probs, strict=True):
+                results[i] = Prediction(encoded[i][0], encoded[i][1], record_probs)
+        return [r for r in results if r is not None]
+
+    def _probabilities(self, records: list[EncodedRecord]) -> list[list[np.ndarray]]:
+        layout = build_layout(records, max(len(r.input_ids) for r in records))
+        started = time.perf_counter()
+        probs = softmax_rows(self.backend.logits(records, layout, self.tokenizer.pad_token_id))
+        log.debug("%d records, %d questions in %.1f ms", len(records), layout.num_questions,
+                  1e3 * (time.perf_counter() - started))
+        out: list[list[np.ndarray]] = []
+        row = 0
+        for record in records:
+            out.append([probs[row + i, : len(q.option_ids)] for i, q in enumerate(record.questions)])
+            row += len(record.questions)
+        return out
+
+    def decide(self, request: Any, *, confidence: Confidence | None = None,
+               truncate_state: bool = False) -> dict[str, Any]:
+        """Answer one ``/v1/systemone`` request body (a dict); floats keep full precision."""
+        return self.decide_batch([request], confidence=confidence, truncate_state=truncate_state)[0]
+
+    def decide_batch(self, requests: Sequence[Any], *, confidence: Confidence | None = None,
+                     truncate_state: bool = False, batch_size: int = 8) -> list[dict[str, Any]]:
+        """Answer several requests in padded batches; the same numbers as one by one (within float noise)."""
+        mode = confidence or self.confidence
+        if mode not in CONFIDENCE_MODES:
+            raise ValueError(f"confidence must be one of {', '.join(CONFIDENCE_MODES)}, got {mode!r}")
+        predictions = self.predict(requests, truncate_state=truncate_state, batch_size=batch_size)
+        return [p.response(mode) for p in predictions]
+
+    def describe(self) -> dict[str, Any]:
+        """What ``clef-local inspect`` prints: backbone, sizes, head config, dtype, context."""
+        release = self.release
+        return {
+            "path": str(release.path),
+            "architecture": release.architecture,
+            "hidden_size": release.hidden_size,
+            "vision_tower": release.has_vision,
+            "context": self.max_length,
+            "weight_files": [f.name for f in release.weight_files],
+            "weight_bytes": release.weight_bytes,
+            "quantization": release.quantization,
+            "head_config": release.head_config.to_json_dict(),
+            "tokenizer_vocab": self.tokenizer.vocab_size,
+            "confidence": self.confidence,
+            **self.backend.describe(),
+        }
+
+
+def load(path: str | Path, *, device: str = "cpu", dtype: str | None = None, backend: str = "torch",
+         max_length: int | None = None, confidence: Confidence = "jev",
+         limits: Limits = DEFAULT_LIMITS) -> ClefModel:
+    """Load a Clef release (or variant) directory.
+
+    ``dtype`` is the backbone's compute dtype (``None``: as stored, BF16 for real releases; ``"float32"`` for
+    exact comparisons); the joint schema head always runs in float32. ``max_length`` defaults to the smaller of
+    the reference's 16,384 and the backbone's context.
+    """
+    release = read_release(path)
+    if backend != "torch":
+        raise ApiUsageError(f"backend {backend!r} is not available; available backends: torch")
+    from clef_local.backends.torch_backend import TorchBackend
+
+    started = time.perf_counter()
+    model = ClefModel(release, TorchBackend(release, device=device, dtype=dtype), ReleaseTokenizer(release.path),
+                      max_length=max_length, confidence=confidence, limits=limits)
+    log.info("loaded %s in %.1f s", release.path, time.perf_counter() - started)
+    return model

@@ -1,0 +1,1 @@
+"""clef_local.quant: quantization schemes as pure tensor functions (installed as clef_local.quant)."""

@@ -1,0 +1,68 @@
+"""Deterministic, varied SystemOne requests for parity tests (unicode, JSON states, edge-size schemas)."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+STATES: list[Any] = [
+    "I was charged twice for the same coffee this morning.",
+    "Mon virement n'est jamais arrivé 😡 — pouvez-vous vérifier ?",
+    "转账失败了，请帮我查一下。",
+    {"customer": "Ana", "messages": ["card declined", "at the airport"], "vip": True, "balance": -12.5},
+    ["first line", {"nested": None, "n": 3}, 7, False],
+    "",
+    "Emoji only: 🚀🔥💳🏦",
+    {"b": 1, "a": {"z": "last", "y": "ünïcødé"}},
+    "x" * 300,
+    "Line one\nLine two\n\tTabbed \"quoted\" text with <|im_end|> inside",
+]
+IDS = ["q1", "urgency", "質問_1", "🔥", "needs human?", "a b c", "ID-0042", "état", "x", "Q"]
+INSTRUCTIONS: list[Any] = [
+    "Is the customer angry?",
+    None,
+    "",
+    {"ask": "Which department?", "hint": ["billing", "cards"]},
+    ["Rate", "the", "urgency"],
+    "Décidez : est-ce une fraude ? 🕵️",
+]
+LABELS = ["billing", "cards", "transfers", "Other", "10", "2", "b", "a", "C", "🏦 bank", "ünïcode", "zeta"]
+
+
+def _question(rng: random.Random, kind: str) -> dict[str, Any]:
+    q: dict[str, Any] = {"type": kind}
+    instructions = rng.choice(INSTRUCTIONS)
+    if instructions is not None or rng.random() < 0.5:
+        q["instructions"] = instructions
+    if kind == "noul":
+        override = rng.choice([None, {}, {"true": "Yes, clearly."}, {"false": None},
+                               {"true": None, "false": "Not at all."}])
+        if override is not None:
+            q["criteria"] = override
+    elif kind == "choice":
+        labels = rng.sample(LABELS, rng.randint(2, 6))
+        q["criteria"] = {label: rng.choice([None, f"Means {label}", "Descripción 📎"]) for label in labels}
+    else:
+        q["criteria"] = [f"level {i} {rng.choice(['low', 'mid', 'high', '⚡'])}" for i in range(rng.randint(2, 10))]
+    return q
+
+
+def varied_requests(n: int = 40, seed: int = 0) -> list[dict[str, Any]]:
+    """``n`` requests (n ≥ 4): random mixes plus fixed edge cases (1 question, 64 questions, 255 options)."""
+    rng = random.Random(seed)
+    requests: list[dict[str, Any]] = []
+    for i in range(n - 3):
+        count = rng.randint(1, 6)
+        ids = rng.sample(IDS, count)
+        questions = {qid: _question(rng, rng.choice(["noul", "choice", "score"])) for qid in ids}
+        requests.append({"model": "clef-test", "state": STATES[i % len(STATES)], "questions": questions})
+    requests.append({"model": "clef-test", "state": "one question",
+                     "questions": {"only": {"type": "noul"}}})
+    requests.append({"model": "clef-test", "state": STATES[3],
+                     "questions": {f"q{i}": _question(rng, ["noul", "choice", "score"][i % 3]) for i in range(64)}})
+    requests.append({"model": "clef-test", "state": STATES[1], "questions": {
+        "intent": {"type": "choice", "instructions": "Pick the intent",
+                   "criteria": {f"intent_{i:03d}": (None if i % 7 == 0 else f"intent number {i}")
+                                for i in rng.sample(range(255), 255)}},
+        "ok": {"type": "noul"}}})
+    return requests

@@ -110,7 +110,15 @@ _CANARY = (
     '"""Canary of a tiny test release: stands for the reference code that clef-local must never run."""\n\n'
     "raise RuntimeError(\"clef-local must never import a release's joint_schema_model.py\")\n"
 )
-_REAL_CONFIG = Path(__file__).resolve().parents[2] / "shared" / "configs" / "clef-flash.config.json"
+# The keys of Clef-flash's text and vision configs (shared/configs/clef-flash.config.json) that the shrinking
+# below does not override, kept here so an installed package builds the same bytes as a checkout.
+_REAL_TEXT = {
+    "attention_bias": False, "attention_dropout": 0.0, "hidden_act": "silu", "mlp_only_layers": [],
+    "model_type": "qwen3_5_text", "mtp_use_dedicated_embeddings": False, "rms_norm_eps": 1e-06,
+    "use_cache": True, "mamba_ssm_dtype": "float32",
+    "rope_parameters": {"mrope_interleaved": True, "mrope_section": [11, 11, 10], "rope_type": "default",
+                        "rope_theta": 10000000, "partial_rotary_factor": 0.25},
+}
 
 
 def build_tiny_release(
@@ -243,9 +251,8 @@ def _write_backbone(out: Path, backbone: str, ids: dict[str, int], vocab_size: i
 
 
 def _qwen_config_dict(ids: dict[str, int], vocab_size: int) -> dict[str, Any]:
-    """Clef-flash's real config (``shared/configs``), shrunk; the layout of keys is kept."""
-    config = json.loads(_REAL_CONFIG.read_text(encoding="utf-8")) if _REAL_CONFIG.is_file() else {}
-    text = config.get("text_config", {})
+    """Clef-flash's real config (``shared/configs``), shrunk; its keys are kept."""
+    text = json.loads(json.dumps(_REAL_TEXT))
     text.update(
         hidden_size=64, intermediate_size=128, num_hidden_layers=4, full_attention_interval=4,
         layer_types=["linear_attention"] * 3 + ["full_attention"], num_attention_heads=4, num_key_value_heads=2,
@@ -255,14 +262,11 @@ def _qwen_config_dict(ids: dict[str, int], vocab_size: int) -> dict[str, Any]:
         attn_output_gate=True, mtp_num_hidden_layers=0, initializer_range=0.02,
     )
     # 8 of 16 head dims rotate (4 frequencies), split T/H/W like the real 11/11/10 of 32.
-    text["rope_parameters"] = {**text.get("rope_parameters", {"rope_type": "default", "rope_theta": 10000000}),
-                               "mrope_interleaved": True, "mrope_section": [2, 1, 1], "partial_rotary_factor": 0.5}
-    text.pop("dtype", None)
-    vision = config.get("vision_config", {})
-    vision.update(depth=1, hidden_size=32, out_hidden_size=64, num_heads=2, intermediate_size=64,
-                  deepstack_visual_indexes=[], num_position_embeddings=64, patch_size=16, spatial_merge_size=2,
+    text["rope_parameters"].update(mrope_section=[2, 1, 1], partial_rotary_factor=0.5)
+    vision = dict(model_type="qwen3_5_vision", depth=1, hidden_size=32, out_hidden_size=64, num_heads=2,
+                  intermediate_size=64, deepstack_visual_indexes=[], num_position_embeddings=64, patch_size=16,
+                  spatial_merge_size=2,
                   temporal_patch_size=2, in_channels=3, hidden_act="gelu_pytorch_tanh")
-    vision["model_type"] = "qwen3_5_vision"
     return {
         "text_config": text, "vision_config": vision, "tie_word_embeddings": False,
         "image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
@@ -341,3 +345,30 @@ def _write_head(out: Path, config: HeadConfig) -> None:
 
 def _dump(file: Path, value: Any) -> None:
     file.write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+# Cloudflare's reference, shipped unmodified in the PyPI package clef-finetune (DESIGN §2).
+REFERENCE_SHA256 = "0e304cf7c6500e8bb59bef7e2afd2c6373f82596dfb3b57d1aa93c175e2dc3a3"
+
+
+def load_reference_oracle() -> Any:
+    """Cloudflare's ``joint_schema_model.py`` from the ``clef-finetune`` package, imported by path, as a test
+    oracle for parity tests and benchmarks (``pip install --no-deps clef-finetune``). Never used at run time."""
+    import hashlib
+    import importlib.util
+    import sys
+
+    spec = importlib.util.find_spec("clef_finetune")  # locates the package without running its __init__
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError("the reference oracle needs: pip install --no-deps clef-finetune")
+    path = Path(next(iter(spec.submodule_search_locations))) / "_vendor" / "joint_schema_model.py"
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    if digest != REFERENCE_SHA256:
+        raise ValueError(f"{path} is not the unmodified reference (SHA-256 {digest})")
+    name = "clef_reference_oracle"
+    if name not in sys.modules:
+        module_spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[name] = module
+        module_spec.loader.exec_module(module)
+    return sys.modules[name]

@@ -1,0 +1,151 @@
+"""int4: affine 4-bit per group along the input dimension, stored exactly as MLX stores it.
+
+Math (``mx.quantize(w, group_size=g, bits=4)``, affine mode, as in MLX's CPU kernel ``mlx/backend/cpu/quantized.cpp``
+of mlx 0.32; all arithmetic in float32 on the float32 value of each weight):
+
+    for each row and each group of g consecutive input columns (g in 32, 64, 128; default 64):
+        w_min, w_max = min(group), max(group)
+        scale = max((w_max - w_min) / 15, 1e-7)
+        if |w_min| > |w_max|:  edge = w_min              (scale stays positive)
+        else:                  edge = w_max; scale = -scale  (q = 0 is the maximum: scale is NEGATIVE)
+        q0 = rint(edge / scale)
+        if q0 != 0:  scale = edge / q0;  bias = edge     (so that w = 0 is exactly q = -q0)
+        else:        bias = 0
+        q = clamp(rint((w - bias) / scale), 0, 15)       (rint: round half to even)
+        scales, biases = scale, bias cast to the source dtype (bf16 stays bf16)
+
+    dequantize:  w ≈ scales * q + biases   (computed in float32, cast once to the output dtype)
+
+Round-trip error per element: at most |scale| / 2 inside the grid; the far extreme can fall short of the grid by
+up to 15·|scale|·(rint(m) - m)/m with m = |edge / scale_before| >= 7.5, i.e. at most |scale|; plus the source-dtype
+rounding of scale and bias (bf16: 2^-9 relative each).
+MLX's Metal/CUDA kernels start ``w_max`` at 0 (not -inf) and round half away from zero: they differ from this (and
+from MLX's CPU) only for groups whose values are all negative or that hit an exact .5 tie.
+
+Packing (MLX's layout): ``weight`` is uint32 [out, in / 8]; word ``k`` of a row holds columns 8k..8k+7, column
+8k+j in bits 4j..4j+3 (little-endian nibbles: the first column in the lowest bits). ``scales`` and ``biases`` are
+[out, in / g] in the source dtype. The keys are ``weight``, ``scales``, ``biases`` (prefix them with the module path).
+
+torch's CPU int4 kernel (``aten._weight_int4pack_mm_for_cpu``) computes ``w = (q - 8) * s + z`` per group with
+``scales_and_zeros`` [in / g, out, 2] = (s, z). :func:`to_torch_int4pack` sets ``s = scale`` and
+``z = bias + 8 * scale``, which equals ``scale * q + bias`` exactly in float32 (bias, scale are bf16 values, so the
+sum has a float32 rounding at most). The kernel needs scales and activations of one dtype: with float32 the result
+matches ``x @ dequantize(...).T`` to ~1e-6 relative; with bfloat16 (the fast path) ``z`` is rounded to bf16, an extra
+per-element error of at most 2^-9 · |bias + 8 · scale|. It also needs ``out % 16 == 0``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+BITS = 4
+GROUP_SIZES = (32, 64, 128)
+DEFAULT_GROUP_SIZE = 64
+PACK = 8  # 4-bit values per uint32 word
+_EPS = 1e-7
+_N_BINS = 15.0
+_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int64)  # nibble j of a word sits at bits 4j..4j+3
+
+
+def _check(shape: tuple[int, ...], group_size: int) -> None:
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"int4 group_size must be one of {GROUP_SIZES}, got {group_size}")
+    if len(shape) != 2:
+        raise ValueError(f"int4 quantizes 2-D weights [out, in], got shape {tuple(shape)}")
+    if shape[1] % group_size:
+        raise ValueError(f"in_features {shape[1]} is not a multiple of group_size {group_size}")
+
+
+def quantize_values(weight: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE) -> tuple[torch.Tensor, ...]:
+    """Return (q uint8 [out, in], scales, biases [out, in / g] in ``weight.dtype``) by MLX's affine math."""
+    _check(tuple(weight.shape), group_size)
+    out_f, in_f = weight.shape
+    w = weight.detach().to(torch.float32).reshape(out_f, in_f // group_size, group_size)
+    w_max = w.amax(dim=-1)
+    w_min = w.amin(dim=-1)
+    side = w_min.abs() > w_max.abs()
+    scale = torch.clamp((w_max - w_min) / _N_BINS, min=_EPS)
+    scale = torch.where(side, scale, -scale)
+    edge = torch.where(side, w_min, w_max)
+    q0 = torch.round(edge / scale)
+    nonzero = q0 != 0
+    scale = torch.where(nonzero, edge / torch.where(nonzero, q0, 1.0), scale)
+    bias = torch.where(nonzero, edge, torch.zeros_like(edge))
+    q = torch.round((w - bias[..., None]) / scale[..., None]).clamp_(0, _N_BINS)
+    return q.to(torch.uint8).reshape(out_f, in_f), scale.to(weight.dtype), bias.to(weight.dtype)
+
+
+def pack(q: torch.Tensor) -> torch.Tensor:
+    """Pack 4-bit values [out, in] (0..15, any int dtype) into uint32 [out, in / 8], column 8k+j at bits 4j."""
+    if q.shape[-1] % PACK:
+        raise ValueError(f"last dimension {q.shape[-1]} is not a multiple of {PACK}")
+    nibbles = q.to(torch.int64).reshape(*q.shape[:-1], q.shape[-1] // PACK, PACK) & 0xF
+    return (nibbles << _SHIFTS.to(q.device)).sum(dim=-1).to(torch.uint32)
+
+
+def unpack(words: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack`: uint32 [out, in / 8] -> uint8 [out, in]."""
+    wide = words.to(torch.int64) & 0xFFFFFFFF
+    nibbles = (wide[..., None] >> _SHIFTS.to(words.device)) & 0xF
+    return nibbles.reshape(*words.shape[:-1], words.shape[-1] * PACK).to(torch.uint8)
+
+
+def quantize(weight: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE) -> dict[str, torch.Tensor]:
+    """Quantize a 2-D weight [out, in] to ``{"weight": uint32 [out, in/8], "scales", "biases": [out, in/g]}``."""
+    q, scales, biases = quantize_values(weight, group_size)
+    return {"weight": pack(q), "scales": scales, "biases": biases}
+
+
+def dequantize(
+    packed: dict[str, torch.Tensor], group_size: int = DEFAULT_GROUP_SIZE, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """``scales * q + biases`` per group, in float32, cast to ``dtype`` (default: the scales' dtype)."""
+    q = unpack(packed["weight"]).to(torch.float32)
+    out_f, in_f = q.shape
+    _check((out_f, in_f), group_size)
+    scales = packed["scales"].to(torch.float32)[..., None]
+    biases = packed["biases"].to(torch.float32)[..., None]
+    w = q.reshape(out_f, in_f // group_size, group_size) * scales + biases
+    return w.reshape(out_f, in_f).to(dtype or packed["scales"].dtype)
+
+
+def bits_per_weight(group_size: int = DEFAULT_GROUP_SIZE, scale_bits: int = 16) -> float:
+    """Stored bits per weight: 4 + (scale + bias) / group."""
+    return BITS + 2 * scale_bits / group_size
+
+
+class TorchInt4(NamedTuple):
+    """Inputs of ``aten._weight_int4pack_mm_for_cpu``: packed weight, group size, scales_and_zeros [in/g, out, 2]."""
+
+    weight: torch.Tensor
+    group_size: int
+    scales_and_zeros: torch.Tensor
+
+
+def to_torch_int4pack(
+    packed: dict[str, torch.Tensor], group_size: int = DEFAULT_GROUP_SIZE, dtype: torch.dtype = torch.float32
+) -> TorchInt4:
+    """Repack MLX-layout int4 into torch's CPU int4 kernel format (``z = bias + 8·scale``; see module docstring).
+
+    ``dtype`` is the kernel's activation/scale dtype: float32 is exact, bfloat16 is the fast path.
+    """
+    q = unpack(packed["weight"]).to(torch.int32)
+    out_f, _ = q.shape
+    _check(tuple(q.shape), group_size)
+    if out_f % 16:
+        raise ValueError(f"torch's int4 CPU kernel needs out_features % 16 == 0, got {out_f}")
+    scale = packed["scales"].to(torch.float32)
+    zero = packed["biases"].to(torch.float32) + 8.0 * scale
+    scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(dtype)
+    weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
+    return TorchInt4(weight, group_size, scales_and_zeros)
+
+
+def int4_matmul(x: torch.Tensor, repacked: TorchInt4) -> torch.Tensor:
+    """``x @ W.T`` with torch's CPU int4 kernel; ``x`` [..., in] is cast to the repack's dtype (output dtype too)."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1]).to(repacked.scales_and_zeros.dtype).contiguous()
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, repacked.weight, repacked.group_size, repacked.scales_and_zeros)
+    return y.reshape(*lead, y.shape[-1])

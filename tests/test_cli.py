@@ -1,0 +1,70 @@
+"""The command line as a user runs it: decide (file, stdin, example, default model) and inspect."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from clef_local.cli import main
+
+
+def _run(*args: str, stdin: str | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "clef_local.cli", *args], input=stdin, capture_output=True,
+                          text=True, env=env, timeout=300)
+
+
+def test_decide_from_file_prints_rounded_response(tiny_qwen: Path, tmp_path: Path, qwen_model, capsys):
+    request = {"model": "clef-test", "state": "refund please",
+               "questions": {"kind": {"type": "choice", "criteria": {"refund": None, "other": "anything else"}}}}
+    file = tmp_path / "request.json"
+    file.write_text(json.dumps(request))
+    assert main(["decide", "--model", str(tiny_qwen), "--dtype", "float32", "--request", str(file)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    expected = qwen_model.decide(request)
+    assert printed["answers"]["kind"]["probabilities"] == {
+        k: round(v, 4) for k, v in expected["answers"]["kind"]["probabilities"].items()}
+    assert printed["usage"] == expected["usage"]
+
+
+def test_decide_reads_stdin_and_reports_bad_requests(tiny_qwen: Path):
+    good = _run("decide", "--model", str(tiny_qwen), "--request", "-",
+                stdin=json.dumps({"model": "m", "state": "s", "questions": {"q": {"type": "noul"}}}))
+    assert good.returncode == 0, good.stderr
+    assert set(json.loads(good.stdout)["answers"]["q"]) == {"type", "noul"}
+    bad = _run("decide", "--model", str(tiny_qwen), "--request", "-",
+               stdin=json.dumps({"model": "m", "state": "s", "questions": {"q": {"type": "maybe"}}}))
+    assert bad.returncode == 2
+    assert "questions.q.type" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_decide_example_on_the_default_model(tmp_path: Path):
+    env = {**__import__("os").environ, "CLEF_LOCAL_CACHE": str(tmp_path / "cache")}
+    result = _run("decide", "--example", "triage", env=env)
+    assert result.returncode == 0, result.stderr
+    response = json.loads(result.stdout)
+    assert set(response["answers"]) == {"is_complaint", "category", "urgency"}
+    assert list(response["answers"]["category"]["probabilities"]) == ["card_payments", "transfers", "account",
+                                                                       "other"]
+    assert (tmp_path / "cache" / "tiny-random-qwen3_5" / "joint_head.safetensors").is_file()
+
+
+def test_inspect_and_missing_model(tiny_qwen: Path, tmp_path: Path):
+    result = _run("inspect", "--model", str(tiny_qwen))
+    assert result.returncode == 0, result.stderr
+    info = json.loads(result.stdout)
+    assert info["architecture"] == "Qwen3_5ForConditionalGeneration" and info["backbone_dtype"] == "bfloat16"
+    missing = _run("inspect", "--model", str(tmp_path / "nope"))
+    assert missing.returncode == 2 and "is not a directory" in missing.stderr
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["decide", "--help"]])
+def test_help_is_fast_and_imports_no_torch(argv):
+    code = ("import sys; from clef_local.cli import main\n"
+            f"try:\n    main({argv!r})\nexcept SystemExit: pass\n"
+            "assert 'torch' not in sys.modules, 'torch imported by --help'")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr

@@ -1,8 +1,9 @@
 """Index tensors that let the head work on a whole padded batch at once.
 
 The reference head walks records, questions and options in Python. Here every question and option of the batch
-gets a flat index, and every token inside a question or option span gets the id of its segment, so means over
-spans become one ``index_add_`` and per-question softmaxes become one masked softmax over a ``[Q, K]`` tensor.
+gets a flat index, and the tokens of every question and option span are listed span after span (CSR row
+offsets + flat token positions), so means over spans become one sparse-dense matmul and per-question softmaxes
+one masked softmax over a ``[Q, K]`` tensor.
 
 The layout is built with numpy (no torch import) so every backend can convert it to its own arrays.
 """
@@ -38,10 +39,10 @@ class HeadLayout:
     option_slot: Any  # [O] position of the option in its question
     option_record: Any  # [O] record of each option
     option_record_slot: Any  # [O] position of the option among its record's options
-    question_token_index: Any  # flat positions of question-span tokens
-    question_token_segment: Any  # their question ids
-    option_token_index: Any  # flat positions of option-span tokens
-    option_token_segment: Any  # their option ids
+    question_token_index: Any  # flat positions of question-span tokens, question after question
+    question_token_offsets: Any  # [Q + 1] CSR row offsets into question_token_index
+    option_token_index: Any  # flat positions of option-span tokens, option after option
+    option_token_offsets: Any  # [O + 1] CSR row offsets into option_token_index
     option_token_ids: Any  # the input ids at those positions (lexical rows to gather)
     record_last_index: Any  # [B] flat position of each record's last real token
 
@@ -53,16 +54,15 @@ class HeadLayout:
 
 
 def _span_tokens(spans: list[tuple[int, int]], offsets: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    """Flat positions of the tokens inside ``spans`` (start/end, plus each span's record offset), and the
-    index of the span each token belongs to."""
+    """Flat positions of the tokens inside ``spans`` (start/end, plus each span's record offset), span after
+    span, and the CSR row offsets (where each span's tokens start in that list)."""
     arr = np.asarray(spans, dtype=np.int64).reshape(-1, 2)
     lengths = arr[:, 1] - arr[:, 0]
-    segment = np.repeat(np.arange(len(arr)), lengths)
     first = arr[:, 0] + np.asarray(offsets, dtype=np.int64)
     # position = span start + offset + (running token index - tokens before this span)
     skipped = np.concatenate([[0], np.cumsum(lengths)[:-1]])
     positions = np.repeat(first - skipped, lengths) + np.arange(int(lengths.sum()))
-    return positions, segment
+    return positions, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
 
 
 def build_layout(records: Sequence[EncodedRecord], seq_len: int) -> HeadLayout:
@@ -92,8 +92,8 @@ def build_layout(records: Sequence[EncodedRecord], seq_len: int) -> HeadLayout:
             n_record_options += k
             q_count += 1
 
-    q_tok, q_seg = _span_tokens(q_spans, q_offsets)
-    o_tok, o_seg = _span_tokens(o_spans, o_offsets)
+    q_tok, q_rows = _span_tokens(q_spans, q_offsets)
+    o_tok, o_rows = _span_tokens(o_spans, o_offsets)
     flat_ids = np.zeros(len(records) * seq_len, dtype=np.int64)
     for r, record in enumerate(records):
         flat_ids[r * seq_len : r * seq_len + len(record.input_ids)] = record.input_ids
@@ -118,9 +118,9 @@ def build_layout(records: Sequence[EncodedRecord], seq_len: int) -> HeadLayout:
         option_record=arr(o_record),
         option_record_slot=o_record_slot_arr,
         question_token_index=q_tok,
-        question_token_segment=q_seg,
+        question_token_offsets=q_rows,
         option_token_index=o_tok,
-        option_token_segment=o_seg,
+        option_token_offsets=o_rows,
         option_token_ids=flat_ids[o_tok],
         record_last_index=arr(last_index),
     )

@@ -14,7 +14,8 @@ of mlx 0.32; all arithmetic in float32 on the float32 value of each weight):
         q = clamp(rint((w - bias) / scale), 0, 15)       (rint: round half to even)
         scales, biases = scale, bias cast to the source dtype (bf16 stays bf16)
 
-    dequantize:  w ≈ scales * q + biases   (computed in float32, cast once to the output dtype)
+    dequantize:  w ≈ scales * q + biases   (computed in float32, cast once to the output dtype; MLX's bf16
+                 dequantize rounds scales * q to bf16 before adding biases, so bf16 outputs can differ by 1 ulp)
 
 Round-trip error per element: at most |scale| / 2 inside the grid; the far extreme can fall short of the grid by
 up to 15·|scale|·(rint(m) - m)/m with m = |edge / scale_before| >= 7.5, i.e. at most |scale|; plus the source-dtype
@@ -30,8 +31,11 @@ torch's CPU int4 kernel (``aten._weight_int4pack_mm_for_cpu``) computes ``w = (q
 ``scales_and_zeros`` [in / g, out, 2] = (s, z). :func:`to_torch_int4pack` sets ``s = scale`` and
 ``z = bias + 8 * scale``, which equals ``scale * q + bias`` exactly in float32 (bias, scale are bf16 values, so the
 sum has a float32 rounding at most). The kernel needs scales and activations of one dtype: with float32 the result
-matches ``x @ dequantize(...).T`` to ~1e-6 relative; with bfloat16 (the fast path) ``z`` is rounded to bf16, an extra
-per-element error of at most 2^-9 · |bias + 8 · scale|. It also needs ``out % 16 == 0``.
+matches ``x @ dequantize(...).T`` to ~1e-6 relative. With bfloat16 (the fast path) ``z`` must be a bf16 value: for a
+group holding both signs (w_min <= 0 <= w_max: every group of a real weight matrix) ``bias`` and ``8·scale`` are bf16
+values of opposite sign with 4|scale| <= |bias| <= 16|scale|, so ``bias + 8·scale`` is exact in bf16 (Sterbenz) and
+the kernel's output is ``x @ W.T`` rounded to bf16; for a one-signed group ``z`` rounds by up to 2^-9·|z|.
+The kernel also needs ``out % 16 == 0``.
 """
 
 from __future__ import annotations
@@ -114,6 +118,16 @@ def dequantize(
 def bits_per_weight(group_size: int = DEFAULT_GROUP_SIZE, scale_bits: int = 16) -> float:
     """Stored bits per weight: 4 + (scale + bias) / group."""
     return BITS + 2 * scale_bits / group_size
+
+
+def mlx_quantization(group_size: int = DEFAULT_GROUP_SIZE) -> dict:
+    """What mlx-lm writes under ``"quantization"`` in config.json for this layout."""
+    return {"group_size": group_size, "bits": BITS, "mode": "affine"}
+
+
+def quantization_config(group_size: int = DEFAULT_GROUP_SIZE) -> dict:
+    """config.json ``quantization_config``: mlx-lm's keys plus the scheme's name (``quant_method`` is ours)."""
+    return {"quant_method": "clef-local", "scheme": "int4", **mlx_quantization(group_size), "layout": "mlx"}
 
 
 class TorchInt4(NamedTuple):

@@ -1,0 +1,65 @@
+"""fp8: float8_e4m3fn weights with one float32 scale per output channel (the compressed-tensors FP8 weight layout).
+
+Math (float32 throughout, on the float32 value of each weight):
+
+    amax[r]  = max_c |W[r, c]|
+    scale[r] = amax[r] / 448            (448 = largest finite e4m3fn; a row of zeros gets scale 1)
+    q[r, c]  = float8_e4m3fn(clamp(W[r, c] / scale[r], -448, 448))   (torch's cast: round to nearest, ties to even)
+    dequantize:  W ≈ float32(q) * scale
+
+e4m3fn has 3 mantissa bits, exponent bias 7, no infinities, smallest normal 2^-6, subnormal step 2^-9. So per
+element |W - deq| <= 2^-4 · |W| where |W / scale| >= 2^-6 (normal range), and <= 2^-10 · scale below it
+(half a subnormal step), plus float32 rounding.
+
+Stored keys (prefix them with the module path): ``weight`` float8_e4m3fn [out, in] (one byte per weight: sign, 4
+exponent bits, 3 mantissa bits) and ``weight_scale`` float32 [out, 1].
+"""
+
+from __future__ import annotations
+
+import torch
+
+BITS = 8
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def quantize(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Quantize a 2-D weight [out, in] to ``{"weight": float8_e4m3fn [out, in], "weight_scale": float32 [out, 1]}``."""
+    if weight.dim() != 2:
+        raise ValueError(f"fp8 quantizes 2-D weights [out, in], got shape {tuple(weight.shape)}")
+    w = weight.detach().to(torch.float32)
+    amax = w.abs().amax(dim=1, keepdim=True)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (w / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return {"weight": q, "weight_scale": scale}
+
+
+def dequantize(packed: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``float32(q) * scale``, cast to ``dtype``."""
+    return (packed["weight"].to(torch.float32) * packed["weight_scale"].to(torch.float32)).to(dtype)
+
+
+def bits_per_weight(group_size: int | None = None, in_features: int = 4096) -> float:
+    """8 bits plus one float32 scale per row of ``in_features`` weights (the group size does not apply)."""
+    return BITS + 32 / in_features
+
+
+def quantization_config(group_size: int | None = None) -> dict:
+    """config.json ``quantization_config``: a plain description, not compressed-tensors' ``config_groups`` schema.
+
+    The tensors are compressed-tensors' FP8 weight layout (``weight`` e4m3fn + per-channel ``weight_scale``), but
+    the config names our scheme (``quant_method`` "clef-local"), so no engine mistakes it for a full
+    compressed-tensors or transformers ``fp8`` (block-scaled ``weight_scale_inv``) checkpoint.
+    """
+    return {
+        "quant_method": "clef-local",
+        "scheme": "fp8",
+        "bits": BITS,
+        "fmt": "float8_e4m3fn",
+        "granularity": "per_output_channel",
+        "weight_dtype": "float8_e4m3fn",
+        "scale_dtype": "float32",
+        "activation_scheme": "none (weight-only)",
+        "tensors": ["weight", "weight_scale"],
+    }

@@ -1,0 +1,74 @@
+"""int8: symmetric per output channel (one scale per row of W [out, in]).
+
+Math (float32 throughout, on the float32 value of each weight):
+
+    amax[r]  = max_c |W[r, c]|
+    scale[r] = amax[r] / 127            (a row of zeros gets scale 1, so its q is 0 and it dequantizes to 0)
+    q[r, c]  = clamp(rint(W[r, c] / scale[r]), -127, 127)        (rint: round half to even; -128 is never used)
+    dequantize:  W ≈ q * scale
+
+Round-trip error per element: at most scale[r] / 2 (the clamp never bites: |W / scale| <= 127 by construction).
+
+Stored keys (prefix them with the module path): ``weight`` int8 [out, in] (row-major, one byte per weight, two's
+complement) and ``weight_scale`` float32 [out, 1]. The scale is kept in float32, not the source dtype, so the bound
+above holds exactly; a bf16 consumer (torch's int8 kernel with bf16 activations, MLX's 8-bit affine groups with
+``bias = -128 * scale`` and ``q + 128``) casts it, a uniform change of the row by at most 2^-9 relative.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BITS = 8
+QMAX = 127
+
+
+def quantize(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Quantize a 2-D weight [out, in] to ``{"weight": int8 [out, in], "weight_scale": float32 [out, 1]}``."""
+    if weight.dim() != 2:
+        raise ValueError(f"int8 quantizes 2-D weights [out, in], got shape {tuple(weight.shape)}")
+    w = weight.detach().to(torch.float32)
+    amax = w.abs().amax(dim=1, keepdim=True)
+    scale = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))
+    q = torch.round(w / scale).clamp_(-QMAX, QMAX).to(torch.int8)
+    return {"weight": q, "weight_scale": scale}
+
+
+def dequantize(packed: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``q * scale`` in float32, cast to ``dtype``."""
+    return (packed["weight"].to(torch.float32) * packed["weight_scale"].to(torch.float32)).to(dtype)
+
+
+def bits_per_weight(group_size: int | None = None, in_features: int = 4096) -> float:
+    """8 bits plus one float32 scale per row of ``in_features`` weights (the group size does not apply)."""
+    return BITS + 32 / in_features
+
+
+def quantization_config(group_size: int | None = None) -> dict:
+    """config.json ``quantization_config`` (descriptive; ``quant_method`` is ours, transformers skips it)."""
+    return {
+        "quant_method": "clef-local",
+        "scheme": "int8",
+        "bits": BITS,
+        "symmetric": True,
+        "granularity": "per_output_channel",
+        "weight_dtype": "int8",
+        "scale_dtype": "float32",
+        "tensors": ["weight", "weight_scale"],
+    }
+
+
+def int8_matmul(x: torch.Tensor, packed: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``x @ W.T``: torch's ``aten._weight_int8pack_mm`` on CPU for float32/bfloat16/float16 ``x``, else dequantize.
+
+    The kernel takes scales in the activation dtype (bf16 activations: the scale is rounded to bf16) and returns
+    ``x.dtype``.
+    """
+    weight, scale = packed["weight"], packed["weight_scale"]
+    kernel_dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    if x.device.type == "cpu" and weight.device.type == "cpu" and x.dtype in kernel_dtypes:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        y = torch.ops.aten._weight_int8pack_mm(x2, weight.contiguous(), scale.reshape(-1).to(x.dtype).contiguous())
+        return y.reshape(*lead, y.shape[-1])
+    return x @ dequantize(packed, x.dtype).T

@@ -11,6 +11,10 @@ from pathlib import Path
 from typing import Any
 
 EXAMPLES = ("triage", "moderation", "routing")
+# Commands whose module owns its own argument parser (mlx-lm style): `clef-local NAME ...` calls MODULE.main(argv).
+MODULE_COMMANDS = {
+    "train-head": ("clef_local.export.train_head", "train a joint schema head on a frozen backbone"),
+}
 
 
 def _model_path(value: str | None) -> Path:
@@ -56,7 +60,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="clef-local", description=__doc__)
+    parser = argparse.ArgumentParser(prog="clef-local",
+                                     description="Run Clef decision models on this machine, offline.")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -80,10 +85,18 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = sub.add_parser("inspect", help="describe a release", description=cmd_inspect.__doc__)
     add_model_args(inspect)
     inspect.set_defaults(func=cmd_inspect)
+    for name, (_, help_text) in MODULE_COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)  # listed here, parsed by the module
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in MODULE_COMMANDS:
+        import importlib
+
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+        return importlib.import_module(MODULE_COMMANDS[argv[0]][0]).main(argv[1:])
     args = build_parser().parse_args(argv)
     level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")

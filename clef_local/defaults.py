@@ -1,7 +1,8 @@
 """The model used when none is given, and where clef-local keeps what it builds (the user cache).
 
-Until the embedded demo model exists (issue: clef-demo-135m), the default is a tiny *random* release in the
-Clef layout, built into the cache on first use: it exercises every code path but its answers mean nothing.
+The default is the embedded demo model ``clef-demo-135m`` (:mod:`clef_local.demo`), built into the cache on first
+use. An installation without its trained head (a bare checkout before the head was committed) falls back, loudly,
+to a tiny *random* release in the Clef layout: it exercises every code path but its answers mean nothing.
 """
 
 from __future__ import annotations
@@ -27,6 +28,15 @@ def cache_dir() -> Path:
 
 def default_model_path() -> Path:
     """The default release, built into the cache the first time (atomically: a temp dir renamed into place)."""
+    from clef_local.demo import demo_available, demo_path
+
+    if demo_available():
+        return demo_path(cache_dir())
+    return tiny_default_path()
+
+
+def tiny_default_path() -> Path:
+    """A tiny random release in the cache (for installations without the demo head)."""
     target = cache_dir() / TINY_DEFAULT
     if (target / "joint_head.safetensors").is_file():
         return target

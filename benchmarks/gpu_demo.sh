@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Build and measure the demo model (clef-demo-135m) on a CUDA machine: convert the GGUF backbone, train the joint
+# schema head with the default recipe (the same command runs on CPU, slower), and evaluate it on BANKING77 and
+# NLU++. Writes the head and the metrics under $OUT. Scale knobs are for a quick dry run on CPU:
+#   DEVICE=cpu BANKING77=20 NLUPP=10 EPOCHS=1 LIMIT=5 bash benchmarks/gpu_demo.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+OUT=${OUT:-/tmp/clef-demo-build}; DEVICE=${DEVICE:-cuda}; WORK=${WORK:-/tmp/clef-demo-work}
+BANKING77=${BANKING77:-2000}; NLUPP=${NLUPP:-1660}; EPOCHS=${EPOCHS:-8}; LIMIT=${LIMIT:-}
+mkdir -p "$OUT" "$WORK"
+if [ -d .gpu/wheels ] && [ -z "${NO_WHEELS:-}" ]; then  # NO_WHEELS=1: a local dry run
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .gpu/wheels/*.whl
+  export PYTHONPATH=/tmp/site
+  python3 -m pip install -q --no-deps --no-build-isolation -e .
+fi
+[ -d .gpu/datasets ] && export CLEF_LOCAL_DATASETS="$PWD/.gpu/datasets"
+GGUF="$WORK/SmolLM2-135M-Instruct.Q4_1.gguf"
+if [ -f .gpu/gguf.sha256 ]; then
+  cat .gpu/gguf.part-* > "$GGUF"
+  echo "$(cat .gpu/gguf.sha256)  $GGUF" | sha256sum -c -
+else
+  GGUF=$(python3 -c "from clef_local.export.demo_backbone import find_gguf; print(find_gguf())")
+fi
+[ -f "$WORK/backbone/model.safetensors" ] || python3 -c "
+import sys, logging; from pathlib import Path
+logging.basicConfig(level=logging.INFO)
+from clef_local.export.demo_backbone import convert_backbone
+print(convert_backbone(Path(sys.argv[1]), Path(sys.argv[2])))" "$GGUF" "$WORK/backbone"
+sha256sum "$WORK/backbone/model.safetensors" | tee "$OUT/backbone.sha256"
+
+train_and_eval() {  # name banking77-records nlupp-records epochs
+  local name=$1
+  python3 -m clef_local.cli train-head --backbone "$WORK/backbone" --out "$OUT/$name" --work "$WORK/$name.work" \
+    --banking77 "$2" --nlupp "$3" --epochs "$4" --device "$DEVICE" 2>&1 | grep -v "it/s]$" | tail -20
+  rm -rf "$WORK/$name.release" && cp -r "$WORK/backbone" "$WORK/$name.release"
+  cp "$OUT/$name"/joint_head.safetensors "$OUT/$name"/joint_head_config.json "$WORK/$name.release/"
+  python3 benchmarks/demo_model.py --model "$WORK/$name.release" --device "$DEVICE" ${LIMIT:+--limit $LIMIT} \
+    --sections banking77 nlupp robustness --json "$OUT/$name/metrics.json" 2>&1 | grep -v "^\[transformers\]"
+}
+echo "== default recipe"; train_and_eval default "$BANKING77" "$NLUPP" "$EPOCHS"
+if [ -z "$LIMIT" ]; then echo "== larger recipe"; train_and_eval large 8000 3320 10; fi

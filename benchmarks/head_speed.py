@@ -114,7 +114,9 @@ def share_table(path: Path, device: str, repeats: int) -> None:
 
     with torch.inference_mode():
         head = _median_ms(head_only, repeats)
-    print(f"\ntiny release ({model.describe()['backbone_dtype']} backbone), 3-question request, {length} tokens")
+    info = model.describe()
+    print(f"\n{info['architecture']} ({info['backbone_parameters'] / 1e6:.1f} M params, {info['backbone_dtype']}), "
+          f"3-question request, {length} tokens")
     print(f"{'decide total ms':>16} {'backbone ms':>12} {'head ms':>8} {'head share':>11}")
     print(f"{total:>16.2f} {backbone:>12.2f} {head:>8.2f} {100 * head / total:>10.1f}%")
 
@@ -124,6 +126,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--heads", nargs="+", choices=list(HEADS), default=list(HEADS))
+    parser.add_argument("--release", help="also measure the head's share of a decide on this release")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     with tempfile.TemporaryDirectory() as tmp:
@@ -132,6 +135,8 @@ def main() -> None:
         for name in args.heads:
             head_table(tokenizer, name, HEADS[name], args.device, args.repeats)
         share_table(path, args.device, args.repeats)
+    if args.release:
+        share_table(Path(args.release), args.device, args.repeats)
 
 
 if __name__ == "__main__":

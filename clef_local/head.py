@@ -67,15 +67,13 @@ class EvidenceRoutingLayer(nn.Module):
             nn.Dropout(dropout),
         )
 
-    def forward(self, queries: torch.Tensor, memory: torch.Tensor, memory_pad: torch.Tensor) -> torch.Tensor:
+    def forward(self, queries: torch.Tensor, memory: torch.Tensor, memory_pad: torch.Tensor | None) -> torch.Tensor:
         normed_memory = self.memory_norm(memory)
-        routed, _ = self.attention(
-            self.query_norm(queries),
-            normed_memory,
-            normed_memory,
-            key_padding_mask=memory_pad,
-            need_weights=False,
-        )
+        if self.training:
+            routed, _ = self.attention(self.query_norm(queries), normed_memory, normed_memory,
+                                       key_padding_mask=memory_pad, need_weights=False)
+        else:
+            routed = _attend(self.attention, self.query_norm(queries), normed_memory, memory_pad)
         queries = queries + self.attention_dropout(routed)
         return queries + self.feedforward(self.feedforward_norm(queries))
 
@@ -141,7 +139,8 @@ class JointSchemaHead(nn.Module):
         batch, seq_len, _ = hidden.shape
         flat = hidden.reshape(batch * seq_len, -1)
         memory = self.memory_projection(hidden)
-        memory_pad = attention_mask == 0
+        # No mask at all when nothing is padded: attention then takes its fastest kernel.
+        memory_pad = None if bool(attention_mask.all()) else attention_mask == 0
 
         question_vec = _span_mean(flat, layout.question_token_index, layout.question_token_offsets)
         option_ctx = _span_mean(flat, layout.option_token_index, layout.option_token_offsets)
@@ -180,8 +179,13 @@ class JointSchemaHead(nn.Module):
                               layout.max_questions_per_record)
         field_pad = _padding_mask(layout.question_record, layout.question_slot, batch,
                                   layout.max_questions_per_record)
+        if not field_pad.any():
+            field_pad = None
         for layer in self.layers:
-            seq = layer(seq, memory, tgt_key_padding_mask=field_pad, memory_key_padding_mask=memory_pad)
+            if self.training:
+                seq = layer(seq, memory, tgt_key_padding_mask=field_pad, memory_key_padding_mask=memory_pad)
+            else:
+                seq = _decoder_layer(layer, seq, memory, field_pad, memory_pad)
         fields_ = self.field_norm(seq[layout.question_record, layout.question_slot])  # [Q, w]
 
         # Option logits.
@@ -198,6 +202,36 @@ class JointSchemaHead(nn.Module):
         joint = self.joint_logit_scale.clamp(max=_MAX_LOG_SCALE).exp() * cosine + residual
         logits = prior + torch.sigmoid(self.residual_gate) * joint  # [O]
         return _to_padded(logits, layout)
+
+
+def _attend(attention: nn.MultiheadAttention, query: torch.Tensor, memory: torch.Tensor,
+            key_pad: torch.Tensor | None, self_attention: bool = False) -> torch.Tensor:
+    """``nn.MultiheadAttention`` at inference (batch_first, no dropout), as a few fused ops: the module's own
+    parameters, one projection for K and V (or Q, K and V), and ``scaled_dot_product_attention``. The module's
+    generic path costs more in argument checks than the math at head sizes."""
+    width, heads = attention.embed_dim, attention.num_heads
+    weight, bias = attention.in_proj_weight, attention.in_proj_bias
+    if self_attention:
+        q, k, v = F.linear(query, weight, bias).chunk(3, dim=-1)
+    else:
+        q = F.linear(query, weight[:width], bias[:width])
+        k, v = F.linear(memory, weight[width:], bias[width:]).chunk(2, dim=-1)
+
+    def split(x: torch.Tensor) -> torch.Tensor:
+        return x.unflatten(-1, (heads, width // heads)).transpose(1, 2)
+
+    mask = None if key_pad is None else ~key_pad[:, None, None, :]
+    out = F.scaled_dot_product_attention(split(q), split(k), split(v), attn_mask=mask)
+    return F.linear(out.transpose(1, 2).flatten(2), attention.out_proj.weight, attention.out_proj.bias)
+
+
+def _decoder_layer(layer: nn.TransformerDecoderLayer, x: torch.Tensor, memory: torch.Tensor,
+                   field_pad: torch.Tensor | None, memory_pad: torch.Tensor | None) -> torch.Tensor:
+    """``nn.TransformerDecoderLayer(norm_first=True, activation="gelu")`` at inference, with :func:`_attend`."""
+    h = layer.norm1(x)
+    x = x + _attend(layer.self_attn, h, h, field_pad, self_attention=True)
+    x = x + _attend(layer.multihead_attn, layer.norm2(x), memory, memory_pad)
+    return x + layer.linear2(F.gelu(layer.linear1(layer.norm3(x))))
 
 
 def _span_mean(values: torch.Tensor, index: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

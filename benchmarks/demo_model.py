@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 import numpy as np
+from _timing import median_ms
 
 import clef_local
 from clef_local.datasets import banking77_examples, banking77_intents, banking77_rows, nlupp_examples
@@ -112,23 +113,13 @@ def _max_delta(a: dict, b: dict) -> float:
     return max(abs(a["probabilities"][k] - b["probabilities"][k]) for k in a["probabilities"])
 
 
-def _median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(1e3 * (time.perf_counter() - started))
-    return statistics.median(times)
-
-
 def section_speed(model) -> dict[str, Any]:
     three = {"model": "clef-demo", "state": "My card payment was declined twice at the supermarket today.",
              "questions": THREE}
     full = banking77_examples("test", limit=1)[0].request
-    return {"three_questions_ms": _median_ms(lambda: model.decide(three), 20),
+    return {"three_questions_ms": median_ms(lambda: model.decide(three), 20),
             "three_questions_tokens": model.decide(three)["usage"]["input_tokens"],
-            "banking77_77_options_ms": _median_ms(lambda: model.decide(full), 5),
+            "banking77_77_options_ms": median_ms(lambda: model.decide(full), 5),
             "banking77_77_options_tokens": model.decide(full)["usage"]["input_tokens"]}
 
 

@@ -2,13 +2,19 @@
 # Build and measure the demo model (clef-demo-135m) on a CUDA machine: convert the GGUF backbone, train the joint
 # schema head with the default recipe (the same command runs on CPU, slower), and evaluate it on BANKING77 and
 # NLU++. Writes the head and the metrics under $OUT. Scale knobs are for a quick dry run on CPU:
-#   DEVICE=cpu BANKING77=20 NLUPP=10 EPOCHS=1 LIMIT=5 bash benchmarks/gpu_demo.sh
+#   NO_WHEELS=1 DEVICE=cpu BANKING77=20 NLUPP=10 EPOCHS=1 LIMIT=5 bash benchmarks/gpu_demo.sh
+# On the lent H200 (no network, 64 MiB carried per call): the GGUF travels in two parts. A call's carried paths
+# replace .gpu/ in the repo copy, but /tmp survives while the machine is warm (30 s), so call 1 carries
+# .gpu/gguf.part-01 and runs `mkdir -p /tmp/clef-gguf && cp .gpu/gguf.part-01 /tmp/clef-gguf/`; call 2 carries
+# .gpu/wheels .gpu/datasets .gpu/gguf.part-00 .gpu/gguf.sha256 and runs this script.
+# Measured 2026-11-30 on the H200: conversion + default recipe (cache, 8 epochs, full evaluation) took ~5 min.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/clef-demo-build}; DEVICE=${DEVICE:-cuda}; WORK=${WORK:-/tmp/clef-demo-work}
 BANKING77=${BANKING77:-2000}; NLUPP=${NLUPP:-1660}; EPOCHS=${EPOCHS:-8}; LIMIT=${LIMIT:-}
 mkdir -p "$OUT" "$WORK"
+exec > >(tee -a "$OUT/log.txt") 2>&1  # the log comes back even when the call is stopped at its time limit
 if [ -d .gpu/wheels ] && [ -z "${NO_WHEELS:-}" ]; then  # NO_WHEELS=1: a local dry run
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .gpu/wheels/*.whl
   export PYTHONPATH=/tmp/site
@@ -17,7 +23,13 @@ fi
 [ -d .gpu/datasets ] && export CLEF_LOCAL_DATASETS="$PWD/.gpu/datasets"
 GGUF="$WORK/SmolLM2-135M-Instruct.Q4_1.gguf"
 if [ -f .gpu/gguf.sha256 ]; then
-  cat .gpu/gguf.part-* > "$GGUF"
+  parts=()
+  for n in 00 01 02 03; do
+    for dir in .gpu /tmp/clef-gguf; do
+      if [ -f "$dir/gguf.part-$n" ]; then parts+=("$dir/gguf.part-$n"); break; fi
+    done
+  done
+  cat "${parts[@]}" > "$GGUF"
   echo "$(cat .gpu/gguf.sha256)  $GGUF" | sha256sum -c -
 else
   GGUF=$(python3 -c "from clef_local.export.demo_backbone import find_gguf; print(find_gguf())")
@@ -39,4 +51,4 @@ train_and_eval() {  # name banking77-records nlupp-records epochs
     --sections banking77 nlupp robustness --json "$OUT/$name/metrics.json" 2>&1 | grep -v "^\[transformers\]"
 }
 echo "== default recipe"; train_and_eval default "$BANKING77" "$NLUPP" "$EPOCHS"
-if [ -z "$LIMIT" ]; then echo "== larger recipe"; train_and_eval large 8000 3320 10; fi
+if [ -n "${LARGE:-}" ]; then echo "== larger recipe"; train_and_eval large 8000 3320 10; fi

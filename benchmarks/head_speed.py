@@ -12,12 +12,11 @@ the head's share of a whole ``decide`` on a tiny release.
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+from _timing import median_ms
 
 import clef_local
 from clef_local.encoding import encode_request
@@ -43,15 +42,7 @@ def _request(questions: int, options: int) -> dict:
 
 
 def _median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append(1e3 * (time.perf_counter() - started))
-    return statistics.median(times)
+    return median_ms(fn, repeats, torch.cuda.synchronize if torch.cuda.is_available() else None)
 
 
 def head_table(tokenizer: ReleaseTokenizer, name: str, config: HeadConfig, device: str, repeats: int) -> None:

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from . import _rowwise
+
 BITS = 8
 QMAX = 127
 
@@ -36,12 +38,12 @@ def quantize(weight: torch.Tensor) -> dict[str, torch.Tensor]:
 
 def dequantize(packed: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``q * scale`` in float32, cast to ``dtype``."""
-    return (packed["weight"].to(torch.float32) * packed["weight_scale"].to(torch.float32)).to(dtype)
+    return _rowwise.dequantize(packed, dtype)
 
 
 def bits_per_weight(group_size: int | None = None, in_features: int = 4096) -> float:
     """8 bits plus one float32 scale per row of ``in_features`` weights (the group size does not apply)."""
-    return BITS + 32 / in_features
+    return _rowwise.bits_per_weight(BITS, in_features)
 
 
 def quantization_config(group_size: int | None = None) -> dict:

@@ -1,0 +1,15 @@
+"""What int8 and fp8 share: one float32 scale per output row (``w ≈ q · scale[row]``)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def dequantize(packed: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``float32(q) * weight_scale`` (one scale per row), cast to ``dtype``."""
+    return (packed["weight"].to(torch.float32) * packed["weight_scale"].to(torch.float32)).to(dtype)
+
+
+def bits_per_weight(bits: int, in_features: int) -> float:
+    """``bits`` per weight plus one float32 scale per row of ``in_features`` weights."""
+    return bits + 32 / in_features

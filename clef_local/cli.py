@@ -14,6 +14,8 @@ EXAMPLES = ("triage", "moderation", "routing")
 # Commands whose module owns its own argument parser (mlx-lm style): `clef-local NAME ...` calls MODULE.main(argv).
 MODULE_COMMANDS = {
     "train-head": ("clef_local.export.train_head", "train a joint schema head on a frozen backbone"),
+    "quantize": ("clef_local.export.quantize", "write a quantized variant (int4, int8, nf4, fp8) of a release"),
+    "verify": ("clef_local.manifest", "check every file of a release or variant against its manifest"),
 }
 
 

@@ -127,12 +127,26 @@ def _weight_files(path: Path) -> tuple[Path, ...]:
     raise ReleaseError(f"{path}: no backbone weights ({SINGLE_WEIGHTS} or {WEIGHTS_INDEX} with its shards)")
 
 
+def _check_manifest(path: Path) -> None:
+    """When ``path`` has a ``clef_local_manifest.json``: every listed file's size and safetensors header (cheap)."""
+    from clef_local.manifest import check_files, read_manifest
+
+    manifest = read_manifest(path)
+    if manifest is None:
+        return
+    problems = check_files(path, manifest)
+    if problems:
+        raise ReleaseError("files do not match clef_local_manifest.json (run `clef-local verify` for hashes): "
+                           + "; ".join(problems))
+
+
 def read_release(path: str | Path) -> Release:
     """Read and check a release directory's configs and file list; loads no tensor."""
     path = Path(path).expanduser()
     if not path.is_dir():
         raise ReleaseError(f"{path} is not a directory; pass a Clef release directory (config.json, "
                            f"{HEAD_WEIGHTS}, tokenizer.json, ...)")
+    _check_manifest(path)
     config = read_json(path / CONFIG)
     head_config = read_head_config(path / HEAD_CONFIG)
     if not (path / HEAD_WEIGHTS).is_file():

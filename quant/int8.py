@@ -60,6 +60,15 @@ def quantization_config(group_size: int | None = None) -> dict:
     }
 
 
+def aligned(tensor: torch.Tensor, alignment: int = 64) -> torch.Tensor:
+    """``tensor``, or a copy at an ``alignment``-byte address when it is not (torch's CPU allocator aligns to 64).
+
+    ``aten._weight_int8pack_mm`` crashes the process (SIGSEGV) on bf16 activations when the weight does not start
+    on a 64-byte boundary, which tensors read from a safetensors file often do not.
+    """
+    return tensor if tensor.data_ptr() % alignment == 0 else tensor.clone()
+
+
 def int8_matmul(x: torch.Tensor, packed: dict[str, torch.Tensor]) -> torch.Tensor:
     """``x @ W.T``: torch's ``aten._weight_int8pack_mm`` on CPU for float32/bfloat16/float16 ``x``, else dequantize.
 
@@ -71,6 +80,7 @@ def int8_matmul(x: torch.Tensor, packed: dict[str, torch.Tensor]) -> torch.Tenso
     if x.device.type == "cpu" and weight.device.type == "cpu" and x.dtype in kernel_dtypes:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
-        y = torch.ops.aten._weight_int8pack_mm(x2, weight.contiguous(), scale.reshape(-1).to(x.dtype).contiguous())
+        y = torch.ops.aten._weight_int8pack_mm(x2, aligned(weight.contiguous()),
+                                               scale.reshape(-1).to(x.dtype).contiguous())
         return y.reshape(*lead, y.shape[-1])
     return x @ dequantize(packed, x.dtype).T

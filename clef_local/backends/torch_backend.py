@@ -2,17 +2,23 @@
 
 Real Clef releases are ``Qwen3_5ForConditionalGeneration`` (text model + vision tower); any Hugging Face causal
 LM (Llama, Qwen3, ...) works as a backbone too, which is what small test and demo releases use.
+
+A quantized variant (``config.json`` with a ``quantization_config`` holding a ``clef_local`` member, DESIGN §5) is
+loaded in two phases (:func:`load_variant_backbone`): the model is built on the meta device, its quantized linears
+are swapped for :mod:`clef_local.backends.quantized` modules, and the shards' tensors are assigned as stored.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from clef_local.backends.quantized import kernel_counts, prepare_quantized, quantized_prefixes, swap_linears
 from clef_local.errors import ReleaseError
 from clef_local.layout import HeadLayout
 from clef_local.release import QWEN3_5, Release, load_head
@@ -23,6 +29,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# safetensors header dtype names -> torch dtypes (what a release or variant may hold)
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+    "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "U16": torch.uint16, "U32": torch.uint32,
+    "U64": torch.uint64, "BOOL": torch.bool,
+}
 
 
 def resolve_dtype(name: str | torch.dtype | None, release: Release) -> torch.dtype:
@@ -35,24 +48,49 @@ def resolve_dtype(name: str | torch.dtype | None, release: Release) -> torch.dty
     return DTYPES[key]
 
 
+def variant_scheme(config: dict[str, Any]) -> str | None:
+    """The scheme of a quantized variant's ``config.json`` (``quantization_config.clef_local.scheme``), else None."""
+    quant = config.get("quantization_config")
+    member = quant.get("clef_local") if isinstance(quant, dict) else None
+    if not isinstance(member, dict):
+        return None
+    scheme = member.get("scheme")
+    if not isinstance(scheme, str):
+        raise ReleaseError(f"config.json: quantization_config.clef_local has no scheme ({member!r})")
+    return scheme
+
+
 class TorchBackbone:
-    """A release's backbone through ``transformers``: final hidden states and output-embedding rows."""
+    """A release's backbone through ``transformers``: final hidden states and output-embedding rows.
+
+    ``layers`` maps each quantized linear's path to ``"scheme:kernel"`` (empty for a full-precision release).
+    """
 
     def __init__(self, path: Path, config: dict[str, Any], *, device: str = "cpu",
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, weight_files: Sequence[Path] | None = None) -> None:
         import transformers
 
         qwen3_5 = config.get("model_type") == "qwen3_5" or QWEN3_5 in (config.get("architectures") or [])
         cls = transformers.Qwen3_5ForConditionalGeneration if qwen3_5 else transformers.AutoModelForCausalLM
-        log.info("loading %s backbone from %s in %s", cls.__name__, path, dtype)
-        try:
-            model = cls.from_pretrained(path, dtype=dtype, local_files_only=True)
-        except (OSError, ValueError, KeyError) as exc:
-            raise ReleaseError(f"{path}: the backbone cannot be loaded ({exc})") from exc
-        model.config.use_cache = False
+        self.scheme = variant_scheme(config)
         self.device = torch.device(device)
         self.dtype = dtype
+        if self.scheme is not None:
+            if weight_files is None:
+                from clef_local.release import _weight_files
+
+                weight_files = _weight_files(path)
+            log.info("loading %s %s variant from %s in %s", cls.__name__, self.scheme, path, dtype)
+            model = load_variant_backbone(cls, path, weight_files, self.scheme, dtype)
+        else:
+            log.info("loading %s backbone from %s in %s", cls.__name__, path, dtype)
+            try:
+                model = cls.from_pretrained(path, dtype=dtype, local_files_only=True)
+            except (OSError, ValueError, KeyError) as exc:
+                raise ReleaseError(f"{path}: the backbone cannot be loaded ({exc})") from exc
+        model.config.use_cache = False
         self.model = model.to(self.device).eval()
+        self.layers = prepare_quantized(self.model)
         base = self.model.model
         # Without media only the text model runs (DESIGN §2.2); with a vision tower it sits beside it.
         self.text_model = getattr(base, "language_model", base)
@@ -74,7 +112,7 @@ class TorchBackend:
     def __init__(self, release: Release, *, device: str = "cpu", dtype: str | torch.dtype | None = None) -> None:
         self.release = release
         self.backbone = TorchBackbone(release.path, release.config, device=device,
-                                      dtype=resolve_dtype(dtype, release))
+                                      dtype=resolve_dtype(dtype, release), weight_files=release.weight_files)
         self.device = self.backbone.device
         self.head = load_head(release, device=self.device)
 
@@ -98,9 +136,13 @@ class TorchBackend:
     def describe(self) -> dict[str, Any]:
         params = sum(p.numel() for p in self.backbone.model.parameters())
         head_params = sum(p.numel() for p in self.head.parameters())
-        return {"backend": self.name, "device": str(self.device),
-                "backbone_dtype": str(self.backbone.dtype).split(".")[-1],
-                "backbone_parameters": params, "head_parameters": head_params, "head_dtype": "float32"}
+        out = {"backend": self.name, "device": str(self.device),
+               "backbone_dtype": str(self.backbone.dtype).split(".")[-1],
+               "backbone_parameters": params, "head_parameters": head_params, "head_dtype": "float32"}
+        if self.backbone.scheme is not None:
+            out.update(scheme=self.backbone.scheme, kernels=kernel_counts(self.backbone.layers),
+                       kernel_layers=dict(self.backbone.layers))
+        return out
 
 
 def collate(records: list[EncodedRecord], pad_token_id: int, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -112,3 +154,102 @@ def collate(records: list[EncodedRecord], pad_token_id: int, device: torch.devic
         ids[i, : len(record.input_ids)] = record.input_ids
         mask[i, : len(record.input_ids)] = 1
     return torch.from_numpy(ids).to(device), torch.from_numpy(mask).to(device)
+
+
+def read_headers(files: Sequence[Path]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """{tensor name: (shape, dtype)} from the safetensors headers of ``files`` (no tensor data is read)."""
+    from safetensors import safe_open
+
+    headers: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118 (safe_open handles are not iterable)
+                    info = handle.get_slice(name)
+                    dtype = SAFETENSORS_DTYPES.get(info.get_dtype())
+                    if dtype is None:
+                        raise ReleaseError(f"{file}: tensor {name} has unsupported dtype {info.get_dtype()}")
+                    headers[name] = (tuple(info.get_shape()), dtype)
+        except ReleaseError:
+            raise
+        except Exception as exc:  # safetensors raises SafetensorError/OSError on truncated or garbled files
+            raise ReleaseError(f"{file}: not a readable safetensors file ({exc})") from exc
+    return headers
+
+
+def load_variant_backbone(cls: Any, path: Path, weight_files: Sequence[Path], scheme: str,
+                          dtype: torch.dtype) -> Any:
+    """Build a variant's backbone on the meta device, swap its quantized linears, assign the stored tensors.
+
+    Every tensor of every shard is assigned as stored (``load_state_dict(assign=True)``), except floating tensors of
+    unquantized modules, cast to the dtype the model was built in (as ``from_pretrained`` does); the quantized
+    layers receive their packed tensors untouched, so no full-precision copy of them ever exists. Non-persistent
+    buffers (rotary ``inv_freq``) are recomputed by the model's own ``_init_weights``; tied embeddings are re-tied.
+    The model stays on the CPU; the caller moves it and then calls ``prepare_quantized``.
+    """
+    import transformers
+    from safetensors.torch import load_file
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ReleaseError(f"{path}: the backbone config cannot be read ({exc})") from exc
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # built plain: our modules replace the linears, not transformers' quantizer
+    with torch.device("meta"):
+        if cls is transformers.AutoModelForCausalLM:
+            model = cls.from_config(config, dtype=dtype)
+        else:
+            model = cls._from_config(config, dtype=dtype)
+    headers = read_headers(weight_files)
+    swap_linears(model, quantized_prefixes(headers, scheme), headers, dtype=dtype)
+    expected = model.state_dict(keep_vars=True)
+    for file in weight_files:
+        try:
+            state = load_file(str(file))
+        except Exception as exc:  # truncated data past a valid header
+            raise ReleaseError(f"{file}: cannot read tensor data ({exc})") from exc
+        unexpected = sorted(set(state) - set(expected))
+        if unexpected:
+            raise ReleaseError(f"{file}: tensors the backbone does not have: {', '.join(unexpected[:10])}")
+        for name, tensor in state.items():
+            target = expected[name]
+            if tensor.is_floating_point() and target.is_floating_point() and tensor.dtype != target.dtype:
+                state[name] = tensor.to(target.dtype)
+        try:
+            model.load_state_dict(state, strict=False, assign=True)
+        except RuntimeError as exc:  # size mismatches
+            raise ReleaseError(f"{file}: does not fit the backbone ({exc})") from exc
+        del state
+    model.tie_weights()
+    _materialize_non_persistent_buffers(model)
+    missing = [name for name, t in model.state_dict(keep_vars=True).items() if t is not None and t.is_meta]
+    if missing:
+        raise ReleaseError(f"{path}: tensors missing from the weight files: {', '.join(missing[:10])}")
+    return model
+
+
+def _materialize_non_persistent_buffers(model: Any) -> None:
+    """Recompute the buffers that no checkpoint holds (rotary ``inv_freq``/``original_inv_freq``) on the CPU.
+
+    They are created empty and filled by the model's own ``_init_weights`` (what ``from_pretrained`` does for
+    them), which is only safe on a module holding nothing else: any other module is an error, not a guess.
+    """
+    owners: dict[str, Any] = {}
+    for name, buffer in model.named_buffers():
+        module_name, _, buffer_name = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        if buffer.is_meta and buffer_name in module._non_persistent_buffers_set:
+            owners[module_name] = module
+    for module_name, module in owners.items():
+        held = [n for n, _ in module.named_parameters(recurse=False)]
+        held += [n for n, b in module.named_buffers(recurse=False) if n not in module._non_persistent_buffers_set]
+        if held or list(module.children()):
+            raise ReleaseError(f"cannot recompute the non-persistent buffers of {module_name} "
+                               f"({type(module).__name__}): it also holds {held or 'submodules'}")
+        for buffer_name in module._non_persistent_buffers_set:
+            buffer = module._buffers.get(buffer_name)
+            if buffer is not None and buffer.is_meta:
+                module._buffers[buffer_name] = torch.empty_like(buffer, device="cpu")
+        with torch.no_grad():
+            model._init_weights(module)

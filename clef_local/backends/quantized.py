@@ -1,0 +1,417 @@
+"""Quantized linear layers of the torch backend, swapped in before a variant's weights are loaded (DESIGN §5, §6).
+
+Two-phase loading (gpt-fast's pattern): the backbone is built on the meta device, every quantized ``nn.Linear`` is
+replaced by its scheme's module (:func:`swap_linears`), whose buffers carry the stored tensors' names, shapes and
+dtypes (read from the safetensors headers); ``load_state_dict(..., assign=True)`` then puts the file's packed tensors
+in place. No full-precision copy of a quantized weight is ever made at load time. Once the model is on its device,
+:func:`prepare_quantized` picks each layer's kernel, once, records it in ``module.kernel`` and logs a summary.
+
+Kernel table (scheme × device → ``kernel``; every other case is ``dequantize``: ``x @ W.T`` with ``W`` rebuilt in the
+activation dtype at each call, never cached in full precision):
+
+=====  ====================================================  ===================================================
+       CPU                                                   CUDA
+=====  ====================================================  ===================================================
+int4   ``torch_int4pack_cpu`` (out % 16 == 0, x f32/bf16/f16) ``dequantize``
+int8   ``torch_int8pack_cpu`` (x f32/bf16/f16)                ``bnb_int8`` (bitsandbytes installed)
+nf4    ``bnb_matmul_4bit`` (bitsandbytes required)            ``bnb_matmul_4bit``
+fp8    ``dequantize`` (``_scaled_mm`` on CPU: DESIGN §9)       ``scaled_mm_rowwise`` (sm_89+, in, out % 16 == 0)
+=====  ====================================================  ===================================================
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from clef_local.errors import ReleaseError
+from clef_local.quant import fp8, int4, int8, nf4
+
+log = logging.getLogger(__name__)
+
+TensorSpec = tuple[tuple[int, ...], torch.dtype]
+DEQUANTIZE = "dequantize"
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+BNB_MISSING = "nf4 variants need bitsandbytes: pip install bitsandbytes"
+REPACK_ROWS_BUDGET = 1 << 18  # weights per block of the int4 repack (a few MiB of transient int64 nibbles)
+
+
+class QuantizedLinear(nn.Module):
+    """Base of the per-scheme modules: ``y = x @ W.T (+ bias)`` with ``W`` held in a scheme's packed form.
+
+    ``KEYS`` maps each stored key (relative to the module path, as in the file) to its buffer name; they are the
+    same except for nf4's dotted keys (a buffer name cannot hold a dot), renamed on load and back on save.
+    ``kernel`` is ``"unprepared"`` until :meth:`prepare` picks the path, once, on the final device.
+    """
+
+    scheme: ClassVar[str]
+    KEYS: ClassVar[dict[str, str]]
+    REQUIRED: ClassVar[tuple[str, ...]]
+
+    def __init__(self, in_features: int, out_features: int, specs: Mapping[str, TensorSpec], *,
+                 bias: TensorSpec | None, compute_dtype: torch.dtype, device: torch.device | str = "meta") -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.compute_dtype = compute_dtype
+        self.kernel, self.kernel_reason = "unprepared", ""
+        missing = [k for k in self.REQUIRED if k not in specs]
+        unknown = [k for k in specs if k not in self.KEYS]
+        if missing or unknown:
+            raise ReleaseError(f"{self.scheme} layer: missing stored tensor(s) {missing}, unknown {unknown}")
+        for key, (shape, dtype) in specs.items():
+            self.register_buffer(self.KEYS[key], torch.empty(shape, dtype=dtype, device=device))
+        self.register_buffer("bias", None if bias is None else torch.empty(bias[0], dtype=bias[1], device=device))
+        self._check(specs)
+
+    def _check(self, specs: Mapping[str, TensorSpec]) -> None:
+        """Raise :class:`ReleaseError` when the stored shapes/dtypes do not fit [out, in]."""
+
+    def _expect(self, specs: Mapping[str, TensorSpec], key: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        found = specs[key]
+        if tuple(found[0]) != shape or found[1] != dtype:
+            raise ReleaseError(f"{self.scheme} tensor {key!r} is {list(found[0])} {found[1]}, expected {list(shape)} "
+                               f"{dtype} for a [{self.out_features}, {self.in_features}] linear layer")
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+        for key, name in self.KEYS.items():
+            if key != name and prefix + key in state_dict:
+                state_dict[prefix + name] = state_dict.pop(prefix + key)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        for key, name in self.KEYS.items():
+            if key != name and prefix + name in destination:
+                destination[prefix + key] = destination.pop(prefix + name)
+
+    def packed(self) -> dict[str, torch.Tensor]:
+        """The stored tensors still held, by their file keys."""
+        return {key: t for key, name in self.KEYS.items() if (t := getattr(self, name, None)) is not None}
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """``W`` [out, in] in ``dtype`` by the scheme's dequantize (a full-precision copy: per call only)."""
+        raise NotImplementedError
+
+    def prepare(self) -> None:
+        """Pick the kernel for the module's device and compute dtype (called once, after the move to the device)."""
+        raise NotImplementedError
+
+    def _set_kernel(self, kernel: str, reason: str = "") -> None:
+        self.kernel, self.kernel_reason = kernel, reason  # a fallback's reason is logged by prepare_quantized
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dequantize(x.dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._matmul(x)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"scheme={self.scheme}, kernel={self.kernel}")
+
+
+def repack_int4(packed: dict[str, torch.Tensor], group_size: int, dtype: torch.dtype,
+                rows: int = REPACK_ROWS_BUDGET) -> int4.TorchInt4:
+    """:func:`quant.int4.to_torch_int4pack` applied to blocks of rows (a multiple of 64 rows, about ``rows``
+    weights each) and concatenated: bit-identical to the whole-matrix repack (tested), with a transient memory of
+    one block (the unpacking makes 8 bytes per weight) instead of one layer."""
+    out_f, words = packed["weight"].shape
+    step = max(64, rows // (words * int4.PACK) // 64 * 64)
+    weight = torch.empty(out_f, words * int4.PACK // 2, dtype=torch.uint8)
+    scales_and_zeros = torch.empty(packed["scales"].shape[1], out_f, 2, dtype=dtype)
+    for start in range(0, out_f, step):
+        block = int4.to_torch_int4pack({k: v[start:start + step] for k, v in packed.items()}, group_size, dtype)
+        weight[start:start + step] = block.weight
+        scales_and_zeros[:, start:start + step] = block.scales_and_zeros
+    return int4.TorchInt4(weight, group_size, scales_and_zeros)
+
+
+class Int4Linear(QuantizedLinear):
+    """int4 (MLX affine layout): ``W[r, c] = scales[r, c // g] * q[r, c] + biases[r, c // g]``.
+
+    ``torch_int4pack_cpu``: the stored tensors are repacked exactly (:func:`quant.int4.to_torch_int4pack`:
+    ``w = (q - 8) * s + z`` with ``s = scale``, ``z = bias + 8 * scale``) in the compute dtype, the MLX-layout
+    buffers are then released (one 4-bit copy stays), and ``y = aten._weight_int4pack_mm_for_cpu(x, ...)``.
+    ``dequantize``: ``y = x @ (scales * q + biases).T`` rebuilt per call.
+    """
+
+    scheme = "int4"
+    KEYS: ClassVar[dict[str, str]] = {"weight": "weight", "scales": "scales", "biases": "biases"}
+    REQUIRED = ("weight", "scales", "biases")
+
+    def _check(self, specs: Mapping[str, TensorSpec]) -> None:
+        self._expect(specs, "weight", (self.out_features, self.in_features // int4.PACK), torch.uint32)
+        groups = specs["scales"][0][-1]
+        self.group_size = self.in_features // groups if groups else 0
+        if self.group_size not in int4.GROUP_SIZES or self.group_size * groups != self.in_features:
+            raise ReleaseError(f"int4 scales {list(specs['scales'][0])} give no valid group size for in_features "
+                               f"{self.in_features} (allowed: {int4.GROUP_SIZES})")
+        self._expect(specs, "scales", (self.out_features, groups), specs["scales"][1])
+        self._expect(specs, "biases", (self.out_features, groups), specs["scales"][1])
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        packed = self.packed()
+        packed["weight"] = packed["weight"].view(torch.int32)  # same bits; unpack masks them (no uint32 math needed)
+        return int4.dequantize(packed, self.group_size, dtype)
+
+    def prepare(self) -> None:
+        if self.scales.device.type != "cpu":
+            self._set_kernel(DEQUANTIZE, f"no int4 kernel wired for {self.scales.device.type}")
+        elif self.out_features % 16:
+            self._set_kernel(DEQUANTIZE, "out_features % 16 != 0 (torch's int4 CPU kernel)")
+        elif self.compute_dtype not in KERNEL_DTYPES:
+            self._set_kernel(DEQUANTIZE, f"compute dtype {self.compute_dtype}")
+        else:
+            repacked = repack_int4(self.packed(), self.group_size, self.compute_dtype)
+            self.register_buffer("int4pack", repacked.weight, persistent=False)
+            self.register_buffer("scales_and_zeros", repacked.scales_and_zeros, persistent=False)
+            self.weight = self.scales = self.biases = None  # the kernel's copy replaces the MLX layout
+            self._set_kernel("torch_int4pack_cpu")
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "torch_int4pack_cpu":
+            repacked = int4.TorchInt4(self.int4pack, self.group_size, self.scales_and_zeros)
+            return int4.int4_matmul(x, repacked).to(x.dtype)
+        return super()._matmul(x)
+
+
+def bnb_int8_matmul(x: torch.Tensor, weight: torch.Tensor, scb: torch.Tensor) -> torch.Tensor:
+    """LLM.int8 without outliers (threshold 0): ``x`` is quantized per token, ``sx = max|x_row| / 127``,
+    ``xq = rint(x / sx)`` (from float16, as bitsandbytes does), ``acc = xq @ q.T`` in int32, and
+    ``y = acc * sx * SCB / 127²`` where ``SCB = 127 * weight_scale`` (our int8 weight is bitsandbytes' ``CB``)."""
+    import bitsandbytes.functional as bnb_f
+
+    lead = x.shape[:-1]
+    xq, sx, _ = bnb_f.int8_vectorwise_quant(x.reshape(-1, x.shape[-1]).to(torch.float16))
+    y = torch.ops.bitsandbytes.int8_scaled_mm.default(xq, weight, sx, scb, bias=None, dtype=x.dtype)
+    return y.reshape(*lead, y.shape[-1])
+
+
+class _PerRowLinear(QuantizedLinear):
+    """Shared layout of int8 and fp8: ``weight`` [out, in] (one byte each) and ``weight_scale`` float32 [out, 1]."""
+
+    KEYS: ClassVar[dict[str, str]] = {"weight": "weight", "weight_scale": "weight_scale"}
+    REQUIRED = ("weight", "weight_scale")
+    WEIGHT_DTYPE: ClassVar[torch.dtype]
+
+    def _check(self, specs: Mapping[str, TensorSpec]) -> None:
+        self._expect(specs, "weight", (self.out_features, self.in_features), self.WEIGHT_DTYPE)
+        self._expect(specs, "weight_scale", (self.out_features, 1), torch.float32)
+
+
+class Int8Linear(_PerRowLinear):
+    """int8 symmetric per row: ``W[r, c] = q[r, c] * weight_scale[r]``.
+
+    ``torch_int8pack_cpu``: ``y = aten._weight_int8pack_mm(x, q, scale)`` = ``(x @ q.T) * scale`` (weight-only;
+    the scale is cast to the activation dtype). ``bnb_int8``: :func:`bnb_int8_matmul` (activations quantized too).
+    ``dequantize``: ``y = x @ (q * scale).T`` per call.
+    """
+
+    scheme = "int8"
+    WEIGHT_DTYPE = torch.int8
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return int8.dequantize(self.packed(), dtype)
+
+    def prepare(self) -> None:
+        device = self.weight.device
+        if device.type == "cpu" and self.compute_dtype in KERNEL_DTYPES:
+            self.weight = int8.aligned(self.weight)  # the kernel crashes (SIGSEGV) on bf16 x and an unaligned weight
+            self._set_kernel("torch_int8pack_cpu")
+        elif device.type == "cuda" and nf4.bitsandbytes_available():
+            self.use_bnb_int8()
+        else:
+            self._set_kernel(DEQUANTIZE, f"no int8 kernel for {device.type} / {self.compute_dtype}"
+                             + (" (bitsandbytes is not installed)" if device.type == "cuda" else ""))
+
+    def use_bnb_int8(self) -> None:
+        """Run through :func:`bnb_int8_matmul` (CUDA's choice; bitsandbytes' CPU backend runs it too, for tests)."""
+        self.register_buffer("scb", (self.weight_scale.reshape(-1) * int8.QMAX).float(), persistent=False)
+        self._set_kernel("bnb_int8")
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "torch_int8pack_cpu":
+            return int8.int8_matmul(x, self.packed())
+        if self.kernel == "bnb_int8":
+            return bnb_int8_matmul(x, self.weight, self.scb)
+        return super()._matmul(x)
+
+
+def fp8_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale_row: torch.Tensor,
+                  out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``torch._scaled_mm`` with row-wise scales: ``sx = max|x_row| / 448``, ``xq = e4m3(x / sx)``,
+    ``y = (xq @ q.T) * sx * weight_scale.T`` (fp8 products, float32 accumulation), in ``out_dtype``."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1]).float()
+    sx = (x2.abs().amax(dim=1, keepdim=True) / fp8.FP8_MAX).clamp_(min=1e-12)
+    xq = (x2 / sx).clamp_(-fp8.FP8_MAX, fp8.FP8_MAX).to(fp8.FP8_DTYPE)
+    y = torch._scaled_mm(xq, weight.t(), scale_a=sx.contiguous(), scale_b=scale_row, out_dtype=out_dtype)
+    return y.reshape(*lead, y.shape[-1])
+
+
+class FP8Linear(_PerRowLinear):
+    """fp8 (e4m3fn, per-row scale): ``W[r, c] = float32(q[r, c]) * weight_scale[r]``.
+
+    ``dequantize`` (CPU, and CUDA below sm_89): ``y = x @ (q.float() * scale).to(x.dtype).T`` per call.
+    ``scaled_mm_rowwise`` (CUDA sm_89+): :func:`fp8_scaled_mm` (activations quantized per token to e4m3).
+    """
+
+    scheme = "fp8"
+    WEIGHT_DTYPE = fp8.FP8_DTYPE
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return fp8.dequantize(self.packed(), dtype)
+
+    def prepare(self) -> None:
+        device = self.weight.device
+        capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else (0, 0)
+        reason = (f"{device.type}: torch._scaled_mm is not used off CUDA (DESIGN §9)" if device.type != "cuda"
+                  else f"sm_{capability[0]}{capability[1]} < sm_89" if capability < (8, 9)
+                  else "in or out features % 16 != 0 (torch._scaled_mm)" if self.in_features % 16
+                  or self.out_features % 16 else "")
+        if reason:
+            self._set_kernel(DEQUANTIZE, reason)
+            return
+        probe = torch.ones(16, self.in_features, device=device, dtype=self.compute_dtype)
+        errors = []
+        for out_dtype in dict.fromkeys((self.compute_dtype, torch.bfloat16)):  # row-wise scaling may need bf16 out
+            self.use_scaled_mm(out_dtype)
+            try:
+                self._matmul(probe)
+                return
+            except RuntimeError as exc:  # an unsupported output dtype / layout is a RuntimeError in torch
+                errors.append(f"{out_dtype}: {exc}")
+        self._set_kernel(DEQUANTIZE, "torch._scaled_mm refused: " + "; ".join(errors))
+
+    def use_scaled_mm(self, out_dtype: torch.dtype) -> None:
+        """Run through :func:`fp8_scaled_mm` with output dtype ``out_dtype`` (CUDA sm_89+'s choice; torch's CPU
+        ``_scaled_mm`` runs it too, slowly, for tests only)."""
+        self.register_buffer("scale_row", self.weight_scale.reshape(1, -1).float().contiguous(), persistent=False)
+        self.fp8_out_dtype = out_dtype
+        self._set_kernel("scaled_mm_rowwise")
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "scaled_mm_rowwise":
+            return fp8_scaled_mm(x, self.weight, self.scale_row, self.fp8_out_dtype).to(x.dtype)
+        return F.linear(x, self.dequantize(x.dtype))
+
+
+class NF4Linear(QuantizedLinear):
+    """nf4 (bitsandbytes serialization): ``W = NF4_CODE[q] * absmax[block]`` over the flattened weight.
+
+    ``bnb_matmul_4bit``: ``bitsandbytes.matmul_4bit(x, weight.t(), quant_state)`` with a ``QuantState`` rebuilt from
+    the stored tensors (CPU: bitsandbytes' ``dequantize_4bit`` in the activation dtype + ``F.linear``; CUDA: its 4-bit
+    kernels). The functional call never repacks the weight (``Linear4bit``'s AVX512-BF16 repack, DESIGN §9, is a
+    module behaviour that this class does not have).
+    """
+
+    scheme = "nf4"
+    KEYS: ClassVar[dict[str, str]] = {
+        "weight": "weight", "weight.absmax": "absmax", "weight.quant_map": "quant_map",
+        nf4.QUANT_STATE_KEY: "quant_state_blob", "weight.nested_absmax": "nested_absmax",
+        "weight.nested_quant_map": "nested_quant_map",
+    }
+    REQUIRED = ("weight", "weight.absmax", "weight.quant_map", nf4.QUANT_STATE_KEY)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if not nf4.bitsandbytes_available():
+            raise ImportError(BNB_MISSING)
+        super().__init__(*args, **kwargs)
+
+    def _check(self, specs: Mapping[str, TensorSpec]) -> None:
+        n = self.out_features * self.in_features
+        self._expect(specs, "weight", ((n + 1) // 2, 1), torch.uint8)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return nf4.dequantize(self.packed(), dtype)
+
+    def prepare(self) -> None:
+        from bitsandbytes.functional import QuantState
+
+        state = {k.removeprefix("weight."): v for k, v in self.packed().items() if k != "weight"}
+        self.quant_state = QuantState.from_dict(state, self.weight.device)
+        if tuple(self.quant_state.shape) != (self.out_features, self.in_features):
+            raise ReleaseError(f"nf4 quant_state shape {list(self.quant_state.shape)} does not match the linear "
+                               f"layer [{self.out_features}, {self.in_features}]")
+        self._set_kernel("bnb_matmul_4bit")
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        import bitsandbytes
+
+        return bitsandbytes.matmul_4bit(x, self.weight.t(), quant_state=self.quant_state)
+
+
+MODULES: dict[str, type[QuantizedLinear]] = {"int4": Int4Linear, "int8": Int8Linear, "nf4": NF4Linear,
+                                             "fp8": FP8Linear}
+_MARKERS = {".scales": ("int4",), ".weight.absmax": ("nf4",), ".weight_scale": ("int8", "fp8")}
+_WEIGHT_DTYPES = {"int4": torch.uint32, "int8": torch.int8, "nf4": torch.uint8, "fp8": fp8.FP8_DTYPE}
+
+
+def quantized_prefixes(headers: Mapping[str, TensorSpec], scheme: str) -> dict[str, str]:
+    """{module path: scheme} for every quantized linear in the headers: the paths with a scheme's extra tensor
+    (``.scales``, ``.weight_scale``, ``.weight.absmax``) whose ``.weight`` has the scheme's stored dtype."""
+    if scheme not in MODULES:
+        raise ReleaseError(f"unknown quantization scheme {scheme!r} in config.json; known: {', '.join(MODULES)}")
+    found: dict[str, str] = {}
+    for name in headers:
+        for marker, schemes in _MARKERS.items():
+            if not name.endswith(marker):
+                continue
+            prefix = name[: -len(marker)]
+            weight = headers.get(prefix + ".weight")
+            if scheme not in schemes or weight is None or weight[1] != _WEIGHT_DTYPES[scheme]:
+                raise ReleaseError(f"tensor {name} (weight dtype {weight and weight[1]}) is not a {scheme} layer, "
+                                   "the scheme config.json names")
+            found[prefix] = scheme
+    return found
+
+
+def swap_linears(model: nn.Module, prefixes: Mapping[str, str], headers: Mapping[str, TensorSpec], *,
+                 dtype: torch.dtype, device: torch.device | str = "meta") -> dict[str, QuantizedLinear]:
+    """Replace the ``nn.Linear`` at each path of ``prefixes`` (path → scheme) by the scheme's module, built on
+    ``device`` (meta: no memory) with the stored tensors' shapes/dtypes from ``headers``; ``dtype`` is the compute
+    dtype. Returns {path: new module}."""
+    swapped: dict[str, QuantizedLinear] = {}
+    for prefix, scheme in prefixes.items():
+        try:
+            linear = model.get_submodule(prefix)
+        except AttributeError as exc:
+            raise ReleaseError(f"quantized tensors {prefix}.* belong to no module of the backbone") from exc
+        if not isinstance(linear, nn.Linear):
+            raise ReleaseError(f"{prefix} is a {type(linear).__name__}, not a linear layer; it cannot be {scheme}")
+        start = prefix + "."
+        specs = {k[len(start):]: v for k, v in headers.items() if k.startswith(start) and k != start + "bias"}
+        bias = None if linear.bias is None else (tuple(linear.bias.shape), linear.bias.dtype)
+        module = MODULES[scheme](linear.in_features, linear.out_features, specs, bias=bias, compute_dtype=dtype,
+                                 device=device)
+        parent, _, child = prefix.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, module)
+        swapped[prefix] = module
+    return swapped
+
+
+def prepare_quantized(model: nn.Module) -> dict[str, str]:
+    """Pick every quantized layer's kernel (once, on its device); log a summary at INFO; {path: "scheme:kernel"}."""
+    layers: dict[str, str] = {}
+    reasons: Counter[tuple[str, str]] = Counter()
+    for name, module in model.named_modules():
+        if isinstance(module, QuantizedLinear):
+            module.prepare()
+            layers[name] = f"{module.scheme}:{module.kernel}"
+            reasons[(layers[name], module.kernel_reason)] += 1
+    if reasons:
+        log.info("quantized layers: %s", "; ".join(
+            f"{count} × {kernel}" + (f" ({reason})" if reason else "") for (kernel, reason), count in reasons.items()))
+    return layers
+
+
+def kernel_counts(layers: Mapping[str, str]) -> dict[str, int]:
+    """{"scheme:kernel": number of layers} from :func:`prepare_quantized`'s result."""
+    return dict(Counter(layers.values()))

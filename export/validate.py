@@ -1,0 +1,199 @@
+"""Export validation (optimum's habit): run the reference and the variant on a fixed probe set and compare.
+
+Per question: KL(ref ‖ var) of the option distributions, a flip (the argmax changed) and max |Δp|. Over the
+probe set: mean KL, max KL, flip rate and max |Δp|; mean KL and flip rate have per-scheme thresholds
+(:data:`THRESHOLDS`, the targets of issue 4: int8/fp8 mean KL ≤ 0.002 and flips ≤ 1%, int4/nf4 mean KL ≤ 0.03 and
+flips ≤ 5%); max KL and max |Δp| are reported. The reference and the variant are loaded one after the other, so
+the peak memory is the larger of the two, not their sum.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import math
+import random
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from clef_local.errors import ClefError
+
+log = logging.getLogger(__name__)
+
+VALIDATION = "validation.json"
+METRICS = ("mean_kl", "max_kl", "flip_rate", "max_abs_dp")
+THRESHOLDS: dict[str, dict[str, float]] = {
+    "int8": {"mean_kl": 0.002, "flip_rate": 0.01},
+    "fp8": {"mean_kl": 0.002, "flip_rate": 0.01},
+    "int4": {"mean_kl": 0.03, "flip_rate": 0.05},
+    "nf4": {"mean_kl": 0.03, "flip_rate": 0.05},
+}
+SCORE_QUESTION = ("How urgent is the customer's request?",
+                  ["not urgent", "can wait a few days", "should be handled today", "needs action right now"])
+CARD_QUESTION = "Is the customer's message about a card (a debit or credit card)?"
+_EPS = 1e-12
+
+
+class ValidationFailed(ClefError):
+    """The variant's decisions moved more than the scheme's thresholds allow (or the variant did not load)."""
+
+
+def probe_requests(n: int = 64, seed: int = 0, root: Path | None = None) -> list[dict[str, Any]]:
+    """``n`` SystemOne requests from ``clef_local.datasets``, the same for the same ``seed``.
+
+    Half are BANKING77 test messages as a choice over 8–16 intents (the gold one included), a quarter NLU++
+    banking messages with 4 noul questions each, the rest BANKING77 messages with a score question (urgency, 4
+    levels) and a noul question. FileNotFoundError when the datasets cannot be found.
+    """
+    from clef_local.datasets import banking77_intents, banking77_request, banking77_rows, nlupp_intents, nlupp_rows
+
+    rng = random.Random(seed)
+    intents = list(banking77_intents(root))
+    rows = banking77_rows("test", root)
+    n_choice, n_noul = n // 2, n // 4
+    requests = []
+    for text, gold in rng.sample(rows, n_choice):
+        options = [gold, *rng.sample([i for i in intents if i != gold], rng.randint(7, 15))]
+        rng.shuffle(options)
+        requests.append(banking77_request(text, options))
+    questions = nlupp_intents(root)
+    names = sorted(questions)
+    for text, _gold in rng.sample(nlupp_rows(range(16, 20), root), n_noul):
+        chosen = rng.sample(names, 4)
+        requests.append({"model": "clef-local", "state": text,
+                         "questions": {q: {"type": "noul", "instructions": questions[q]} for q in chosen}})
+    for text, _gold in rng.sample(rows, n - n_choice - n_noul):
+        requests.append({"model": "clef-local", "state": text, "questions": {
+            "urgency": {"type": "score", "instructions": SCORE_QUESTION[0], "criteria": list(SCORE_QUESTION[1])},
+            "about_card": {"type": "noul", "instructions": CARD_QUESTION}}})
+    return requests
+
+
+def compare(reference: Sequence[Sequence[np.ndarray]], variant: Sequence[Sequence[np.ndarray]]) -> dict[str, Any]:
+    """Metrics of the variant's option probabilities against the reference's (one list per request)."""
+    kls, flips, dps = [], [], []
+    for ref_q, var_q in zip(reference, variant, strict=True):
+        for p, q in zip(ref_q, var_q, strict=True):
+            p64, q64 = np.asarray(p, np.float64), np.asarray(q, np.float64)
+            kl = float(np.sum(p64 * (np.log(np.clip(p64, _EPS, None)) - np.log(np.clip(q64, _EPS, None)))))
+            kls.append(max(kl, 0.0))
+            flips.append(int(np.argmax(p64) != np.argmax(q64)))
+            dps.append(float(np.max(np.abs(p64 - q64))))
+    if not kls:
+        raise ValueError("no questions to compare")
+    return {"questions": len(kls), "mean_kl": float(np.mean(kls)), "max_kl": float(np.max(kls)),
+            "flip_rate": float(np.mean(flips)), "flips": int(np.sum(flips)), "max_abs_dp": float(np.max(dps))}
+
+
+def _probabilities(path: Path, requests: Sequence[dict[str, Any]], dtype: str | None,
+                   batch_size: int) -> list[list[np.ndarray]]:
+    import clef_local
+
+    model = clef_local.load(path, dtype=dtype)
+    try:
+        return [p.probabilities for p in model.predict(requests, truncate_state=True, batch_size=batch_size)]
+    finally:
+        del model
+        gc.collect()
+
+
+def _result(reference_dir: Path, variant_dir: Path, requests: Sequence[dict[str, Any]],
+            ref: Sequence[Sequence[np.ndarray]], var: Sequence[Sequence[np.ndarray]],
+            thresholds: Mapping[str, float], dtype: str | None, started: float) -> dict[str, Any]:
+    metrics = compare(ref, var)
+    checks = {}
+    for name in METRICS:
+        limit = thresholds.get(name)
+        checks[name] = {"value": metrics[name], "threshold": limit,
+                        "ok": limit is None or (math.isfinite(metrics[name]) and metrics[name] <= limit)}
+    failed = [f"{name} {c['value']:.6g} > {c['threshold']:g}" for name, c in checks.items() if not c["ok"]]
+    for name, c in checks.items():
+        limit = "reported" if c["threshold"] is None else f"≤ {c['threshold']:g}"
+        log.info("validation %s %-10s %.6g (%s)", "✓" if c["ok"] else "✗", name, c["value"], limit)
+    return {"reference": str(reference_dir), "variant": str(variant_dir), "requests": len(requests),
+            "questions": metrics["questions"], "flips": metrics["flips"], "dtype": dtype or "as stored",
+            "metrics": {k: metrics[k] for k in METRICS}, "thresholds": dict(thresholds), "checks": checks,
+            "passed": not failed, "failed": failed, "seconds": round(time.perf_counter() - started, 2)}
+
+
+def validate_variant(reference_dir: str | Path, variant_dir: str | Path, requests: Sequence[dict[str, Any]],
+                     thresholds: Mapping[str, float], *, dtype: str | None = None,
+                     batch_size: int = 8) -> dict[str, Any]:
+    """Run ``requests`` through the reference and then the variant (each loaded with ``clef_local.load``) and
+    compare. ``thresholds`` maps metric names (:data:`METRICS`) to their maximum. Returns a dict with
+    ``metrics``, ``thresholds``, ``checks`` ({metric: {value, threshold, ok}}), ``passed`` and ``failed`` (one
+    "metric value > threshold" line per failing metric); exceptions of either load propagate."""
+    started = time.perf_counter()
+    ref = _probabilities(Path(reference_dir), requests, dtype, batch_size)
+    var = _probabilities(Path(variant_dir), requests, dtype, batch_size)
+    return _result(Path(reference_dir), Path(variant_dir), requests, ref, var, thresholds, dtype, started)
+
+
+def validation_table(result: Mapping[str, Any]) -> Any:
+    """A rich Table of the checks: metric, value, threshold, ✓/✗."""
+    from rich.table import Table
+
+    table = Table(title=f"validation: {result['requests']} requests, {result['questions']} questions",
+                  caption=f"{result['flips']} flipped decisions")
+    for column in ("metric", "value", "threshold", ""):
+        table.add_column(column, justify="right" if column in ("value", "threshold") else "left")
+    for name, c in result["checks"].items():
+        mark = "[green]✓[/green]" if c["ok"] else "[red]✗[/red]"
+        table.add_row(name, f"{c['value']:.6g}", "—" if c["threshold"] is None else f"{c['threshold']:g}", mark)
+    return table
+
+
+def _available_memory() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _skip(variant_dir: Path, reason: str) -> dict[str, Any]:
+    log.warning("validation skipped: %s", reason)
+    result = {"skipped": reason}
+    (variant_dir / VALIDATION).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    return result
+
+
+def validate_export(reference_dir: Path, variant_dir: Path, scheme: str, n: int = 64, seed: int = 0,
+                    dtype: str | None = None, variant_name: str | Path | None = None) -> dict[str, Any]:
+    """Validation as the export runs it: probe set, scheme thresholds, ``validation.json`` in the variant;
+    skipped (and recorded) when the datasets or the reference are unavailable; :class:`ValidationFailed`
+    naming each failing metric and its value when a threshold is exceeded or the variant does not load.
+    ``variant_name`` is recorded instead of ``variant_dir`` (the export validates its temporary directory)."""
+    from clef_local.release import read_release
+
+    started = time.perf_counter()
+    try:
+        requests = probe_requests(n, seed)
+    except (FileNotFoundError, OSError, ValueError) as exc:
+        return _skip(variant_dir, f"probe set unavailable ({exc})")
+    needed = int(1.2 * read_release(reference_dir).weight_bytes)
+    available = _available_memory()
+    if available is not None and needed > available:
+        return _skip(variant_dir, f"the reference needs about {needed / 1e9:.1f} GB, {available / 1e9:.1f} GB free")
+    try:
+        ref = _probabilities(reference_dir, requests, dtype, 8)
+    except (Exception, MemoryError) as exc:
+        return _skip(variant_dir, f"the reference could not be loaded or run ({type(exc).__name__}: {exc})")
+    try:
+        var = _probabilities(variant_dir, requests, dtype, 8)
+    except Exception as exc:
+        raise ValidationFailed(f"the variant could not be loaded or run for validation ({type(exc).__name__}: "
+                               f"{exc}); pass --no-validate to export without validating") from exc
+    result = _result(reference_dir, Path(variant_name or variant_dir), requests, ref, var, THRESHOLDS[scheme],
+                     dtype, started)
+    (variant_dir / VALIDATION).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    if result["failed"]:
+        raise ValidationFailed(f"{scheme} variant fails validation: " + ", ".join(result["failed"]))
+    return result

@@ -1,0 +1,93 @@
+"""CUDA kernels of quantized variants (run by benchmarks/gpu_check.sh on a GPU machine; skipped cleanly without CUDA).
+
+Tolerances (bf16 activations, error / max |x @ W.T| against dequantize-then-matmul in float32): nf4 through
+bitsandbytes ≤ 1e-2; int4 dequantize ≤ 1e-2; int8 through bitsandbytes (activations quantized per token to int8)
+≤ 3e-2; fp8 through ``torch._scaled_mm`` on sm_89+ (activations quantized per token to e4m3) ≤ 5e-2. A variant's
+decisions on CUDA in bf16 vs the same variant on CPU in float32: max |Δp| ≤ 0.05 (the bound of test_cuda.py's bf16
+backbone).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from request_gen import varied_requests
+from test_variant_loading import GROUP, make_variant
+from torch import nn
+
+import clef_local
+from clef_local import quant
+from clef_local.backends import quantized as ql
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+SM89 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+CUDA_KERNEL = {"int4": "dequantize", "int8": "bnb_int8", "nf4": "bnb_matmul_4bit",
+               "fp8": "scaled_mm_rowwise" if SM89 else "dequantize"}
+TOLERANCE = {"int4": 1e-2, "int8": 3e-2, "nf4": 1e-2, "fp8": 5e-2}
+
+
+def _cuda_layer(scheme: str, dtype: torch.dtype, out_f: int = 256, in_f: int = 512):
+    """One linear layer of ``scheme`` loaded the two-phase way and prepared on CUDA; its float32 dequantized W."""
+    group = GROUP[scheme] or quant.get(scheme).default_group_size
+    weight = torch.randn(out_f, in_f, generator=torch.Generator().manual_seed(0)) * 0.02
+    stored = quant.get(scheme).quantize(weight.to(torch.bfloat16), group)
+    state = {f"0.{k}": v for k, v in stored.items()}
+    headers = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(in_f, out_f, bias=False))
+    ql.swap_linears(model, ql.quantized_prefixes(headers, scheme), headers, dtype=dtype)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.to("cuda")
+    layers = ql.prepare_quantized(model)
+    return model[0], quant.get(scheme).dequantize(stored, group, torch.float32).cuda(), layers
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("scheme", list(GROUP))
+def test_cuda_layer_matches_dequantize_then_matmul(scheme: str, dtype: torch.dtype):
+    if scheme in ("int8", "nf4"):
+        pytest.importorskip("bitsandbytes")
+    layer, weight, layers = _cuda_layer(scheme, dtype)
+    assert layers == {"0": f"{scheme}:{CUDA_KERNEL[scheme]}"}, layer.kernel_reason
+    worst = 0.0
+    for tokens in (1, 21):  # bitsandbytes takes a gemv path for one token
+        x = torch.randn(tokens, weight.shape[1], device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+        x = x.to(dtype)
+        with torch.inference_mode():
+            y = layer(x)
+        assert y.dtype == dtype and y.device.type == "cuda"
+        reference = x.float() @ weight.T
+        worst = max(worst, float((y.float() - reference).abs().max() / reference.abs().max()))
+    print(f"cuda {scheme} {dtype} via {layer.kernel}: max error / max |x @ W.T| = {worst:.2e}")
+    assert worst <= TOLERANCE[scheme]
+
+
+@pytest.mark.skipif(not SM89, reason="torch._scaled_mm with fp8 needs sm_89+")
+def test_fp8_scaled_mm_is_not_a_silent_dequantize():
+    layer, _, _ = _cuda_layer("fp8", torch.bfloat16)
+    assert layer.kernel == "scaled_mm_rowwise" and layer.scale_row.shape == (1, layer.out_features)
+
+
+@pytest.fixture(scope="module")
+def llama_variants(tmp_path_factory, tiny_llama):
+    root = tmp_path_factory.mktemp("cuda-variants")
+    return {s: make_variant(tiny_llama, root / s, s, GROUP[s]) for s in GROUP}
+
+
+@pytest.mark.parametrize("scheme", list(GROUP))
+def test_variant_decides_on_cuda_close_to_cpu(llama_variants, scheme: str):
+    if scheme in ("int8", "nf4"):
+        pytest.importorskip("bitsandbytes")
+    cpu = clef_local.load(llama_variants[scheme], dtype="float32")
+    gpu = clef_local.load(llama_variants[scheme], device="cuda", dtype="bfloat16")
+    kernels = gpu.describe()["kernels"]
+    assert kernels == {f"{scheme}:{CUDA_KERNEL[scheme]}": len(cpu.backend.backbone.layers)}
+    requests = varied_requests(12, seed=7)[:9]
+    worst = max(float(np.abs(a - b).max())
+                for c, g in zip(cpu.predict(requests), gpu.predict(requests), strict=True)
+                for a, b in zip(c.probabilities, g.probabilities, strict=True))
+    print(f"{scheme}: max |Δp| cuda bf16 ({kernels}) vs cpu float32: {worst:.2e}")
+    assert worst <= 0.05

@@ -1,0 +1,176 @@
+"""Export validation: the probe set, metrics against an identical and a broken copy, skips, and export failure."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from clef_local.export import validate
+from clef_local.export.quantize import main as quantize_main
+from clef_local.export.quantize import quantize_release
+from clef_local.export.validate import (
+    METRICS,
+    THRESHOLDS,
+    ValidationFailed,
+    compare,
+    probe_requests,
+    validate_export,
+    validate_variant,
+    validation_table,
+)
+from clef_local.manifest import read_manifest, verify
+from clef_local.schema import validate_request
+
+
+def _datasets_or_skip() -> None:
+    from clef_local.datasets import datasets_dir
+
+    try:
+        datasets_dir()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="module")
+def probes() -> list[dict]:
+    _datasets_or_skip()
+    return probe_requests()
+
+
+@pytest.fixture(scope="module")
+def requests(probes: list[dict]) -> list[dict]:
+    """Every 4th probe (8 choice, 4 noul, 4 score requests): the tiny model runs 64 in ~6 s, 16 in ~1.5 s."""
+    return probes[::4]
+
+
+@pytest.fixture(scope="module")
+def copies(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """An identical copy of the tiny llama release and a broken one (its head's residual scorer scaled by -50)."""
+    root = tmp_path_factory.mktemp("copies")
+    same = shutil.copytree(tiny_llama, root / "same")
+    broken = shutil.copytree(tiny_llama, root / "broken")
+    head = load_file(broken / "joint_head.safetensors")
+    head["residual_scorer.3.weight"] = head["residual_scorer.3.weight"] * -50
+    save_file(head, broken / "joint_head.safetensors", metadata={"format": "pt"})
+    return {"same": same, "broken": broken}
+
+
+def test_probe_requests_are_fixed_mixed_and_valid(probes: list[dict]) -> None:
+    requests = probes
+    assert len(requests) >= 64 and requests == probe_requests(64, seed=0)
+    assert probe_requests(64, seed=1) != requests and len(probe_requests(100)) == 100
+    kinds = [{q["type"] for q in r["questions"].values()} for r in requests]
+    choice = [r for r, k in zip(requests, kinds, strict=True) if k == {"choice"}]
+    assert len(choice) == 32 and all(8 <= len(r["questions"]["intent"]["criteria"]) <= 16 for r in choice)
+    assert sum(k == {"noul"} for k in kinds) == 16 and sum(k == {"score", "noul"} for k in kinds) == 16
+    for request in requests:
+        validate_request(request)
+
+
+def test_compare_metrics_by_hand() -> None:
+    import numpy as np
+
+    ref = [[np.array([0.7, 0.3]), np.array([0.2, 0.5, 0.3])]]
+    var = [[np.array([0.4, 0.6]), np.array([0.2, 0.5, 0.3])]]
+    m = compare(ref, var)
+    kl = 0.7 * np.log(0.7 / 0.4) + 0.3 * np.log(0.3 / 0.6)
+    assert m["questions"] == 2 and m["flips"] == 1 and m["flip_rate"] == 0.5
+    assert m["mean_kl"] == pytest.approx(kl / 2) and m["max_kl"] == pytest.approx(kl)
+    assert m["max_abs_dp"] == pytest.approx(0.3)
+
+
+def test_identical_copy_passes_with_zero_divergence(tiny_llama: Path, copies, requests) -> None:
+    result = validate_variant(tiny_llama, copies["same"], requests, THRESHOLDS["int8"], dtype="float32")
+    assert result["passed"] and result["failed"] == []
+    assert result["metrics"] == dict.fromkeys(METRICS, 0.0)
+    assert result["requests"] == 16 and result["questions"] == 8 + 4 * 4 + 4 * 2
+    assert all(c["ok"] for c in result["checks"].values())
+    assert "✓" in _render(result) and "✗" not in _render(result)
+
+
+def _render(result: dict) -> str:
+    from rich.console import Console
+
+    console = Console(record=True, width=100)
+    console.print(validation_table(result))
+    return console.export_text()
+
+
+def test_broken_head_fails_naming_the_metrics(tiny_llama: Path, copies, requests) -> None:
+    result = validate_variant(tiny_llama, copies["broken"], requests, THRESHOLDS["int4"], dtype="float32")
+    assert not result["passed"]
+    failed = {line.split()[0] for line in result["failed"]}
+    assert failed == {"mean_kl", "flip_rate"}
+    assert result["metrics"]["flip_rate"] > 0.2 and result["metrics"]["mean_kl"] > 0.03
+    assert result["checks"]["max_kl"]["ok"] and result["checks"]["max_kl"]["threshold"] is None  # reported only
+    assert "✗" in _render(result)
+
+
+def test_validate_export_records_and_raises(tiny_llama: Path, copies, requests, tmp_path: Path) -> None:
+    broken = shutil.copytree(copies["broken"], tmp_path / "broken")
+    with pytest.raises(ValidationFailed, match=r"mean_kl [0-9.e-]+ > 0\.002.*flip_rate [0-9.e-]+ > 0\.01"):
+        validate_export(tiny_llama, broken, "int8", n=16, dtype="float32")
+    stored = json.loads((broken / "validation.json").read_text())
+    assert stored["passed"] is False and stored["thresholds"] == THRESHOLDS["int8"]
+
+
+def test_validation_is_skipped_and_recorded(tiny_llama: Path, copies, tmp_path: Path, monkeypatch) -> None:
+    same = shutil.copytree(copies["same"], tmp_path / "same")
+    monkeypatch.setattr(validate, "_available_memory", lambda: 1000)
+    assert "GB free" in validate_export(tiny_llama, same, "int8")["skipped"]
+    monkeypatch.undo()
+
+    def no_data(*args, **kwargs):
+        raise FileNotFoundError("BANKING77/NLU++ not found")
+
+    monkeypatch.setattr(validate, "probe_requests", no_data)
+    assert "probe set unavailable" in validate_export(tiny_llama, same, "int8")["skipped"]
+    monkeypatch.undo()
+
+    def no_reference(path, *args):
+        if Path(path) == Path(tiny_llama):
+            raise MemoryError("cannot allocate")
+        raise AssertionError("the variant is not run when the reference was skipped")
+
+    monkeypatch.setattr(validate, "_probabilities", no_reference)
+    result = validate_export(tiny_llama, same, "int8")
+    assert result == {"skipped": "the reference could not be loaded or run (MemoryError: cannot allocate)"}
+    assert json.loads((same / "validation.json").read_text()) == result
+
+
+def test_failed_validation_fails_the_export_and_removes_the_temp(tiny_llama: Path, tmp_path: Path,
+                                                                 monkeypatch) -> None:
+    seen = []
+
+    def failing(reference, variant, scheme, *args, **kwargs):
+        seen.append(Path(variant))
+        assert (Path(variant) / "config.json").is_file()  # runs on the complete temp directory
+        raise ValidationFailed(f"{scheme} variant fails validation: mean_kl 0.5 > 0.03")
+
+    monkeypatch.setattr(validate, "validate_export", failing)
+    out = tmp_path / "v"
+    with pytest.raises(ValidationFailed, match=r"mean_kl 0\.5 > 0\.03"):
+        quantize_release(tiny_llama, out, "int4")
+    assert seen and seen[0].name.startswith(".v.tmp-") and not seen[0].exists()
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+    assert quantize_main(["--model", str(tiny_llama), "--format", "nf4", "--out", str(out)]) == 1
+
+
+@pytest.mark.skipif(importlib.util.find_spec("clef_local.backends.quantized") is None,
+                    reason="the variant loader (clef_local.backends.quantized) is not there yet")
+def test_export_with_validation_end_to_end(tiny_llama: Path, tmp_path: Path, capsys) -> None:
+    _datasets_or_skip()
+    out = tmp_path / "int4"
+    assert quantize_main(["--model", str(tiny_llama), "--bits", "4", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "validation: 64 requests" in printed and "mean_kl" in printed
+    stored = json.loads((out / "validation.json").read_text())
+    assert stored["passed"] and stored["metrics"]["mean_kl"] <= THRESHOLDS["int4"]["mean_kl"]
+    assert "validation.json" in read_manifest(out)["files"] and verify(out) == []
+    assert not torch.isnan(torch.tensor(list(stored["metrics"].values()))).any()

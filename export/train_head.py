@@ -261,14 +261,16 @@ def evaluate(head: JointSchemaHead, items: Sequence[int], encoded, hidden, gold,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="clef-local train-head", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="clef-local train-head",
+        description="Train a joint schema head on a frozen backbone. Backbone hidden states are cached under --work "
+                    "and a checkpoint is kept after every epoch, so an interrupted run resumes where it stopped.")
     parser.add_argument("--backbone", required=True, type=Path, help="backbone directory (config, weights, tokenizer)")
     parser.add_argument("--data", default="demo", help="'demo' (BANKING77 + NLU++ folds 0-15) or a JSONL file of "
                                                       '{"request": ..., "labels": {qid: answer}} lines')
     parser.add_argument("--out", required=True, type=Path, help="where to write joint_head.safetensors + config")
     parser.add_argument("--work", type=Path, help="cache and checkpoints (default: OUT.work); resumable")
-    parser.add_argument("--epochs", type=int, default=TrainConfig.epochs)
+    parser.add_argument("--epochs", type=int, default=TrainConfig.epochs, help="passes over the training records")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (caching and training)")
     parser.add_argument("--banking77", type=int, default=2000, help="BANKING77 training records (demo data)")
     parser.add_argument("--nlupp", type=int, default=1660, help="NLU++ training records (demo data)")

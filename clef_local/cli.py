@@ -61,6 +61,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Serve the SystemOne HTTP API (POST /v1/systemone) with dynamic batching."""
+    from clef_local.server import serve
+
+    return serve(args.model or (), host=args.host, port=args.port, api_key=args.api_key, max_batch=args.max_batch,
+                 max_wait_ms=args.max_wait_ms, max_queue=args.max_queue, confidence=args.confidence,
+                 dtype=args.dtype, device=args.device, log_level="debug" if args.verbose > 1 else "info")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="clef-local",
                                      description="Run Clef decision models on this machine, offline.")
@@ -87,6 +96,25 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = sub.add_parser("inspect", help="describe a release", description=cmd_inspect.__doc__)
     add_model_args(inspect)
     inspect.set_defaults(func=cmd_inspect)
+
+    serve = sub.add_parser("serve", help="serve the /v1/systemone HTTP API", description=cmd_serve.__doc__)
+    serve.add_argument("--model", action="append", metavar="NAME=DIR",
+                       help="a release to serve under NAME (repeatable; the first also answers the Jev aliases "
+                            "jev-latest and jev-preview); default: the built-in default model as clef-local")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, this machine only)")
+    serve.add_argument("--port", type=int, default=8077, help="port (default 8077)")
+    serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: no auth)")
+    serve.add_argument("--max-batch", type=int, default=8, help="most requests in one batch (1: no batching)")
+    serve.add_argument("--max-wait-ms", type=float, default=5.0,
+                       help="how long a batch waits for more requests after its first (default 5)")
+    serve.add_argument("--max-queue", type=int, default=64,
+                       help="most requests waiting; beyond it the server answers 429 with Retry-After")
+    serve.add_argument("--confidence", choices=["jev", "reference"], default="jev",
+                       help="jev: distance from uniform (default); reference: peak probability")
+    serve.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                       help="backbone compute dtype (auto: as stored)")
+    serve.add_argument("--device", help="device to load on (default: the loader's default)")
+    serve.set_defaults(func=cmd_serve)
     for name, (_, help_text) in MODULE_COMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)  # listed here, parsed by the module
     return parser

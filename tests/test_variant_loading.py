@@ -367,10 +367,19 @@ def test_int4_load_peak_memory_stays_below_the_bf16_size(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     def build(path: Path, hidden: int, layers: int) -> Path:
+        """A tiny llama release (tokenizer, head files) whose backbone is replaced by a bigger one."""
+        from clef_local.head import HeadConfig, JointSchemaHead
+        from clef_local.testing import build_tiny_release
+
+        build_tiny_release(path, backbone="llama", seed=0)
         torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=512, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+        config = LlamaConfig(vocab_size=520, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
                              num_attention_heads=8, num_key_value_heads=8, tie_word_embeddings=True)
         LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+        head = HeadConfig(hidden_size=hidden, width=32, routing_layers=1, layers=1, heads=4, feedforward=64)
+        save_file(JointSchemaHead(head).state_dict(), path / "joint_head.safetensors")
+        (path / "joint_head_config.json").write_text(json.dumps(
+            {k: v for k, v in head.to_json_dict().items() if k != "dropout"}))
         return make_variant(path, path.with_name(path.name + "-int4"), "int4", 64)
 
     variant, tiny = build(tmp_path / "big", 768, 4), build(tmp_path / "tiny", 64, 1)

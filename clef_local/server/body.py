@@ -1,0 +1,174 @@
+"""Request bodies, from bytes on the wire to a JSON value, with every failure a 4xx (no web framework here).
+
+Size is bounded twice: the raw body (``max_bytes``, 413 before anything is decoded) and the decompressed body
+(the same limit, enforced while decompressing, so a small zstd bomb cannot expand past it). JSON that Python
+would accept but the rest of the pipeline could not handle is refused here, at the door: ``NaN``/``Infinity``,
+nesting deeper than :data:`MAX_DEPTH`, and lone UTF-16 surrogates (``"\\ud800"``), which the tokenizer cannot
+encode. What is refused here never reaches the inference thread.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import zlib
+from typing import Any
+
+from clef_local.errors import ClefError, RequestValidationError
+
+MAX_DEPTH = 64  # nesting levels of objects and arrays; real states are far shallower
+_CHUNK = 1 << 16
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
+
+
+class BodyTooLargeError(ClefError):
+    """The body (raw or decompressed) is over the server's limit (HTTP 413)."""
+
+    status_code = 413
+    error_type = "request_too_large"
+
+
+class BadEncodingError(ClefError):
+    """A ``Content-Encoding`` body that does not decompress (HTTP 400)."""
+
+    status_code = 400
+    error_type = "invalid_content_encoding"
+
+
+class UnsupportedEncodingError(ClefError):
+    """A ``Content-Encoding`` this server does not read (HTTP 415)."""
+
+    status_code = 415
+    error_type = "unsupported_media_type"
+
+
+def _zstd_module() -> Any:
+    try:
+        from compression import zstd  # Python 3.14+
+    except ImportError:
+        from backports import zstd  # the serve extra installs it before 3.14 (as typesafe-sdk[zstd] does)
+    return zstd
+
+
+def _zstd(data: bytes, limit: int) -> bytes:
+    """Every frame of ``data``, decompressed a chunk at a time so that output past ``limit`` is never made."""
+    zstd = _zstd_module()
+    out = bytearray()
+    pending = data
+    try:
+        while pending:
+            decoder = zstd.ZstdDecompressor()
+            chunk = decoder.decompress(pending, _CHUNK)
+            while True:
+                out += chunk
+                if len(out) > limit:
+                    raise BodyTooLargeError(f"the zstd body decompresses to more than {limit} bytes")
+                if decoder.eof or decoder.needs_input:
+                    break
+                chunk = decoder.decompress(b"", _CHUNK)
+            if not decoder.eof:
+                raise BadEncodingError("the zstd body is truncated")
+            pending = decoder.unused_data
+    except zstd.ZstdError as exc:
+        raise BadEncodingError(f"the body is not valid zstd: {exc}") from None
+    return bytes(out)
+
+
+def _zlib(data: bytes, limit: int, wbits: int, name: str) -> bytes:
+    decoder = zlib.decompressobj(wbits)
+    out = bytearray()
+    try:
+        pending = data
+        while pending:
+            out += decoder.decompress(pending, _CHUNK)
+            if len(out) > limit:
+                raise BodyTooLargeError(f"the {name} body decompresses to more than {limit} bytes")
+            pending = decoder.unconsumed_tail
+            if decoder.eof:
+                break
+        out += decoder.flush()
+    except zlib.error as exc:
+        raise BadEncodingError(f"the body is not valid {name}: {exc}") from None
+    if not decoder.eof:
+        raise BadEncodingError(f"the {name} body is truncated")
+    if len(out) > limit:
+        raise BodyTooLargeError(f"the {name} body decompresses to more than {limit} bytes")
+    return bytes(out)
+
+
+def decode_content(data: bytes, encoding: str | None, limit: int) -> bytes:
+    """Undo ``Content-Encoding`` (zstd, gzip, deflate, identity; a comma list is applied right to left)."""
+    codings = [c.strip().lower() for c in (encoding or "").split(",") if c.strip()]
+    for coding in reversed(codings):
+        if coding == "zstd":
+            data = _zstd(data, limit)
+        elif coding in ("gzip", "x-gzip"):
+            data = _zlib(data, limit, 16 + zlib.MAX_WBITS, "gzip")
+        elif coding == "deflate":
+            data = _zlib(data, limit, zlib.MAX_WBITS, "deflate")
+        elif coding != "identity":
+            raise UnsupportedEncodingError(f"Content-Encoding {coding[:40]!r} is not supported; "
+                                           "send zstd, gzip, deflate or an uncompressed body")
+    return data
+
+
+def _invalid(msg: str, error_type: str = "json_invalid", loc: list[Any] | None = None) -> RequestValidationError:
+    return RequestValidationError([{"loc": ["body", *(loc or [])], "msg": msg, "type": error_type}])
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_json(data: bytes) -> Any:
+    """Parse a JSON body; anything unusable raises :class:`RequestValidationError` (HTTP 422)."""
+    try:
+        text = data.decode("utf-8-sig") if data.startswith(b"\xef\xbb\xbf") else data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _invalid(f"the body is not UTF-8: invalid byte at position {exc.start}", "json_invalid",
+                       [exc.start]) from None
+    if not text.strip():
+        raise _invalid("the request body is empty; send a JSON object with model, state and questions", "missing")
+    try:
+        value = json.loads(text, parse_constant=_reject_constant)
+    except json.JSONDecodeError as exc:
+        raise _invalid(f"JSON decode error: {exc.msg} (line {exc.lineno}, column {exc.colno})", "json_invalid",
+                       [exc.pos]) from None
+    except RecursionError:
+        raise _invalid(f"JSON nested more than {MAX_DEPTH} levels deep", "json_too_deep") from None
+    except ValueError as exc:  # NaN/Infinity, integers with too many digits
+        raise _invalid(f"JSON decode error: {exc}", "json_invalid") from None
+    check_value(value, surrogates=bool(_SURROGATE_ESCAPE.search(data)))
+    return value
+
+
+def check_value(value: Any, *, surrogates: bool = True) -> None:
+    """Refuse nesting deeper than :data:`MAX_DEPTH` and (when ``surrogates``) strings with lone surrogates.
+
+    Iterative, so a hostile document cannot exhaust the stack here either.
+    """
+    if isinstance(value, str):
+        if surrogates:
+            _check_text(value)
+        return
+    stack: list[tuple[Any, int]] = [(value, 1)] if isinstance(value, dict | list) else []
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise _invalid(f"JSON nested more than {MAX_DEPTH} levels deep", "json_too_deep")
+        items: Any = node.items() if isinstance(node, dict) else enumerate(node)
+        for key, child in items:
+            if surrogates:
+                for text in (key, child):
+                    if isinstance(text, str):
+                        _check_text(text)
+            if isinstance(child, dict | list):
+                stack.append((child, depth + 1))
+
+
+def _check_text(text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise _invalid(f"a string contains a lone UTF-16 surrogate (\\u{ord(text[exc.start]):04x}); "
+                       "send valid Unicode", "string_unicode") from None

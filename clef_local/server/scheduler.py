@@ -1,0 +1,253 @@
+"""Dynamic batching: concurrent requests become one padded ``decide_batch`` on a single inference thread.
+
+The event loop never runs a model. ``submit`` puts a validated request on a queue and awaits its answer; one
+collector task takes the first waiting request, keeps collecting until ``max_batch`` requests are in hand or
+``max_wait_ms`` have passed since the first, groups them by model and hands each group to ONE worker thread
+(torch is not safe for concurrent forwards on one model) as one padded ``decide_batch``. A group of very
+different lengths is first split so that padding never costs more than :data:`PAD_WASTE` times the real work
+(one 8K-token request would otherwise pad seven short ones to 8K). While that thread computes, new requests
+queue up and form the next batch. A full queue raises :class:`QueueFullError` (HTTP 429 with ``Retry-After``).
+
+Errors stay with the request that caused them: requests are validated before they are queued, and if a batch
+still fails (a state too long for the context, images, anything the model refuses), its requests are re-run
+one by one, so each gets its own answer or its own error. The numbers are those of ``decide_batch``, which are
+those of one-by-one ``decide`` (padding-independent, within float noise).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from clef_local.errors import ClefError
+from clef_local.server.metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+
+
+class QueueFullError(ClefError):
+    """The scheduler's queue is full (HTTP 429, ``rate_limit_error``); retry after ``retry_after`` seconds."""
+
+    status_code = 429
+    error_type = "rate_limit_error"
+
+    def __init__(self, message: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class ShuttingDownError(ClefError):
+    """The server is stopping and takes no new work (HTTP 503)."""
+
+    status_code = 503
+    error_type = "unavailable"
+
+
+PAD_WASTE = 1.5  # a padded sub-batch may cost at most this many times its requests' own tokens
+
+
+def estimate_cost(request: Mapping[str, Any], body_bytes: int) -> float:
+    """Roughly proportional to a request's prompt tokens: its JSON size plus the prompt's per-question and
+    per-option template text (DESIGN §2.1); only used to keep similar lengths together in a padded batch."""
+    questions = request.get("questions")
+    options = 0
+    if isinstance(questions, Mapping):
+        for question in questions.values():
+            criteria = question.get("criteria") if isinstance(question, Mapping) else None
+            kind = question.get("type") if isinstance(question, Mapping) else None
+            options += 2 if kind == "noul" else len(criteria) if isinstance(criteria, Mapping | list) else 0
+    count = len(questions) if isinstance(questions, Mapping) else 0
+    return 300.0 + body_bytes + 60.0 * count + 40.0 * options
+
+
+def split_by_length(costs: Sequence[float], waste: float = PAD_WASTE) -> list[list[int]]:
+    """Indices grouped so that padding each group to its longest member wastes at most ``waste``× its cost.
+
+    Sorted by cost; a request joins the current group while ``size × its cost ≤ waste × the group's total``.
+    """
+    groups: list[list[int]] = []
+    total = 0.0
+    for i in sorted(range(len(costs)), key=lambda k: costs[k]):
+        if groups and (len(groups[-1]) + 1) * costs[i] <= waste * (total + costs[i]):
+            groups[-1].append(i)
+            total += costs[i]
+        else:
+            groups.append([i])
+            total = costs[i]
+    return groups
+
+
+@dataclass
+class _Job:
+    model: str
+    request: dict[str, Any]
+    future: asyncio.Future[dict[str, Any]]
+    cost: float = 0.0
+    enqueued: float = field(default_factory=time.perf_counter)
+
+
+class BatchScheduler:
+    """Collects requests into batches and runs them on one inference thread."""
+
+    def __init__(self, models: Mapping[str, Any], *, max_batch: int = 8, max_wait_ms: float = 5.0,
+                 max_queue: int = 64, confidence: str = "jev", metrics: ServerMetrics | None = None) -> None:
+        self.models = models
+        self.max_batch = max_batch
+        self.max_wait = max_wait_ms / 1000.0
+        self.max_queue = max_queue
+        self.confidence = confidence
+        self.metrics = metrics
+        self._queue: deque[_Job] = deque()
+        self._wakeup: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._closing = False
+        self._running = 0  # requests in the batch being computed
+        self._taken: list[_Job] = []  # the collected batch: taken off the queue, not all answered yet
+        self._batch_seconds = 0.05  # moving average, for Retry-After
+
+    # ------------------------------------------------------------------ state
+    @property
+    def queue_depth(self) -> int:
+        """Requests waiting for the inference thread."""
+        return len(self._queue)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests in the batch being computed now."""
+        return self._running
+
+    def retry_after(self) -> float:
+        """Seconds until the queue has likely drained by one batch's worth (at least 1)."""
+        batches = math.ceil((len(self._queue) + self._running) / self.max_batch)
+        return max(1.0, math.ceil(batches * self._batch_seconds))
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        """Start the collector (call from the running event loop)."""
+        if self._task is not None:
+            return
+        self._wakeup = asyncio.Event()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="clef-inference")
+        self._task = asyncio.get_running_loop().create_task(self._collect(), name="clef-batch-collector")
+
+    async def stop(self, timeout: float = 30.0) -> None:
+        """Refuse new work, finish every queued and running request (up to ``timeout`` s), then stop."""
+        self._closing = True
+        deadline = time.monotonic() + timeout
+        while (self._queue or self._taken) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for job in [*self._taken, *self._queue]:  # only left when the timeout passed
+            if not job.future.done():
+                job.future.set_exception(ShuttingDownError("the server stopped before this request ran"))
+        self._queue.clear()
+        self._taken = []
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+        self._task = self._executor = None
+
+    # ------------------------------------------------------------------ requests
+    async def submit(self, model: str, request: dict[str, Any], body_bytes: int = 0) -> dict[str, Any]:
+        """Queue one validated request for ``model`` and wait for its response (full-precision floats).
+
+        ``body_bytes`` (the decoded JSON body's size) feeds the length estimate that keeps padded batches tight.
+        """
+        if self._closing or self._task is None or self._wakeup is None:
+            raise ShuttingDownError("the server is shutting down; retry on another instance")
+        if len(self._queue) >= self.max_queue:
+            raise QueueFullError(f"the request queue is full ({self.max_queue} waiting); retry later",
+                                 self.retry_after())
+        job = _Job(model, request, asyncio.get_running_loop().create_future(), estimate_cost(request, body_bytes))
+        self._queue.append(job)
+        self._wakeup.set()
+        return await job.future
+
+    async def _next_job(self) -> _Job:
+        assert self._wakeup is not None
+        while not self._queue:
+            self._wakeup.clear()
+            await self._wakeup.wait()
+        return self._queue.popleft()
+
+    async def _collect(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = [await self._next_job()]
+            deadline = loop.time() + self.max_wait
+            while len(batch) < self.max_batch:
+                if self._queue:
+                    batch.append(self._queue.popleft())
+                    continue
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    break
+                assert self._wakeup is not None
+                self._wakeup.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wakeup.wait(), remaining)
+            self._taken = batch
+            groups: dict[str, list[_Job]] = {}
+            for job in batch:
+                groups.setdefault(job.model, []).append(job)
+            for model, jobs in groups.items():
+                for bucket in split_by_length([job.cost for job in jobs]):
+                    await self._run_group(loop, model, [jobs[i] for i in bucket])
+            self._taken = []
+
+    async def _run_group(self, loop: asyncio.AbstractEventLoop, model: str, jobs: list[_Job]) -> None:
+        self._running = len(jobs)
+        started = time.perf_counter()
+        try:  # a cancellation here (stop() gave up waiting) leaves the jobs to stop(), which fails them
+            results = await loop.run_in_executor(self._executor, self._compute, model, [j.request for j in jobs])
+        finally:
+            self._running = 0
+        elapsed = time.perf_counter() - started
+        self._batch_seconds = 0.8 * self._batch_seconds + 0.2 * elapsed
+        if self.metrics is not None:
+            self.metrics.batch_size.observe(len(jobs))
+            self.metrics.inference.observe(elapsed)
+        self._finish(jobs, results)
+
+    @staticmethod
+    def _finish(jobs: Sequence[_Job], results: Sequence[Any]) -> None:
+        for job, result in zip(jobs, results, strict=True):
+            if job.future.done():  # the client went away
+                continue
+            if isinstance(result, BaseException):
+                job.future.set_exception(result)
+            else:
+                job.future.set_result(result)
+
+    def _compute(self, model_name: str, requests: list[dict[str, Any]]) -> list[Any]:
+        """On the inference thread: one padded batch; on failure, each request alone (errors stay per request)."""
+        model = self.models[model_name]
+        try:
+            return list(model.decide_batch(requests, confidence=self.confidence, batch_size=len(requests)))
+        except Exception as exc:
+            if len(requests) == 1:
+                if not isinstance(exc, ClefError):
+                    log.exception("inference failed on model %s", model_name)
+                return [exc]
+            log.debug("a batch of %d failed (%s); answering its requests one by one", len(requests), exc)
+        results: list[Any] = []
+        for request in requests:
+            try:
+                results.append(model.decide_batch([request], confidence=self.confidence, batch_size=1)[0])
+            except ClefError as exc:
+                results.append(exc)
+            except Exception as exc:
+                log.exception("inference failed on model %s", model_name)
+                results.append(exc)
+        return results

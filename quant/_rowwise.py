@@ -13,3 +13,12 @@ def dequantize(packed: dict[str, torch.Tensor], dtype: torch.dtype = torch.float
 def bits_per_weight(bits: int, in_features: int) -> float:
     """``bits`` per weight plus one float32 scale per row of ``in_features`` weights."""
     return bits + 32 / in_features
+
+
+def scale(weight: torch.Tensor, qmax: float, scheme: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weight in float32 and its per-row scale ``max|w_row| / qmax`` (1 for an all-zero row)."""
+    if weight.dim() != 2:
+        raise ValueError(f"{scheme} quantizes 2-D weights [out, in], got shape {tuple(weight.shape)}")
+    w = weight.detach().to(torch.float32)
+    amax = w.abs().amax(dim=1, keepdim=True)
+    return w, torch.where(amax > 0, amax / qmax, torch.ones_like(amax))

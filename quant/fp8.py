@@ -28,11 +28,7 @@ FP8_MAX = 448.0
 
 def quantize(weight: torch.Tensor) -> dict[str, torch.Tensor]:
     """Quantize a 2-D weight [out, in] to ``{"weight": float8_e4m3fn [out, in], "weight_scale": float32 [out, 1]}``."""
-    if weight.dim() != 2:
-        raise ValueError(f"fp8 quantizes 2-D weights [out, in], got shape {tuple(weight.shape)}")
-    w = weight.detach().to(torch.float32)
-    amax = w.abs().amax(dim=1, keepdim=True)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    w, scale = _rowwise.scale(weight, FP8_MAX, "fp8")
     q = (w / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return {"weight": q, "weight_scale": scale}
 

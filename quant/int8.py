@@ -27,11 +27,7 @@ QMAX = 127
 
 def quantize(weight: torch.Tensor) -> dict[str, torch.Tensor]:
     """Quantize a 2-D weight [out, in] to ``{"weight": int8 [out, in], "weight_scale": float32 [out, 1]}``."""
-    if weight.dim() != 2:
-        raise ValueError(f"int8 quantizes 2-D weights [out, in], got shape {tuple(weight.shape)}")
-    w = weight.detach().to(torch.float32)
-    amax = w.abs().amax(dim=1, keepdim=True)
-    scale = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))
+    w, scale = _rowwise.scale(weight, QMAX, "int8")
     q = torch.round(w / scale).clamp_(-QMAX, QMAX).to(torch.int8)
     return {"weight": q, "weight_scale": scale}
 

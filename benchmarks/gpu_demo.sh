@@ -13,6 +13,7 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/clef-demo-build}; DEVICE=${DEVICE:-cuda}; WORK=${WORK:-/tmp/clef-demo-work}
 BANKING77=${BANKING77:-2000}; NLUPP=${NLUPP:-1660}; EPOCHS=${EPOCHS:-8}; LIMIT=${LIMIT:-}
+# TRAIN_ARGS: extra train-head options for both recipes, e.g. TRAIN_ARGS="--width 512 --feedforward 1024 --lr 5e-4"
 mkdir -p "$OUT" "$WORK"
 exec > >(tee -a "$OUT/log.txt") 2>&1  # the log comes back even when the call is stopped at its time limit
 if [ -d .gpu/wheels ] && [ -z "${NO_WHEELS:-}" ]; then  # NO_WHEELS=1: a local dry run
@@ -44,7 +45,7 @@ sha256sum "$WORK/backbone/model.safetensors" | tee "$OUT/backbone.sha256"
 train_and_eval() {  # name banking77-records nlupp-records epochs
   local name=$1
   python3 -m clef_local.cli train-head --backbone "$WORK/backbone" --out "$OUT/$name" --work "$WORK/$name.work" \
-    --banking77 "$2" --nlupp "$3" --epochs "$4" --device "$DEVICE" 2>&1 | grep -v "it/s]$" | tail -20
+    --banking77 "$2" --nlupp "$3" --epochs "$4" --device "$DEVICE" ${TRAIN_ARGS:-} 2>&1 | grep -v "it/s]$" | tail -20
   rm -rf "$WORK/$name.release" && cp -r "$WORK/backbone" "$WORK/$name.release"
   cp "$OUT/$name"/joint_head.safetensors "$OUT/$name"/joint_head_config.json "$WORK/$name.release/"
   python3 benchmarks/demo_model.py --model "$WORK/$name.release" --device "$DEVICE" ${LIMIT:+--limit $LIMIT} \

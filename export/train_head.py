@@ -272,6 +272,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, help="cache and checkpoints (default: OUT.work); resumable")
     parser.add_argument("--epochs", type=int, default=TrainConfig.epochs, help="passes over the training records")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (caching and training)")
+    for name in ("width", "routing_layers", "layers", "heads", "feedforward", "batch_records"):
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(TrainConfig, name),
+                            help=f"head/training setting (default {getattr(TrainConfig, name)})")
+    parser.add_argument("--lr", type=float, default=TrainConfig.lr, help=f"peak learning rate ({TrainConfig.lr})")
     parser.add_argument("--banking77", type=int, default=2000, help="BANKING77 training records (demo data)")
     parser.add_argument("--nlupp", type=int, default=1660, help="NLU++ training records (demo data)")
     args = parser.parse_args(argv)
@@ -283,7 +287,9 @@ def main(argv: list[str] | None = None) -> int:
         examples = [Example(str(n), row["request"], row["labels"]) for n, row in
                     enumerate(json.loads(line) for line in Path(args.data).read_text().splitlines() if line.strip())]
     work = args.work or args.out.with_name(args.out.name + ".work")
-    result = train(args.backbone, examples, args.out, work=work, config=TrainConfig(epochs=args.epochs),
-                   device=args.device)
+    config = TrainConfig(epochs=args.epochs, lr=args.lr, width=args.width, routing_layers=args.routing_layers,
+                         layers=args.layers, heads=args.heads, feedforward=args.feedforward,
+                         batch_records=args.batch_records)
+    result = train(args.backbone, examples, args.out, work=work, config=config, device=args.device)
     print(json.dumps(result["history"][-1] if result["history"] else {}, indent=2))
     return 0

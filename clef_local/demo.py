@@ -8,7 +8,6 @@ renames it into place, and checks the head files against the hashes recorded at 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import shutil
@@ -17,20 +16,12 @@ from importlib import resources
 from pathlib import Path
 
 from clef_local.errors import ReleaseError
+from clef_local.manifest import MANIFEST, sha256, verify, write_manifest
 
 log = logging.getLogger(__name__)
 
 DEMO_NAME = "clef-demo-135m"
 HEAD_FILES = ("joint_head.safetensors", "joint_head_config.json")
-MANIFEST = "clef_local_manifest.json"
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _packaged() -> Path:
@@ -71,10 +62,7 @@ def build_demo(target: Path) -> Path:
         for name in (*HEAD_FILES, "MODEL_CARD.md"):
             shutil.copyfile(_packaged() / name, release / name)
         _check_head(release)
-        files = sorted(p for p in release.iterdir() if p.is_file())
-        manifest = {"name": DEMO_NAME, "files": {p.name: {"size": p.stat().st_size, "sha256": sha256(p)}
-                                                 for p in files}}
-        (release / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        write_manifest(release, name=DEMO_NAME)
         if not target.exists():  # another process may have finished first; theirs is as good
             release.rename(target)
     finally:
@@ -85,11 +73,9 @@ def build_demo(target: Path) -> Path:
 
 def verify_demo(directory: Path) -> None:
     """Check every file of a built demo release against its manifest (sizes and SHA-256)."""
-    manifest = json.loads((directory / MANIFEST).read_text())
-    for name, entry in manifest["files"].items():
-        path = directory / name
-        if not path.is_file() or path.stat().st_size != entry["size"] or sha256(path) != entry["sha256"]:
-            raise ReleaseError(f"{path} does not match {directory / MANIFEST}; delete {directory} to rebuild it")
+    problems = verify(directory)
+    if problems:
+        raise ReleaseError("; ".join(problems) + f"; delete {directory} to rebuild the demo model")
     _check_head(directory)
 
 

@@ -8,8 +8,8 @@ Two levels of checking:
 - :func:`verify` (``clef-local verify DIR``): the above plus the full SHA-256 of every file.
 
 The manifest of a variant (written by ``clef-local quantize``) also records the scheme, the source release's
-hashes, the tool version and the byte counts; the demo model's manifest (:mod:`clef_local.demo`) holds only
-``files``, which is all these checks read.
+hashes, the tool version and the byte counts; the demo model's manifest (:mod:`clef_local.demo`) holds its
+name and ``files``, which is all these checks read.
 """
 
 from __future__ import annotations

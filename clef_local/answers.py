@@ -72,9 +72,10 @@ def build_answer(question: dict[str, Any], option_ids: Sequence[str], probs: Seq
     }
 
 
-def build_response(record: dict[str, Any], encoded: EncodedRecord, probs: np.ndarray,
+def build_response(record: dict[str, Any], encoded: EncodedRecord, probs: Sequence[np.ndarray],
                    confidence: Confidence = "jev") -> dict[str, Any]:
-    """The ``/v1/systemone`` response for one request; ``probs`` is ``[questions, max_options]``."""
+    """The ``/v1/systemone`` response for one request; ``probs`` holds one vector per question (model order;
+    entries past the question's options, e.g. padding, are ignored)."""
     answers = {}
     for row, question in zip(probs, encoded.questions, strict=True):
         k = len(question.option_ids)

@@ -31,10 +31,7 @@ class Prediction:
     probabilities: list[np.ndarray]  # one float32 vector per question, aligned with encoded.questions
 
     def response(self, confidence: Confidence = "jev") -> dict[str, Any]:
-        padded = np.zeros((len(self.probabilities), max(len(p) for p in self.probabilities)), np.float32)
-        for row, p in zip(padded, self.probabilities, strict=True):
-            row[: len(p)] = p
-        return build_response(self.record, self.encoded, padded, confidence)
+        return build_response(self.record, self.encoded, self.probabilities, confidence)
 
 
 class ClefModel:

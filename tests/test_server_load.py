@@ -43,7 +43,7 @@ CLIENTS = 8
 PER_CLIENT = 50
 HOSTILE_EXAMPLES = 2000
 RSS_SETTLE_BOUND = 128 * 1024 * 1024  # bytes of RSS growth over the first 2,000 (allocator arenas settling)
-RSS_GROWTH_BOUND = 16 * 1024 * 1024  # bytes of RSS growth while the same 2,000 are replayed
+RSS_GROWTH_BOUND = 16 * 1024 * 1024  # bytes of RSS growth during the second replay of the same 2,000
 VALID: dict[str, Any] = {
     "model": "clef-local",
     "state": "Please refund the double charge.",
@@ -294,9 +294,9 @@ def _check(kind: str, response: httpx.Response) -> None:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for RSS")
 def test_hostile_requests_never_5xx(cli_server: tuple[str, subprocess.Popen]) -> None:
-    """2,000 generated requests, then the same 2,000 again: RSS may settle during the first pass (malloc arenas
-    grow for the first multi-megabyte states) but must stay flat during the replay, where anything kept per
-    request would grow it again by as much."""
+    """2,000 generated requests, then the same 2,000 replayed twice: RSS may settle during the first pass and the
+    first replay (malloc arenas grow for the first multi-megabyte states; seen: +18 MiB in a replay) but must stay
+    flat during the second replay, where anything kept per request would grow it again by as much."""
     url, process = cli_server
     statuses: dict[str, dict[int, int]] = {}
     cases: list[tuple[str, str, bytes, dict[str, str]]] = []
@@ -326,18 +326,22 @@ def test_hostile_requests_never_5xx(cli_server: tuple[str, subprocess.Popen]) ->
         one()
         elapsed = time.perf_counter() - started
         rss_first = _rss(process.pid)
-        for kind, path, body, headers in cases:
-            _check(kind, http.post(path, content=body, headers=headers))
-        assert http.get("/health").json()["status"] == "ok"
-        assert http.post("/v1/systemone", json=VALID).status_code == 200
-        rss_replay = _rss(process.pid)
+        rss_replays = []
+        for _ in range(2):  # growth that a leak causes recurs on every replay; allocator settling does not
+            for kind, path, body, headers in cases:
+                _check(kind, http.post(path, content=body, headers=headers))
+            assert http.get("/health").json()["status"] == "ok"
+            assert http.post("/v1/systemone", json=VALID).status_code == 200
+            rss_replays.append(_rss(process.pid))
+        rss_replay = rss_replays[-1]
     sent = sum(len(body) for _, _, body, _ in cases)
     print(f"\n{len(cases)} hostile requests ({sent / 2**20:.1f} MiB of bodies) in {elapsed:.1f} s, then replayed; "
           f"statuses by kind: {statuses}; server RSS {rss_start / 2**20:.0f} -> {rss_first / 2**20:.0f} "
-          f"-> {rss_replay / 2**20:.0f} MiB")
+          f"-> {' -> '.join(f'{r / 2**20:.0f}' for r in rss_replays)} MiB")
     assert len(cases) >= HOSTILE_EXAMPLES
     assert rss_first - rss_start < RSS_SETTLE_BOUND, f"first pass: RSS grew by {(rss_first - rss_start) >> 20} MiB"
-    assert rss_replay - rss_first < RSS_GROWTH_BOUND, f"replay: RSS grew by {(rss_replay - rss_first) >> 20} MiB"
+    growth = rss_replay - rss_replays[0]
+    assert growth < RSS_GROWTH_BOUND, f"second replay: RSS grew by {growth >> 20} MiB"
     assert process.poll() is None
 
 

@@ -162,7 +162,9 @@ def cli_server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     log = tmp_path_factory.mktemp("serve") / "server.log"
     command = [sys.executable, "-m", "clef_local.cli", "serve", "--model", f"clef-local={tiny_llama}",
                "--port", str(port), "--dtype", "float32", "--max-queue", "256"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # see `model`: the client shares the two cores
+    # OMP: see `model`, the client shares the two cores; MALLOC_ARENA_MAX: glibc otherwise gives each new thread
+    # (large bodies are decoded off the event loop) an arena of its own, RSS noise that is not a leak
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "2"}
     with log.open("wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"

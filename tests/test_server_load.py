@@ -162,9 +162,10 @@ def cli_server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     log = tmp_path_factory.mktemp("serve") / "server.log"
     command = [sys.executable, "-m", "clef_local.cli", "serve", "--model", f"clef-local={tiny_llama}",
                "--port", str(port), "--dtype", "float32", "--max-queue", "256"]
-    # OMP: see `model`, the client shares the two cores; MALLOC_ARENA_MAX: glibc otherwise gives each new thread
-    # (large bodies are decoded off the event loop) an arena of its own, RSS noise that is not a leak
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "2"}
+    # OMP: see `model`, the client shares the two cores. glibc's allocator otherwise makes RSS noise that is not a
+    # leak: an arena per new thread (large bodies are decoded off the event loop), and a mmap threshold that rises
+    # after the first multi-MiB bodies are freed, so later ones land in the heap and stay (+56 MiB seen in a replay).
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": "1048576"}
     with log.open("wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"

@@ -16,6 +16,15 @@ MODULE_COMMANDS = {
     "train-head": ("clef_local.export.train_head", "train a joint schema head on a frozen backbone"),
     "quantize": ("clef_local.export.quantize", "write a quantized variant (int4, int8, nf4, fp8) of a release"),
     "verify": ("clef_local.manifest", "check every file of a release or variant against its manifest"),
+    "export-onnx": ("clef_local.export.onnx_export", "export a release or variant to ONNX for ONNX Runtime"),
+    "doctor": ("clef_local.doctor", "show this machine's hardware and which backends are installed"),
+    "plan": ("clef_local.planner", "estimate the memory each variant needs, before loading anything"),
+    "data": ("clef_local.data", "convert BANKING77 / NLU++ files into SystemOne request JSONL"),
+    "eval": ("clef_local.evaluate", "evaluate a model on labelled requests (offline)"),
+    "drift": ("clef_local.drift", "compare a variant's probabilities with its reference, with gates"),
+    "report": ("clef_local.report", "render drift/eval results as HTML, Markdown and JSON"),
+    "calibrate": ("clef_local.calibrate", "fit per-type temperatures that pull a drifted variant back"),
+    "ui": ("clef_local.app.ui", "open the desktop app: build schemas, inspect and compare probabilities"),
 }
 
 
@@ -44,7 +53,8 @@ def cmd_decide(args: argparse.Namespace) -> int:
     from clef_local.answers import round_floats
 
     request = _read_request(args)
-    model = clef_local.load(_model_path(args.model), dtype=args.dtype, confidence=args.confidence)
+    model = clef_local.load(_model_path(args.model), dtype=args.dtype, confidence=args.confidence,
+                            backend=args.backend, device=args.device)
     response = model.decide(request, truncate_state=args.truncate_state)
     if not args.full_precision:
         response = round_floats(response, 4)
@@ -56,7 +66,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     """Print what a release holds and how it would run."""
     import clef_local
 
-    model = clef_local.load(_model_path(args.model), dtype=args.dtype)
+    model = clef_local.load(_model_path(args.model), dtype=args.dtype, backend=args.backend, device=args.device)
     print(json.dumps(model.describe(), indent=2))
     return 0
 
@@ -80,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--model", help="release directory (default: the built-in default model)")
         p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                        help="backbone compute dtype (auto: as stored); the head always runs in float32")
+        p.add_argument("--backend", choices=["auto", "torch", "mlx", "onnx"], default="auto",
+                       help="runtime for the backbone (auto: chosen from the hardware and the variant)")
+        p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (default auto)")
 
     decide = sub.add_parser("decide", help="answer a /v1/systemone request", description=cmd_decide.__doc__)
     add_model_args(decide)

@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import asdict, dataclass, fields
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from clef_local.head_config import HeadConfig
 from clef_local.layout import HeadLayout
+
+__all__ = ["HeadConfig", "JointSchemaHead"]
 
 # Span means use a CSR matmul (8-14x faster than index_add_ on CPU); its "beta" notice is noise here.
 warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta", category=UserWarning)
@@ -27,26 +29,6 @@ warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitl
 
 # exp(scale) is clamped at 100 in the release math (DESIGN §2.3, step 7).
 _MAX_LOG_SCALE = math.log(100.0)
-
-
-@dataclass(frozen=True)
-class HeadConfig:
-    """``joint_head_config.json``: the only keys a release may carry (DESIGN §2)."""
-
-    hidden_size: int
-    width: int
-    routing_layers: int
-    layers: int
-    heads: int
-    feedforward: int
-    dropout: float = 0.0
-
-    @classmethod
-    def keys(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(cls))
-
-    def to_json_dict(self) -> dict[str, int | float]:
-        return asdict(self)
 
 
 class EvidenceRoutingLayer(nn.Module):

@@ -123,22 +123,23 @@ class ClefModel:
         }
 
 
-def load(path: str | Path, *, device: str = "cpu", dtype: str | None = None, backend: str = "torch",
+def load(path: str | Path, *, device: str = "auto", dtype: str | None = None, backend: str = "auto",
          max_length: int | None = None, confidence: Confidence = "jev",
          limits: Limits = DEFAULT_LIMITS) -> ClefModel:
     """Load a Clef release (or variant) directory.
 
+    ``backend`` is ``"auto"``, ``"torch"``, ``"mlx"`` or ``"onnx"`` and ``device`` ``"auto"``, ``"cpu"``, ``"cuda"``
+    (``"cuda:N"``) or ``"mps"``; :mod:`clef_local.loader` decides what ``"auto"`` means on this machine.
     ``dtype`` is the backbone's compute dtype (``None``: as stored, BF16 for real releases; ``"float32"`` for
     exact comparisons); the joint schema head always runs in float32. ``max_length`` defaults to the smaller of
     the reference's 16,384 and the backbone's context.
     """
-    release = read_release(path)
-    if backend != "torch":
-        raise ApiUsageError(f"backend {backend!r} is not available; available backends: torch")
-    from clef_local.backends.torch_backend import TorchBackend
+    from clef_local.loader import build_backend
 
+    release = read_release(path)
     started = time.perf_counter()
-    model = ClefModel(release, TorchBackend(release, device=device, dtype=dtype), ReleaseTokenizer(release.path),
+    runner = build_backend(release, backend=backend, device=device, dtype=dtype)
+    model = ClefModel(release, runner, ReleaseTokenizer(release.path),
                       max_length=max_length, confidence=confidence, limits=limits)
     log.info("loaded %s in %.1f s", release.path, time.perf_counter() - started)
     return model

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from clef_local.errors import ReleaseError
-from clef_local.head import HeadConfig
+from clef_local.head_config import HeadConfig
 
 if TYPE_CHECKING:
     import torch

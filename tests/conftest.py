@@ -42,3 +42,14 @@ def qwen_model(tiny_qwen: Path):
     import clef_local
 
     return clef_local.load(tiny_qwen, dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def demo_release() -> Path:
+    """The embedded demo model (clef-demo-135m), built into the user cache on first use (~30 s, offline)."""
+    from clef_local.defaults import default_model_path
+    from clef_local.demo import demo_available
+
+    if not demo_available():
+        pytest.fail("the demo head is not packaged (clef_local/demo_model/joint_head.safetensors)")
+    return default_model_path()

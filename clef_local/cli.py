@@ -50,12 +50,14 @@ def _read_request(args: argparse.Namespace) -> Any:
 def cmd_decide(args: argparse.Namespace) -> int:
     """Answer one SystemOne request and print the response JSON."""
     import clef_local
+    from clef_local.airgap import airgap
     from clef_local.answers import round_floats
 
     request = _read_request(args)
-    model = clef_local.load(_model_path(args.model), dtype=args.dtype, confidence=args.confidence,
-                            backend=args.backend, device=args.device)
-    response = model.decide(request, truncate_state=args.truncate_state)
+    with airgap(not args.allow_network):
+        model = clef_local.load(_model_path(args.model), dtype=args.dtype, confidence=args.confidence,
+                                backend=args.backend, device=args.device)
+        response = model.decide(request, truncate_state=args.truncate_state)
     if not args.full_precision:
         response = round_floats(response, 4)
     print(json.dumps(response, ensure_ascii=False, indent=2))
@@ -73,11 +75,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve the SystemOne HTTP API (POST /v1/systemone) with dynamic batching."""
+    from clef_local.airgap import airgap
     from clef_local.server import serve
 
-    return serve(args.model or (), host=args.host, port=args.port, api_key=args.api_key, max_batch=args.max_batch,
-                 max_wait_ms=args.max_wait_ms, max_queue=args.max_queue, confidence=args.confidence,
-                 dtype=args.dtype, device=args.device, log_level="debug" if args.verbose > 1 else "info")
+    with airgap(not args.allow_network):  # loopback and the listening socket stay allowed
+        return serve(args.model or (), host=args.host, port=args.port, api_key=args.api_key,
+                     max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, max_queue=args.max_queue,
+                     confidence=args.confidence, dtype=args.dtype, device=args.device,
+                     log_level="debug" if args.verbose > 1 else "info")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     decide.add_argument("--truncate-state", action="store_true",
                         help="drop the end of a state that does not fit instead of failing")
     decide.add_argument("--full-precision", action="store_true", help="do not round floats to 4 decimals")
+    decide.add_argument("--allow-network", action="store_true",
+                        help="do not block network access (default: air-gapped, loopback only)")
     decide.set_defaults(func=cmd_decide)
 
     inspect = sub.add_parser("inspect", help="describe a release", description=cmd_inspect.__doc__)
@@ -127,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                        help="backbone compute dtype (auto: as stored)")
     serve.add_argument("--device", help="device to load on (default: the loader's default)")
+    serve.add_argument("--allow-network", action="store_true",
+                       help="do not block outgoing connections (default: air-gapped, loopback only)")
     serve.set_defaults(func=cmd_serve)
     for name, (_, help_text) in MODULE_COMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)  # listed here, parsed by the module

@@ -64,3 +64,17 @@ class ReleaseError(ClefError):
 
     status_code = 500
     error_type = "release_error"
+
+
+class NetworkBlockedError(ClefError, ConnectionRefusedError):
+    """A connection to a non-loopback address while clef-local runs air-gapped (pass --allow-network to permit)."""
+
+    status_code = 500
+    error_type = "network_blocked"
+
+
+class InsufficientMemoryError(ClefError):
+    """A release that the planner says does not fit the device; the message says what to try instead."""
+
+    status_code = 500
+    error_type = "insufficient_memory"

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import numpy as np
 
 _EPS = 1e-12
+LABEL_DELTAS = ("accuracy", "macro_f1", "nll", "brier", "ece", "adaptive_ece")
 
 
 def accuracy(pred: Sequence[int] | np.ndarray, gold: Sequence[int] | np.ndarray) -> float:
@@ -85,3 +86,49 @@ def classification_report(probs: np.ndarray, gold: np.ndarray, labels: Sequence 
         "ece": ece(confidence, correct, bins),
         "adaptive_ece": adaptive_ece(confidence, correct, bins),
     }
+
+
+def labelled_report(probs: Sequence[np.ndarray], gold: Sequence[int], options: Sequence[Sequence[str]] | None = None,
+                    bins: int = 15) -> dict[str, float]:
+    """:func:`classification_report` for questions with different option counts (one vector per question).
+
+    ``gold`` is each question's gold index; ``options`` each question's option ids, so macro-F1 counts classes
+    by name (a BANKING77 intent is the same class whichever 8 intents its question offered); without it,
+    classes are option indices. Brier sums over each question's own options.
+    """
+    if len(probs) != len(gold):
+        raise ValueError(f"{len(probs)} probability vectors but {len(gold)} gold indices")
+    if not len(gold):
+        return {"n": 0, **{k: float("nan") for k in ("accuracy", "macro_f1", "nll", "brier", "ece",
+                                                       "adaptive_ece", "confidence")}}
+    vectors = [np.asarray(p, dtype=float).reshape(-1) for p in probs]
+    gold_idx = np.asarray(gold, dtype=int)
+    pred = np.array([int(np.argmax(p)) for p in vectors])
+    confidence = np.array([float(p.max()) for p in vectors])
+    gold_p = np.array([p[g] for p, g in zip(vectors, gold_idx, strict=True)])
+    brier_rows = [float(((p - np.eye(len(p))[g]) ** 2).sum()) for p, g in zip(vectors, gold_idx, strict=True)]
+    if options is None:
+        names_pred, names_gold = pred.tolist(), gold_idx.tolist()
+    else:
+        names_pred = [str(o[i]) for o, i in zip(options, pred, strict=True)]
+        names_gold = [str(o[i]) for o, i in zip(options, gold_idx, strict=True)]
+    correct = pred == gold_idx
+    return {
+        "n": len(gold_idx),
+        "accuracy": float(correct.mean()),
+        "macro_f1": macro_f1(names_pred, names_gold),
+        "nll": float(-np.log(np.clip(gold_p, _EPS, 1.0)).mean()),
+        "brier": float(np.mean(brier_rows)),
+        "ece": ece(confidence, correct, bins),
+        "adaptive_ece": adaptive_ece(confidence, correct, bins),
+        "confidence": float(confidence.mean()),
+    }
+
+
+def reliability_bins(confidence: np.ndarray, correct: np.ndarray, bins: int = 15) -> list[tuple[float, float, int]]:
+    """``(mean confidence, accuracy, count)`` per non-empty equal-width bin, as :func:`ece` bins them."""
+    confidence, correct = np.asarray(confidence, float), np.asarray(correct, float)
+    edges = np.linspace(0.0, 1.0, bins + 1)
+    which = np.clip(np.searchsorted(edges, confidence, side="left") - 1, 0, bins - 1)
+    return [(float(confidence[which == b].mean()), float(correct[which == b].mean()), int((which == b).sum()))
+            for b in range(bins) if (which == b).any()]

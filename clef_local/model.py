@@ -13,13 +13,29 @@ import numpy as np
 
 from clef_local.answers import CONFIDENCE_MODES, Confidence, build_response, softmax_rows
 from clef_local.encoding import REFERENCE_MAX_LENGTH, EncodedRecord, encode_request
-from clef_local.errors import ApiUsageError
+from clef_local.errors import ApiUsageError, ReleaseError
 from clef_local.layout import build_layout
 from clef_local.release import Release, read_release
 from clef_local.schema import DEFAULT_LIMITS, Limits, request_to_record, validate_request
 from clef_local.tokenizer import ReleaseTokenizer
 
 log = logging.getLogger(__name__)
+
+CALIBRATION_KEY = "clef_local_calibration"  # config.json: {"temperatures": {"noul"|"choice"|"score": T}, ...}
+_TYPE_NAMES = ("noul", "choice", "score")
+
+
+def read_temperatures(config: dict[str, Any], where: str = "config.json") -> dict[str, float]:
+    """Per-type softmax temperatures written by ``clef-local calibrate`` (empty: uncalibrated)."""
+    entry = config.get(CALIBRATION_KEY)
+    if entry is None:
+        return {}
+    temps = entry.get("temperatures") if isinstance(entry, dict) else None
+    if not isinstance(temps, dict) or not all(
+            k in _TYPE_NAMES and isinstance(v, int | float) and 0 < v < float("inf") for k, v in temps.items()):
+        raise ReleaseError(f"{where}: {CALIBRATION_KEY}.temperatures must map noul/choice/score to positive "
+                           f"numbers, got {temps!r}; rerun clef-local calibrate or remove the key")
+    return {k: float(v) for k, v in temps.items()}
 
 
 @dataclass(frozen=True)
@@ -50,6 +66,8 @@ class ClefModel:
         self.max_length = max_length or min(REFERENCE_MAX_LENGTH, context)
         self.confidence: Confidence = confidence
         self.limits = limits
+        # logits are divided by their question type's temperature before the softmax (clef-local calibrate)
+        self.temperatures = read_temperatures(release.config, str(release.path / "config.json"))
 
     @property
     def path(self) -> Path:
@@ -80,7 +98,11 @@ class ClefModel:
     def _probabilities(self, records: list[EncodedRecord]) -> list[list[np.ndarray]]:
         layout = build_layout(records, max(len(r.input_ids) for r in records))
         started = time.perf_counter()
-        probs = softmax_rows(self.backend.logits(records, layout, self.tokenizer.pad_token_id))
+        logits = self.backend.logits(records, layout, self.tokenizer.pad_token_id)
+        if self.temperatures:
+            temps = [self.temperatures.get(_TYPE_NAMES[q.question_type], 1.0) for r in records for q in r.questions]
+            logits = logits / np.asarray(temps, dtype=np.float32)[:, None]
+        probs = softmax_rows(logits)
         log.debug("%d records, %d questions in %.1f ms", len(records), layout.num_questions,
                   1e3 * (time.perf_counter() - started))
         out: list[list[np.ndarray]] = []
@@ -120,6 +142,7 @@ class ClefModel:
             "tokenizer_vocab": self.tokenizer.vocab_size,
             "confidence": self.confidence,
             **self.backend.describe(),
+            **({"loader": decision.to_json()} if (decision := getattr(self.backend, "load_decision", None)) else {}),
         }
 
 

@@ -1,0 +1,79 @@
+"""Drift of the demo model's int8, fp8, int4 and nf4 variants against its BF16 reference, one HTML report.
+
+    python benchmarks/drift_demo.py --out /tmp/drift-demo                         # full: 500 rows, folds 16-19
+    python benchmarks/drift_demo.py --b77-rows 40 --nlupp-rows 12 --out /tmp/drift-demo   # reduced (a 2-core CPU)
+
+Data: BANKING77 test rows 0…N (one 77-way choice each) and NLU++ banking folds (every ontology intent as a noul
+question, 8 per request) as labelled JSONL, through ``clef-local drift`` with ``--floor`` (the reference in the
+other compute dtype). Variants are made with ``clef-local quantize`` into ``--variants`` when missing. Prints the
+drift table and the labelled-metrics table (the report's Markdown); writes report.html/.md/.json under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from clef_local.data import load_dataset, parse_folds, write_jsonl
+from clef_local.defaults import default_model_path
+
+SCHEMES = ("int8", "fp8", "int4", "nf4")
+
+
+def ensure_variants(reference: Path, directory: Path, schemes: list[str]) -> list[Path]:
+    """``directory/demo-<scheme>`` for each scheme, exported with ``clef-local quantize`` when missing."""
+    from clef_local.export.quantize import main as quantize_main
+
+    paths = []
+    for scheme in schemes:
+        out = directory / f"demo-{scheme}"
+        if not out.is_dir():
+            directory.mkdir(parents=True, exist_ok=True)
+            code = quantize_main(["--model", str(reference), "--format", scheme, "--out", str(out), "--no-validate"])
+            if code:
+                raise SystemExit(f"quantize {scheme} failed with exit code {code}")
+        paths.append(out)
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--reference", type=Path, help="BF16 reference (default: the demo model)")
+    parser.add_argument("--variants", type=Path, default=Path.home() / ".cache" / "clef-local" / "variants",
+                        help="where the demo-<scheme> variants are (made when missing)")
+    parser.add_argument("--schemes", default=",".join(SCHEMES))
+    parser.add_argument("--b77-rows", type=int, default=500, help="BANKING77 test rows from 0 (default 500)")
+    parser.add_argument("--folds", default="16-19", help="NLU++ banking folds (default 16-19)")
+    parser.add_argument("--nlupp-rows", type=int, help="first N utterances of those folds (default: all)")
+    parser.add_argument("--dtype", default="float32", help="compute dtype of every model (default float32)")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--out", type=Path, required=True, help="output folder (data, report.html/.md/.json)")
+    args = parser.parse_args(argv)
+    reference = args.reference or default_model_path()
+    variants = ensure_variants(reference, args.variants, args.schemes.split(","))
+    args.out.mkdir(parents=True, exist_ok=True)
+    examples = load_dataset("banking77", split="test", limit=args.b77_rows)
+    examples += load_dataset("nlupp", folds=parse_folds(args.folds), limit=args.nlupp_rows)
+    data = args.out / "drift_data.jsonl"
+    write_jsonl(examples, data)
+    questions = sum(len(e.request["questions"]) for e in examples)
+    scope = (f"BANKING77 test rows 0-{args.b77_rows - 1} (77-way), NLU++ folds {args.folds} "
+             f"{'all' if args.nlupp_rows is None else f'first {args.nlupp_rows}'} utterances")
+    print(f"data: {scope}: {len(examples)} requests, {questions} questions → {data}", flush=True)
+    from clef_local.drift_cli import main as drift_main
+
+    started = time.perf_counter()
+    argv_drift = ["--reference", str(reference), *[a for v in variants for a in ("--candidate", str(v))],
+                  "--data", str(data), "--floor", "--dtype", args.dtype, "--batch-size", str(args.batch_size),
+                  "--report", str(args.out / "report.html"), "--json", str(args.out / "report.json"),
+                  "--md", str(args.out / "report.md")]
+    print("clef-local drift " + " ".join(argv_drift), flush=True)
+    code = drift_main(argv_drift)
+    print(f"drift took {time.perf_counter() - started:.0f} s (exit {code}); scope: {scope}")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,290 @@
+"""What this machine can run on (DESIGN §6): a CUDA GPU, Apple silicon, or the CPU.
+
+:func:`detect` never fails on a missing package: torch and mlx are imported lazily and only to probe. Named devices
+(:func:`named_device`: ``rtx4090``, ``a100-80g``, ``h200``, ``mac-36``, ``"24GB"``, ...) describe machines that are
+not this one, so the planner can answer "would it fit there?".
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import platform
+import re
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+log = logging.getLogger(__name__)
+
+GiB = 1 << 30
+MiB = 1 << 20
+Kind = Literal["cuda", "apple", "cpu"]
+# macOS lets Metal wire about this share of unified memory by default (raise it with
+# `sudo sysctl iogpu.wired_limit_mb=...`); MLX reports the exact value as max_recommended_working_set_size.
+APPLE_GPU_SHARE_SMALL, APPLE_GPU_SHARE_LARGE = 2 / 3, 3 / 4
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One compute device and the host around it.
+
+    ``total_bytes``/``free_bytes`` are the device's memory (CUDA: the GPU's; Apple: the unified memory Metal may use;
+    CPU: RAM and MemAvailable). ``bf16`` says BF16 math is supported at all; ``fast_bf16`` that it is faster than
+    float32 (CUDA sm_80+, Apple, x86 with AMX; an AVX512-BF16 CPU without AMX runs BF16 *slower* than float32).
+    """
+
+    kind: Kind
+    name: str
+    device: str  # "cuda:0", "mps", "cpu"
+    total_bytes: int
+    free_bytes: int
+    compute_capability: tuple[int, int] | None = None
+    bf16: bool = False
+    fast_bf16: bool = False
+    fp8: bool = False  # FP8 matmul (torch._scaled_mm): CUDA sm_89+
+    cores: int | None = None
+    host_total_bytes: int = 0  # RAM beside the device (equal to the device's memory on CPU and Apple)
+    host_free_bytes: int = 0
+    unified_memory: bool = False
+    cpu_flags: tuple[str, ...] = ()
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def shares_host_memory(self) -> bool:
+        """True when device and host memory are the same pool (CPU, Apple unified memory)."""
+        return self.kind != "cuda"
+
+    @property
+    def capability_label(self) -> str:
+        return f"sm_{self.compute_capability[0]}{self.compute_capability[1]}" if self.compute_capability else ""
+
+    def summary(self) -> str:
+        """One line: name, memory, capability."""
+        extra = [self.capability_label] if self.compute_capability else []
+        if self.kind == "cpu":
+            extra.append(f"{self.cores} cores" if self.cores else "")
+        extra.append("bf16 " + ("fast" if self.fast_bf16 else "supported, slower than float32" if self.bf16
+                                else "unsupported"))
+        if self.fp8:
+            extra.append("fp8")
+        return (f"{self.kind} {self.device}: {self.name}, {self.total_bytes / GiB:.1f} GiB"
+                f" ({self.free_bytes / GiB:.1f} GiB free); " + ", ".join(e for e in extra if e))
+
+    def to_json(self) -> dict[str, Any]:
+        out = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        out["compute_capability"] = list(self.compute_capability) if self.compute_capability else None
+        out["cpu_flags"] = list(self.cpu_flags)
+        out["notes"] = list(self.notes)
+        return out
+
+
+def _available(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package that fails to import, or a broken __spec__
+        return False
+
+
+def _meminfo() -> dict[str, int]:
+    try:
+        text = Path("/proc/meminfo").read_text()
+    except OSError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        parts = value.split()
+        if parts and parts[0].isdigit():
+            out[key] = int(parts[0]) * 1024
+    return out
+
+
+def host_memory() -> tuple[int, int]:
+    """(total, available) RAM in bytes: /proc/meminfo's MemTotal/MemAvailable, else sysconf."""
+    info = _meminfo()
+    if "MemTotal" in info:
+        return info["MemTotal"], info.get("MemAvailable", info.get("MemFree", info["MemTotal"]))
+    try:
+        page = os.sysconf("SC_PAGE_SIZE")
+        total = page * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0, 0
+    try:
+        free = page * os.sysconf("SC_AVPHYS_PAGES")
+    except (ValueError, OSError):
+        free = total  # macOS has no SC_AVPHYS_PAGES; MLX's working-set size is the real limit there
+    return total, free
+
+
+def cpu_flags_and_name() -> tuple[tuple[str, ...], str]:
+    """The CPU's feature flags (x86 ``flags`` / arm ``Features``) and model name from /proc/cpuinfo."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return (), platform.processor() or platform.machine()
+    flags: set[str] = set()
+    name = ""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key in ("flags", "Features"):
+            flags.update(value.split())
+        elif key in ("model name", "Model name") and not name:
+            name = value.strip()
+    return tuple(sorted(flags)), name or platform.processor() or platform.machine()
+
+
+def cpu_bf16(flags: tuple[str, ...] | set[str]) -> tuple[bool, bool]:
+    """(bf16 supported, bf16 faster than float32) from CPU flags: AVX512-BF16 or ARM BF16 support it; only AMX
+    makes it the fast path (without AMX, torch's BF16 matmuls run slower than float32)."""
+    flags = set(flags)
+    fast = "amx_bf16" in flags
+    return fast or "avx512_bf16" in flags or "bf16" in flags, fast
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        return os.cpu_count() or 1
+
+
+def detect_cpu() -> Hardware:
+    """The CPU: cores (usable by this process), RAM, BF16 support from its flags."""
+    flags, name = cpu_flags_and_name()
+    bf16, fast = cpu_bf16(flags)
+    total, free = host_memory()
+    notes = () if fast else ("no AMX: bf16 matmuls are slower than float32 here, so auto runs float32",) if bf16 else ()
+    keep = tuple(f for f in flags if f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "amx_int8",
+                                           "bf16", "asimd", "sve", "i8mm"))
+    return Hardware(kind="cpu", name=name, device="cpu", total_bytes=total, free_bytes=free, bf16=bf16,
+                    fast_bf16=fast, cores=_cores(), host_total_bytes=total, host_free_bytes=free, cpu_flags=keep,
+                    notes=notes)
+
+
+def detect_cuda(index: int = 0) -> Hardware | None:
+    """CUDA device ``index`` through torch, or None without torch or CUDA."""
+    if not _available("torch"):
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(index)
+    free, total = torch.cuda.mem_get_info(index)
+    capability = (props.major, props.minor)
+    host_total, host_free = host_memory()
+    return Hardware(kind="cuda", name=props.name, device=f"cuda:{index}", total_bytes=int(total),
+                    free_bytes=int(free), compute_capability=capability, bf16=capability >= (8, 0),
+                    fast_bf16=capability >= (8, 0), fp8=capability >= (8, 9), cores=_cores(),
+                    host_total_bytes=host_total, host_free_bytes=host_free)
+
+
+def detect_apple() -> Hardware | None:
+    """Apple silicon (Darwin + arm64 + mlx importable) with its unified memory, or None."""
+    if platform.system() != "Darwin" or platform.machine() != "arm64" or not _available("mlx"):
+        return None
+    import mlx.core as mx
+
+    info_fn = getattr(mx, "device_info", None) or mx.metal.device_info
+    info = dict(info_fn())
+    total = int(info.get("memory_size") or host_memory()[0])
+    usable = int(info.get("max_recommended_working_set_size") or total * APPLE_GPU_SHARE_LARGE)
+    return Hardware(kind="apple", name=str(info.get("device_name", "Apple silicon")), device="mps",
+                    total_bytes=usable, free_bytes=usable, bf16=True, fast_bf16=True, cores=_cores(),
+                    host_total_bytes=total, host_free_bytes=host_memory()[1], unified_memory=True,
+                    notes=(f"Metal may use {usable / GiB:.1f} of {total / GiB:.1f} GiB unified memory",))
+
+
+def detect(device: str = "auto") -> Hardware:
+    """The hardware ``device`` names (``auto``: CUDA, else Apple silicon, else CPU; ``cpu``; ``cuda``/``cuda:N``;
+    ``mps``). Raises ValueError when the named kind is not present."""
+    if device == "cpu":
+        return detect_cpu()
+    if device.startswith("cuda"):
+        index = int(device.partition(":")[2] or 0)
+        found = detect_cuda(index)
+        if found is None:
+            raise ValueError(f"device {device!r}: no CUDA GPU visible to torch here; use --device cpu or auto")
+        return found
+    if device in ("mps", "apple", "metal"):
+        found = detect_apple()
+        if found is None:
+            raise ValueError(f"device {device!r}: not Apple silicon with mlx installed; use --device cpu or auto")
+        return found
+    if device != "auto":
+        raise ValueError(f"unknown device {device!r}; use auto, cpu, cuda, cuda:N or mps")
+    return detect_cuda() or detect_apple() or detect_cpu()
+
+
+# name: (label, memory MiB as the driver reports it, compute capability)
+CUDA_CARDS: dict[str, tuple[str, int, tuple[int, int]]] = {
+    "rtx3090": ("NVIDIA GeForce RTX 3090", 24576, (8, 6)),
+    "rtx4090": ("NVIDIA GeForce RTX 4090", 24564, (8, 9)),
+    "rtx5090": ("NVIDIA GeForce RTX 5090", 32607, (12, 0)),
+    "l4": ("NVIDIA L4", 23034, (8, 9)),
+    "a6000": ("NVIDIA RTX A6000", 49140, (8, 6)),
+    "rtx6000-ada": ("NVIDIA RTX 6000 Ada Generation", 49140, (8, 9)),
+    "l40s": ("NVIDIA L40S", 46068, (8, 9)),
+    "a100-40g": ("NVIDIA A100-SXM4-40GB", 40960, (8, 0)),
+    "a100-80g": ("NVIDIA A100-SXM4-80GB", 81920, (8, 0)),
+    "h100": ("NVIDIA H100 80GB HBM3", 81559, (9, 0)),
+    "h200": ("NVIDIA H200", 143771, (9, 0)),
+}
+_SIZE = re.compile(r"^(?P<n>\d+(?:\.\d+)?)\s*(?:g|gb|gib)$", re.IGNORECASE)
+_MAC = re.compile(r"^mac-(?P<n>\d+)$", re.IGNORECASE)
+_CPU = re.compile(r"^cpu-(?P<n>\d+)g?$", re.IGNORECASE)
+
+
+def apple_gpu_share(total_gib: float) -> float:
+    """macOS's default Metal working-set share of unified memory (about 2/3 below 36 GiB, 3/4 from 36 GiB)."""
+    return APPLE_GPU_SHARE_LARGE if total_gib >= 36 else APPLE_GPU_SHARE_SMALL
+
+
+def named_device(name: str) -> Hardware:
+    """A device that need not be this machine: a card (``rtx4090``, ``l40s``, ``a100-80g``, ``h100``, ``h200``, ...),
+    ``"24GB"`` (a CUDA card of that size), ``mac-36`` (Apple silicon with 36 GiB) or ``cpu-8`` (8 GiB of RAM).
+
+    Its memory is all free; the host beside a card is assumed to hold at least the card's size again."""
+    key = name.strip().lower()
+    if key in CUDA_CARDS:
+        label, mib, capability = CUDA_CARDS[key]
+        return _card(label, mib * MiB, capability)
+    if match := _SIZE.match(key):
+        size = int(float(match["n"]) * GiB)
+        return _card(f"a {float(match['n']):g} GiB CUDA card", size, None)
+    if match := _MAC.match(key):
+        total = int(match["n"]) * GiB
+        usable = int(total * apple_gpu_share(int(match["n"])))
+        return Hardware(kind="apple", name=f"Mac with {match['n']} GiB unified memory", device="mps",
+                        total_bytes=usable, free_bytes=usable, bf16=True, fast_bf16=True, host_total_bytes=total,
+                        host_free_bytes=total, unified_memory=True,
+                        notes=(f"Metal's default working set: {usable / GiB:.1f} of {total / GiB:.0f} GiB",))
+    if match := _CPU.match(key):
+        total = int(match["n"]) * GiB
+        return Hardware(kind="cpu", name=f"CPU with {match['n']} GiB RAM", device="cpu", total_bytes=total,
+                        free_bytes=total, host_total_bytes=total, host_free_bytes=total)
+    known = ", ".join([*CUDA_CARDS, "NNGB", "mac-NN", "cpu-NN"])
+    raise ValueError(f"unknown device {name!r}; use auto, cpu, cuda, mps or a named device: {known}")
+
+
+def _card(label: str, size: int, capability: tuple[int, int] | None) -> Hardware:
+    cap = capability or (0, 0)
+    return Hardware(kind="cuda", name=label, device="cuda:0", total_bytes=size, free_bytes=size,
+                    compute_capability=capability, bf16=capability is None or cap >= (8, 0),
+                    fast_bf16=capability is None or cap >= (8, 0), fp8=cap >= (8, 9), host_total_bytes=2 * size,
+                    host_free_bytes=2 * size)
+
+
+def resolve_device(device: str) -> Hardware:
+    """:func:`detect` for ``auto``/``cpu``/``cuda[:N]``/``mps``, :func:`named_device` for anything else."""
+    if device in ("auto", "cpu", "mps") or re.fullmatch(r"cuda(:\d+)?", device):
+        return detect(device)
+    return named_device(device)
+
+
+def with_free(hardware: Hardware, free_bytes: int) -> Hardware:
+    """A copy of ``hardware`` with ``free_bytes`` free (tests, what-ifs)."""
+    return replace(hardware, free_bytes=free_bytes)

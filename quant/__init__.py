@@ -3,129 +3,22 @@
 # Each scheme turns one 2-D weight [out, in] into a dict of tensors whose keys are relative to the module path
 # (``weight`` plus ``scales``/``biases``, ``weight_scale`` or ``weight.absmax``/...); the exact math and packing are in
 # each module's docstring. ``predicate.should_quantize`` decides which tensors are quantized. This package imports
-# nothing else of clef_local.
+# nothing else of clef_local. Importing it imports no torch: ``predicate`` is pure Python (the planner uses it on
+# torch-free installs), and the registry and the schemes load on first use.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+import importlib
 from typing import Any
-
-import torch
-
-from . import fp8, int4, int8, nf4, predicate
 
 __all__ = ["SCHEMES", "Scheme", "fp8", "get", "int4", "int8", "nf4", "predicate"]
 
-
-@dataclass(frozen=True)
-class Scheme:
-    """One quantization scheme with a uniform signature.
-
-    ``quantize(weight, group_size)`` -> tensors; ``dequantize(tensors, group_size, dtype)`` -> weight;
-    ``bits_per_weight(group_size)``; ``quantization_config(group_size, **options)`` -> the config.json dict.
-    ``default_group_size`` is None where the scheme has no groups (int8, fp8: one scale per row); for nf4 it is the
-    bitsandbytes block size, over the flattened weight. ``needs_divisible_input`` says whether the predicate must
-    check ``in % group_size`` (only int4 groups run along the input dimension).
-    """
-
-    name: str
-    bits: int
-    default_group_size: int | None
-    needs_divisible_input: bool
-    quantize: Callable[..., dict[str, torch.Tensor]]
-    dequantize: Callable[..., torch.Tensor]
-    bits_per_weight: Callable[..., float]
-    quantization_config: Callable[..., dict[str, Any]]
-
-    def predicate_group_size(self, group_size: int | None = None) -> int | None:
-        """The group size to hand to ``predicate.should_quantize`` for this scheme."""
-        return (group_size or self.default_group_size) if self.needs_divisible_input else None
+_SUBMODULES = ("fp8", "int4", "int8", "nf4", "predicate")
 
 
-def _int4_quantize(weight: torch.Tensor, group_size: int | None = None) -> dict[str, torch.Tensor]:
-    return int4.quantize(weight, group_size or int4.DEFAULT_GROUP_SIZE)
-
-
-def _int4_dequantize(
-    packed: dict[str, torch.Tensor], group_size: int | None = None, dtype: torch.dtype | None = None
-) -> torch.Tensor:
-    return int4.dequantize(packed, group_size or int4.DEFAULT_GROUP_SIZE, dtype)
-
-
-def _nf4_quantize(weight: torch.Tensor, group_size: int | None = None, **options: Any) -> dict[str, torch.Tensor]:
-    return nf4.quantize(weight, group_size or nf4.DEFAULT_BLOCKSIZE, **options)
-
-
-def _nf4_dequantize(
-    packed: dict[str, torch.Tensor], group_size: int | None = None, dtype: torch.dtype | None = None
-) -> torch.Tensor:
-    return nf4.dequantize(packed, dtype)
-
-
-def _per_channel_dequantize(module: Any) -> Callable[..., torch.Tensor]:
-    def dequantize(
-        packed: dict[str, torch.Tensor], group_size: int | None = None, dtype: torch.dtype | None = None
-    ) -> torch.Tensor:
-        return module.dequantize(packed, dtype or torch.float32)
-
-    return dequantize
-
-
-def _per_channel_quantize(module: Any) -> Callable[..., dict[str, torch.Tensor]]:
-    def quantize(weight: torch.Tensor, group_size: int | None = None) -> dict[str, torch.Tensor]:
-        return module.quantize(weight)
-
-    return quantize
-
-
-SCHEMES: dict[str, Scheme] = {
-    "int4": Scheme(
-        name="int4",
-        bits=4,
-        default_group_size=int4.DEFAULT_GROUP_SIZE,
-        needs_divisible_input=True,
-        quantize=_int4_quantize,
-        dequantize=_int4_dequantize,
-        bits_per_weight=lambda group_size=None: int4.bits_per_weight(group_size or int4.DEFAULT_GROUP_SIZE),
-        quantization_config=lambda group_size=None: int4.quantization_config(group_size or int4.DEFAULT_GROUP_SIZE),
-    ),
-    "int8": Scheme(
-        name="int8",
-        bits=8,
-        default_group_size=None,
-        needs_divisible_input=False,
-        quantize=_per_channel_quantize(int8),
-        dequantize=_per_channel_dequantize(int8),
-        bits_per_weight=lambda group_size=None: int8.bits_per_weight(),
-        quantization_config=lambda group_size=None: int8.quantization_config(),
-    ),
-    "nf4": Scheme(
-        name="nf4",
-        bits=4,
-        default_group_size=nf4.DEFAULT_BLOCKSIZE,
-        needs_divisible_input=False,
-        quantize=_nf4_quantize,
-        dequantize=_nf4_dequantize,
-        bits_per_weight=lambda group_size=None, **kw: nf4.bits_per_weight(group_size or nf4.DEFAULT_BLOCKSIZE, **kw),
-        quantization_config=lambda group_size=None, **kw: nf4.quantization_config(**kw),
-    ),
-    "fp8": Scheme(
-        name="fp8",
-        bits=8,
-        default_group_size=None,
-        needs_divisible_input=False,
-        quantize=_per_channel_quantize(fp8),
-        dequantize=_per_channel_dequantize(fp8),
-        bits_per_weight=lambda group_size=None: fp8.bits_per_weight(),
-        quantization_config=lambda group_size=None: fp8.quantization_config(),
-    ),
-}
-
-
-def get(name: str) -> Scheme:
-    """The scheme called ``name`` (int4, int8, nf4, fp8); ValueError naming the known ones otherwise."""
-    try:
-        return SCHEMES[name]
-    except KeyError:
-        raise ValueError(f"unknown quantization scheme {name!r}; known: {', '.join(SCHEMES)}") from None
+def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    if name in ("SCHEMES", "Scheme", "get"):
+        return getattr(importlib.import_module(f"{__name__}.registry"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -33,7 +33,9 @@ from clef_local.quant.predicate import should_quantize
 
 GROUP = {"int4": 32, "int8": None, "nf4": None, "fp8": None}  # tiny in_features (64, 128): int4 groups of 32
 CPU_KERNEL = {"int4": "torch_int4pack_cpu", "int8": "torch_int8pack_cpu", "nf4": "bnb_matmul_4bit",
-              "fp8": "dequantize"}
+              "fp8": "dequantize"}  # bf16 activations
+# float32 activations: torch's int4/int8 CPU kernels are slower than dequantize-then-matmul, so they are not used
+CPU_KERNEL_FP32 = {**CPU_KERNEL, "int4": "dequantize", "int8": "dequantize"}
 PACKED_DTYPES = {torch.uint8, torch.uint32, torch.int8, torch.float8_e4m3fn}
 REQUESTS = varied_requests(12, seed=3)[:9]  # the random mixes (the 255-option edge case exceeds llama's context)
 
@@ -112,13 +114,13 @@ def test_variant_modules_kernels_and_decisions(variants, tiny_llama, tiny_qwen, 
     backbone_model = model.backend.backbone.model
     info = model.describe()
     assert info["scheme"] == scheme
-    assert info["kernels"] == {f"{scheme}:{CPU_KERNEL[scheme]}": len(expected)}
+    assert info["kernels"] == {f"{scheme}:{CPU_KERNEL_FP32[scheme]}": len(expected)}
     assert sorted(info["kernel_layers"]) == sorted(expected)
     for name in expected:  # the scheme's module holding packed tensors, no float weight of the layer's size
         module = backbone_model.get_submodule(name)
-        assert type(module) is ql.MODULES[scheme] and module.kernel == CPU_KERNEL[scheme]
+        assert type(module) is ql.MODULES[scheme] and module.kernel == CPU_KERNEL_FP32[scheme]
         tensors = dict(module.named_buffers())
-        assert tensors["int4pack" if scheme == "int4" else "weight"].dtype in PACKED_DTYPES
+        assert tensors["weight"].dtype in PACKED_DTYPES
         assert all(t.numel() < module.in_features * module.out_features or t.dtype in PACKED_DTYPES
                    for t in tensors.values())
     assert not any(type(m) is nn.Linear and n in expected for n, m in backbone_model.named_modules())
@@ -214,7 +216,7 @@ def test_int4_kernel_choice_per_layer_and_one_log_line(caplog):
     headers = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(64, 24, bias=True), nn.Linear(64, 32, bias=False))
-    ql.swap_linears(model, ql.quantized_prefixes(headers, "int4"), headers, dtype=torch.float32)
+    ql.swap_linears(model, ql.quantized_prefixes(headers, "int4"), headers, dtype=torch.bfloat16)
     model.load_state_dict(state, strict=True, assign=True)
     with caplog.at_level(logging.INFO, logger="clef_local.backends.quantized"):
         layers = ql.prepare_quantized(model)
@@ -222,11 +224,11 @@ def test_int4_kernel_choice_per_layer_and_one_log_line(caplog):
     assert ql.kernel_counts(layers) == {"int4:dequantize": 1, "int4:torch_int4pack_cpu": 1}
     [record] = [r for r in caplog.records if r.name == "clef_local.backends.quantized"]
     assert "out_features % 16 != 0" in record.getMessage() and "kernel=dequantize" in repr(model[0])
-    x = torch.randn(3, 64)
+    x = torch.randn(3, 64).to(torch.bfloat16).float()
     for i, layer in enumerate(model):
         packed = {k.removeprefix(f"{i}."): v for k, v in state.items() if k.startswith(f"{i}.") and k != "0.bias"}
         reference = x @ quant.int4.dequantize(packed, 32, torch.float32).T + (state["0.bias"] if i == 0 else 0)
-        torch.testing.assert_close(layer(x), reference, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(layer(x.to(torch.bfloat16)).float(), reference, rtol=2e-2, atol=2e-2)
 
 
 def test_int8_kernel_gets_an_aligned_weight():

@@ -37,7 +37,9 @@ log = logging.getLogger(__name__)
 
 TensorSpec = tuple[tuple[int, ...], torch.dtype]
 DEQUANTIZE = "dequantize"
-KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# torch's int4/int8 CPU kernels are fast only with half-precision activations: with float32 ones they were 8x (int4)
+# and 15x (int8) slower than dequantize-then-matmul (256x576 @ 576x1536, 2 cores), so float32 dequantizes per call.
+KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 BNB_MISSING = "nf4 variants need bitsandbytes: pip install bitsandbytes"
 REPACK_ROWS_BUDGET = 1 << 18  # weights per block of the int4 repack (a few MiB of transient int64 nibbles)
 
@@ -167,7 +169,8 @@ class Int4Linear(QuantizedLinear):
         elif self.out_features % 16:
             self._set_kernel(DEQUANTIZE, "out_features % 16 != 0 (torch's int4 CPU kernel)")
         elif self.compute_dtype not in KERNEL_DTYPES:
-            self._set_kernel(DEQUANTIZE, f"compute dtype {self.compute_dtype}")
+            self._set_kernel(DEQUANTIZE, f"{self.compute_dtype} activations (torch's int4 CPU kernel is fast in "
+                                         "bf16/fp16 only)")
         else:
             repacked = repack_int4(self.packed(), self.group_size, self.compute_dtype)
             self.register_buffer("int4pack", repacked.weight, persistent=False)
@@ -228,7 +231,7 @@ class Int8Linear(_PerRowLinear):
         elif device.type == "cuda" and nf4.bitsandbytes_available():
             self.use_bnb_int8()
         else:
-            self._set_kernel(DEQUANTIZE, f"no int8 kernel for {device.type} / {self.compute_dtype}"
+            self._set_kernel(DEQUANTIZE, f"no fast int8 kernel for {device.type} / {self.compute_dtype}"
                              + (" (bitsandbytes is not installed)" if device.type == "cuda" else ""))
 
     def use_bnb_int8(self) -> None:

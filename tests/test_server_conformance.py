@@ -1,8 +1,8 @@
 """Drop-in conformance of ``clef-local serve``: the ``jevcompat`` suite and the official ``typesafe-sdk`` client.
 
-Both run against a live uvicorn server on loopback, serving a tiny random Qwen3.5 release (the default model's
-architecture; the demo model is not built in tests). jevcompat must report every MUST passed; the SHOULD count
-is printed (``pytest -s``) for the README.
+Both run against a live uvicorn server on loopback, serving a tiny random Qwen3.5 release (the architecture of
+real Clef releases); jevcompat runs once more against the embedded demo model (slow). jevcompat must report every
+MUST passed; the SHOULD count is printed (``pytest -s``) for the README.
 """
 
 from __future__ import annotations
@@ -37,20 +37,21 @@ def qwen(tiny_qwen: Path) -> Any:
     return clef_local.load(tiny_qwen)
 
 
-def _jevcompat(url: str, report: Path, key: str | None = None) -> dict[str, Any]:
+def _jevcompat(url: str, report: Path, key: str | None = None, timeout: int = 300,
+               allow_fail: bool = False) -> dict[str, Any]:
     _require("jevcompat")
     command = [str(Path(sys.executable).with_name("jevcompat")), "test", url, "--json", str(report)]
     env = dict(os.environ)
     if key:
         env["CLEF_TEST_KEY"] = key
         command += ["--key-env", "CLEF_TEST_KEY"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
     verdict = [line for line in done.stdout.splitlines() if "MUST" in line and "SHOULD" in line and "/" in line]
     print(f"\njevcompat {'with' if key else 'without'} --api-key: {' '.join(verdict)}")
     assert report.is_file(), done.stdout + done.stderr
     result = json.loads(report.read_text())
     failed = [r for r in result["results"] if r["status"] == "fail"]
-    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}\nfailed: {failed}"
+    assert allow_fail or done.returncode == 0, f"{done.stdout}\n{done.stderr}\nfailed: {failed}"
     return result
 
 
@@ -67,6 +68,25 @@ def test_jevcompat_all_must_pass(qwen: Any, tmp_path: Path, key: str | None) -> 
     # auth.ignored-when-off is exercised only without a key, auth.bearer only with one
     assert musts["auth.bearer" if key else "auth.ignored-when-off"] == "pass"
     assert not result["inconclusive"]
+
+
+@pytest.mark.slow
+def test_jevcompat_on_the_demo_model(demo_release: Path, tmp_path: Path) -> None:
+    """Every protocol MUST passes on a real backbone; only the model-quality ``semantics.*`` checks may fail.
+
+    jevcompat's semantics checks (renaming ids, reordering or adding questions moves no probability by > 0.05) judge
+    the head, not the server; today's demo head fails ``semantics.question-id`` (issue 3: it is not yet robust).
+    Any other failure is a server bug and fails this test.
+    """
+    app = create_app({"clef-local": clef_local.load(demo_release)}, ServerConfig())
+    with ThreadedServer(app) as running:
+        # a real 135M backbone answers jevcompat's ~80 requests (some with 255 options) in minutes on 2 cores
+        result = _jevcompat(running.url, tmp_path / "r.json", timeout=1800, allow_fail=True)
+    failed = {r["id"] for r in result["results"] if r["status"] == "fail"}
+    print(f"demo model: failed checks {sorted(failed)}")
+    assert all(check.startswith("semantics.") for check in failed), failed
+    musts = [r for r in result["results"] if r["level"] == "MUST"]
+    assert len(musts) == 32 and not result["inconclusive"]
 
 
 # ---------------------------------------------------------------- typesafe-sdk

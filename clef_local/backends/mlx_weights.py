@@ -1,0 +1,251 @@
+"""A release's backbone tensors for the MLX backend: read without torch, quantized layers mapped onto MLX arrays.
+
+Safetensors files are read with numpy (the format is an 8-byte header length, a JSON header and raw little-endian
+data), so BF16 and F8_E4M3 tensors, which numpy cannot name, come back as their bit patterns and are decoded here
+exactly (BF16 → float32 is a 16-bit shift; e4m3fn through a 256-entry table).
+
+Quantized linears (DESIGN §5; the scheme is ``config.json`` ``quantization_config.clef_local.scheme``) become one
+:class:`QuantizedLayer` each:
+
+- ``int4`` is stored the way MLX stores it (``weight`` uint32 packed, ``scales``, ``biases``; the group size is
+  ``quantization_config.group_size``): taken as stored, no re-quantization.
+- ``int8`` (symmetric per row: ``W = q · s[row]``, q in -127..127) maps exactly onto MLX's 8-bit affine arrays as
+  ``weight`` = ``q + 128`` as uint8 packed four per uint32 (MLX's 8-bit packing: column 4k+j in bits 8j),
+  ``scales`` = 1 and ``biases`` = -128 per group, plus one ``row_scale`` = s per output row applied to the matmul's
+  output: ``dequantize(...) = q`` exactly (integers below 256 are exact in float32, bfloat16 and float16), and
+  ``row_scale · q`` is the very float32 product our ``int8.dequantize`` computes. Folding s into ``scales`` (s and
+  -128·s) is NOT exact: MLX's CPU dequantize rounds ``s·(q + 128)`` before adding the bias (no FMA), which moved
+  69% of a 256×576 test matrix's weights by 1 ulp. ``y = (x @ q.T) · s`` is also the order torch's int8 kernel uses.
+- ``nf4`` and ``fp8`` have no MLX kernel: they are dequantized here (float32, numpy) and run as plain linears;
+  :func:`load_backbone_tensors` logs a warning saying so.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from clef_local.errors import ReleaseError
+
+log = logging.getLogger(__name__)
+
+# safetensors dtype name -> numpy dtype of the stored bits (BF16 and F8 as raw integers, decoded later)
+_STORED = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F8_E4M3": np.uint8,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "U16": np.uint16,
+    "U32": np.uint32, "U64": np.uint64, "BOOL": np.bool_,
+}
+FLOATING = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3"})
+SCHEMES = ("int4", "int8", "nf4", "fp8")
+DEQUANTIZED = frozenset({"nf4", "fp8"})
+INT8_OFFSET = 128
+MLX_GROUP_SIZES = (128, 64, 32)  # largest first: the int8 mapping takes the largest that divides in_features
+
+
+@dataclass(frozen=True)
+class Stored:
+    """One tensor as stored: its raw array (BF16/F8 as bit patterns) and its safetensors dtype name."""
+
+    array: np.ndarray
+    dtype: str
+
+    def float32(self) -> np.ndarray:
+        """The values in float32 (exact for every floating dtype a release holds except F64)."""
+        if self.dtype == "BF16":
+            return (self.array.astype(np.uint32) << 16).view(np.float32)
+        if self.dtype == "F8_E4M3":
+            return E4M3_TABLE[self.array]
+        if self.dtype not in FLOATING:
+            raise ReleaseError(f"a {self.dtype} tensor has no float value (expected a floating tensor)")
+        return self.array.astype(np.float32)
+
+
+def _e4m3fn_table() -> np.ndarray:
+    """float32 value of every float8_e4m3fn bit pattern: sign, 4 exponent bits (bias 7), 3 mantissa bits, no
+    infinities, S.1111.111 is NaN."""
+    bits = np.arange(256)
+    sign = np.where(bits & 0x80, -1.0, 1.0)
+    exponent = (bits >> 3) & 0xF
+    mantissa = bits & 0x7
+    value = np.where(exponent == 0, mantissa / 8.0 * 2.0**-6, (1 + mantissa / 8.0) * 2.0 ** (exponent - 7.0))
+    value = np.where((exponent == 0xF) & (mantissa == 0x7), np.nan, value)
+    return (sign * value).astype(np.float32)
+
+
+E4M3_TABLE = _e4m3fn_table()
+
+
+def read_safetensors(file: Path) -> dict[str, Stored]:
+    """Every tensor of a safetensors file as a numpy array over a read-only memory map (no copy, no torch)."""
+    try:
+        with open(file, "rb") as handle:
+            size = int.from_bytes(handle.read(8), "little")
+            header = json.loads(handle.read(size))
+        data = np.memmap(file, dtype=np.uint8, mode="r", offset=8 + size)
+    except (OSError, ValueError) as exc:  # ValueError: bad JSON or an empty data section
+        raise ReleaseError(f"{file}: not a readable safetensors file ({exc})") from exc
+    out: dict[str, Stored] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        stored = _STORED.get(info["dtype"])
+        if stored is None:
+            raise ReleaseError(f"{file}: tensor {name} has unsupported dtype {info['dtype']}")
+        start, end = info["data_offsets"]
+        if end > data.size:
+            raise ReleaseError(f"{file}: tensor {name} ends at byte {end}, past the file's data ({data.size})")
+        out[name] = Stored(data[start:end].view(stored).reshape(info["shape"]), info["dtype"])
+    return out
+
+
+def variant_scheme(config: Mapping[str, Any]) -> tuple[str | None, int | None]:
+    """(scheme, group size) of a variant's ``config.json``; (None, None) for a full-precision release."""
+    quant = config.get("quantization_config")
+    member = quant.get("clef_local") if isinstance(quant, dict) else None
+    if not isinstance(member, dict):
+        return None, None
+    scheme = member.get("scheme")
+    if scheme not in SCHEMES:
+        raise ReleaseError(f"config.json: quantization_config.clef_local.scheme {scheme!r} is not one of "
+                           f"{', '.join(SCHEMES)}")
+    group = member.get("group_size") or quant.get("group_size")
+    if scheme == "int4" and group not in MLX_GROUP_SIZES:
+        raise ReleaseError(f"config.json: int4 group_size {group!r} is not one MLX supports ({MLX_GROUP_SIZES})")
+    return scheme, group
+
+
+@dataclass
+class QuantizedLayer:
+    """A linear layer in MLX's affine layout: ``W = scales · q + biases`` per group (times ``row_scale`` per
+    output row when given); ``weight`` is uint32 [out, in · bits / 32]."""
+
+    weight: np.ndarray
+    scales: np.ndarray
+    biases: np.ndarray
+    group_size: int
+    bits: int
+    row_scale: np.ndarray | None = None  # float32 [out]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.weight.shape[0], self.weight.shape[1] * 32 // self.bits
+
+
+def int8_to_mlx(q: np.ndarray, scale: np.ndarray) -> QuantizedLayer:
+    """int8 ``q`` [out, in] and float32 ``scale`` [out, 1] as MLX 8-bit affine arrays with unit scales, biases
+    -128 and the scale per row (see the module docstring for why this, and not folded scales, is exact)."""
+    out_f, in_f = q.shape
+    group = next((g for g in MLX_GROUP_SIZES if in_f % g == 0), None)
+    if group is None:
+        raise ReleaseError(f"int8 layer with in_features {in_f}: MLX needs a multiple of 32")
+    if q.dtype != np.int8 or scale.shape != (out_f, 1):
+        raise ReleaseError(f"int8 layer: weight {q.dtype} {list(q.shape)} / weight_scale {list(scale.shape)}; "
+                           f"expected int8 [out, in] and float32 [out, 1]")
+    unsigned = (q.astype(np.int16) + INT8_OFFSET).astype(np.uint8)
+    words = np.ascontiguousarray(unsigned).view("<u4")  # byte j of a little-endian word = column 4k+j
+    groups = in_f // group
+    return QuantizedLayer(weight=words, scales=np.ones((out_f, groups), np.float32),
+                          biases=np.full((out_f, groups), -INT8_OFFSET, np.float32), group_size=group, bits=8,
+                          row_scale=scale.reshape(-1).astype(np.float32))
+
+
+def int8_dequantize(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """``float32(q) · scale`` (quant/int8.py's math, in numpy)."""
+    return q.astype(np.float32) * scale.astype(np.float32)
+
+
+def fp8_dequantize(q: Stored, scale: np.ndarray) -> np.ndarray:
+    """``float32(e4m3fn q) · scale`` (quant/fp8.py's math, in numpy)."""
+    return q.float32() * scale.astype(np.float32)
+
+
+def nf4_dequantize(tensors: Mapping[str, Stored]) -> np.ndarray:
+    """``NF4_CODE[q] · absmax[block]`` reshaped to the stored shape (quant/nf4.py's math, in numpy); ``tensors``
+    are the layer's ``weight``, ``weight.absmax``, ``weight.quant_map``, ``weight.quant_state.bitsandbytes__nf4``
+    (and the nested ones with double quantization)."""
+    blob = next((t for k, t in tensors.items() if k.startswith("weight.quant_state.")), None)
+    if blob is None:
+        raise ReleaseError(f"nf4 layer without a quant_state blob (has {', '.join(sorted(tensors))})")
+    meta = json.loads(bytes(blob.array.tolist()).decode("utf-8"))
+    shape = tuple(meta["shape"])
+    n = int(np.prod(shape))
+    data = tensors["weight"].array.reshape(-1).view(np.uint8)
+    q = np.stack([data >> 4, data & 0xF], axis=-1).reshape(-1)[:n]
+    code = tensors["weight.quant_map"].float32()
+    absmax_stored = tensors["weight.absmax"]
+    if "weight.nested_absmax" in tensors:
+        nested_code = tensors["weight.nested_quant_map"].float32()
+        nested = tensors["weight.nested_absmax"].float32()
+        index = np.arange(absmax_stored.array.size) // meta["nested_blocksize"]
+        absmax = nested_code[absmax_stored.array.reshape(-1).astype(np.int64)] * nested[index]
+        absmax = absmax + np.float32(meta["nested_offset"])
+    else:
+        absmax = absmax_stored.float32().reshape(-1)
+    block = np.arange(n) // meta["blocksize"]
+    return (code[q] * absmax[block]).reshape(shape).astype(np.float32)
+
+
+_EXTRA = {"int4": (".scales", ".biases"), "int8": (".weight_scale",), "fp8": (".weight_scale",),
+          "nf4": (".weight.absmax",)}
+
+
+def _quantized_prefixes(names: Iterable[str], scheme: str) -> list[str]:
+    marker = _EXTRA[scheme][0]
+    return sorted(n[: -len(marker)] for n in names if n.endswith(marker))
+
+
+def _layer(prefix: str, tensors: Mapping[str, Stored], scheme: str, group: int | None) -> QuantizedLayer | Stored:
+    """The MLX form of one quantized layer's stored tensors: a QuantizedLayer (int4, int8) or a float32 weight."""
+    weight = tensors["weight"]
+    if scheme == "int4":
+        if weight.dtype != "U32" or group is None:
+            raise ReleaseError(f"{prefix}.weight is {weight.dtype}; an int4 layer stores uint32 (MLX layout)")
+        scales, biases = tensors["scales"], tensors["biases"]
+        in_f = weight.array.shape[1] * 8
+        if scales.array.shape != (weight.array.shape[0], in_f // group) or biases.array.shape != scales.array.shape:
+            raise ReleaseError(f"{prefix}: int4 scales {list(scales.array.shape)} do not match weight "
+                               f"{list(weight.array.shape)} with group_size {group}")
+        return QuantizedLayer(weight=np.ascontiguousarray(weight.array), scales=scales.float32(),
+                              biases=biases.float32(), group_size=group, bits=4)
+    if scheme == "int8":
+        if weight.dtype != "I8":
+            raise ReleaseError(f"{prefix}.weight is {weight.dtype}; an int8 layer stores I8")
+        return int8_to_mlx(weight.array, tensors["weight_scale"].float32())
+    if scheme == "fp8":
+        if weight.dtype != "F8_E4M3":
+            raise ReleaseError(f"{prefix}.weight is {weight.dtype}; an fp8 layer stores F8_E4M3")
+        return Stored(fp8_dequantize(weight, tensors["weight_scale"].float32()), "F32")
+    return Stored(nf4_dequantize(tensors), "F32")
+
+
+def load_backbone_tensors(files: Sequence[Path], scheme: str | None,
+                          group: int | None) -> tuple[dict[str, Stored], dict[str, QuantizedLayer]]:
+    """All backbone tensors by their release names, with each quantized layer's tensors replaced: int4/int8 layers
+    go to the second dict ({module path: QuantizedLayer}), nf4/fp8 layers come back as float32 ``.weight``s."""
+    plain: dict[str, Stored] = {}
+    for file in files:
+        plain.update(read_safetensors(file))
+    quantized: dict[str, QuantizedLayer] = {}
+    if scheme is None:
+        return plain, quantized
+    prefixes = _quantized_prefixes(plain, scheme)
+    if not prefixes:
+        raise ReleaseError(f"config.json names scheme {scheme} but no tensor carries its {_EXTRA[scheme][0]}")
+    for prefix in prefixes:
+        start = prefix + "."
+        names = [n for n in plain if n.startswith(start) and n != start + "bias"]
+        layer = _layer(prefix, {n[len(start):]: plain.pop(n) for n in names}, scheme, group)
+        if isinstance(layer, QuantizedLayer):
+            quantized[prefix] = layer
+        else:
+            plain[start + "weight"] = layer
+    if scheme in DEQUANTIZED:
+        log.warning("MLX has no %s kernel: %d layers were dequantized to full precision (memory as an unquantized "
+                    "model; the decisions are the %s variant's)", scheme, len(prefixes), scheme)
+    return plain, quantized

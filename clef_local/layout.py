@@ -124,3 +124,14 @@ def build_layout(records: Sequence[EncodedRecord], seq_len: int) -> HeadLayout:
         option_token_ids=flat_ids[o_tok],
         record_last_index=arr(last_index),
     )
+
+
+def pad_batch(records: Sequence[EncodedRecord], pad_token_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Right-padded int64 ``input_ids`` and ``attention_mask`` (1 on real tokens), as every backend feeds them."""
+    length = max(len(r.input_ids) for r in records)
+    ids = np.full((len(records), length), pad_token_id, dtype=np.int64)
+    mask = np.zeros((len(records), length), dtype=np.int64)
+    for i, record in enumerate(records):
+        ids[i, : len(record.input_ids)] = record.input_ids
+        mask[i, : len(record.input_ids)] = 1
+    return ids, mask

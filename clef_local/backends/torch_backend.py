@@ -20,7 +20,7 @@ import torch
 
 from clef_local.backends.quantized import kernel_counts, prepare_quantized, quantized_prefixes, swap_linears
 from clef_local.errors import ReleaseError
-from clef_local.layout import HeadLayout
+from clef_local.layout import HeadLayout, pad_batch
 from clef_local.release import QWEN3_5, Release, load_head
 
 if TYPE_CHECKING:
@@ -147,12 +147,7 @@ class TorchBackend:
 
 def collate(records: list[EncodedRecord], pad_token_id: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     """Right-padded ``input_ids`` and ``attention_mask`` (1 on real tokens)."""
-    length = max(len(r.input_ids) for r in records)
-    ids = np.full((len(records), length), pad_token_id, dtype=np.int64)
-    mask = np.zeros((len(records), length), dtype=np.int64)
-    for i, record in enumerate(records):
-        ids[i, : len(record.input_ids)] = record.input_ids
-        mask[i, : len(record.input_ids)] = 1
+    ids, mask = pad_batch(records, pad_token_id)
     return torch.from_numpy(ids).to(device), torch.from_numpy(mask).to(device)
 
 

@@ -1,0 +1,246 @@
+"""The joint schema head (DESIGN §2.3) in numpy float32, for backends that run without torch (ONNX Runtime).
+
+The same batched math as :class:`clef_local.head.JointSchemaHead` at inference (span means, padded option
+tensors, masked softmaxes, ``scaled_dot_product_attention``-style cross/self attention), written with numpy
+alone so that a decision on the ONNX backend never imports torch. It is checked against the torch head on the same
+hidden states within float32 noise (tests/test_onnx.py).
+
+GELU is the exact (erf) one of ``nn.GELU()``; numpy has no ``erf``, so :func:`_erf` is W. J. Cody's rational
+approximation (max |error| 1.5e-12 against ``math.erf``, measured): computed in float64 then rounded, it is
+float32-exact. The weights are read from ``joint_head.safetensors`` by :func:`read_safetensors` (numpy only, BF16
+widened to float32 exactly), so the ``safetensors`` package is not needed either.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from clef_local.errors import ReleaseError
+from clef_local.head_config import HeadConfig
+from clef_local.layout import HeadLayout
+
+_MAX_LOG_SCALE = math.log(100.0)
+_LN_EPS = 1e-5
+_NP_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I64": np.int64, "I32": np.int32,
+              "I16": np.int16, "I8": np.int8, "U8": np.uint8, "U16": np.uint16, "U32": np.uint32, "BOOL": np.bool_}
+
+
+def bf16_to_float32(bits: np.ndarray) -> np.ndarray:
+    """BF16 values stored as uint16 bit patterns → float32 (exact: BF16 is the top half of a float32)."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def read_safetensors(file: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a safetensors file as a numpy array (BF16 as float32), without torch or ``safetensors``."""
+    try:
+        raw = file.read_bytes()
+        (header_len,) = np.frombuffer(raw[:8], dtype="<u8")
+        header = json.loads(raw[8 : 8 + int(header_len)])
+    except (OSError, ValueError) as exc:
+        raise ReleaseError(f"{file}: not a readable safetensors file ({exc})") from exc
+    base = 8 + int(header_len)
+    out: dict[str, np.ndarray] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = (base + int(x) for x in info["data_offsets"])
+        dtype = info["dtype"]
+        if dtype == "BF16":
+            array = bf16_to_float32(np.frombuffer(raw[begin:end], dtype="<u2"))
+        elif dtype in _NP_DTYPES:
+            array = np.frombuffer(raw[begin:end], dtype=np.dtype(_NP_DTYPES[dtype]).newbyteorder("<")).copy()
+        else:
+            raise ReleaseError(f"{file}: tensor {name} has dtype {dtype}, which the numpy head cannot read")
+        out[name] = array.reshape(info["shape"])
+    return out
+
+
+def _erf(x: np.ndarray) -> np.ndarray:
+    """erf in float64 (Cody's rational approximations on |x| < 0.5, < 4, ≥ 4)."""
+    x = np.asarray(x, dtype=np.float64)
+    a = np.abs(x)
+    out = np.empty_like(a)
+    small = a < 0.5
+    z = a[small] ** 2
+    p = (((1.857777061846031526730e-1 * z + 3.161123743870565596947e0) * z + 1.138641541510501556495e2) * z
+         + 3.774852376853020208137e2) * z + 3.209377589138469472562e3
+    q = (((z + 2.360129095234412093499e1) * z + 2.440246379344441733056e2) * z + 1.282616526077372275645e3) * z \
+        + 2.844236833439170622273e3
+    out[small] = a[small] * p / q
+    mid = (a >= 0.5) & (a < 4.0)
+    y = a[mid]
+    p = (((((((5.64188496988670089e-1 * y + 8.88314979438837594e0) * y + 6.61191906371416295e1) * y
+             + 2.98635138197400131e2) * y + 8.81952221241769090e2) * y + 1.71204761263407058e3) * y
+          + 2.05107837782607147e3) * y + 1.23033935479799725e3)
+    q = (((((((y + 1.57449261107098347e1) * y + 1.17693950891312499e2) * y + 5.37181101862009858e2) * y
+            + 1.62138957456669019e3) * y + 3.29079923573345963e3) * y + 4.36261909014324716e3) * y
+         + 3.43936767414372164e3) * y + 1.23033935480374942e3
+    out[mid] = 1.0 - np.exp(-y * y) * p / q
+    large = a >= 4.0
+    y = a[large]
+    z = 1.0 / (y * y)
+    p = ((((1.63153871373020978e-2 * z + 3.05326634961232344e-1) * z + 3.60344899949804439e-1) * z
+          + 1.25781726111229246e-1) * z + 1.60837851487422766e-2) * z + 6.58749161529837803e-4
+    q = ((((z + 2.56852019228982242e0) * z + 1.87295284992346725e0) * z + 5.27905102951428412e-1) * z
+         + 6.05183413124413191e-2) * z + 2.33520497626869185e-3
+    out[large] = 1.0 - np.exp(-y * y) / y * (1.0 / math.sqrt(math.pi) - z * p / q)
+    return np.copysign(out, x)
+
+
+def gelu(x: np.ndarray) -> np.ndarray:
+    """Exact GELU ``x · Φ(x)`` (``nn.GELU()``), float32 in, float32 out."""
+    return (0.5 * x.astype(np.float64) * (1.0 + _erf(x / math.sqrt(2.0)))).astype(np.float32)
+
+
+def _layer_norm(x: np.ndarray, p: dict[str, np.ndarray], name: str) -> np.ndarray:
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    return (x - mean) / np.sqrt(var + _LN_EPS) * p[f"{name}.weight"] + p[f"{name}.bias"]
+
+
+def _linear(x: np.ndarray, p: dict[str, np.ndarray], name: str) -> np.ndarray:
+    y = x @ p[f"{name}.weight"].T
+    bias = p.get(f"{name}.bias")
+    return y if bias is None else y + bias
+
+
+def _softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    e = np.exp(x - x.max(axis=axis, keepdims=True))
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+def _normalize(x: np.ndarray, eps: float = 1e-12) -> np.ndarray:
+    return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), eps)
+
+
+def _span_mean(values: np.ndarray, index: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Row ``s`` = mean of ``values[index[offsets[s]:offsets[s + 1]]]`` (every span non-empty by construction)."""
+    sums = np.add.reduceat(values[index], offsets[:-1], axis=0)
+    return sums / np.diff(offsets).astype(values.dtype)[:, None]
+
+
+def _scatter_padded(rows: np.ndarray, group: np.ndarray, slot: np.ndarray, groups: int, width: int) -> np.ndarray:
+    out = np.zeros((groups, width, rows.shape[-1]), dtype=rows.dtype)
+    out[group, slot] = rows
+    return out
+
+
+def _to_padded(values: np.ndarray, layout: HeadLayout) -> np.ndarray:
+    out = np.full((layout.num_questions, layout.max_options), -np.inf, dtype=np.float32)
+    out[layout.option_question, layout.option_slot] = values
+    return out
+
+
+class NumpyHead:
+    """The release's joint schema head in numpy float32; ``logits`` matches ``JointSchemaHead.forward``."""
+
+    def __init__(self, config: HeadConfig, params: dict[str, np.ndarray]) -> None:
+        self.config = config
+        self.p = {k: np.asarray(v, dtype=np.float32, order="C") for k, v in params.items()}
+        for name in ("prior_logit_scale", "joint_logit_scale", "residual_gate", "hidden_norm.weight",
+                     "memory_projection.weight", "type_embedding.weight", "field_norm.weight"):
+            if name not in self.p:
+                raise ReleaseError(f"joint_head.safetensors has no tensor {name}; it is not a joint schema head")
+
+    @classmethod
+    def from_release(cls, release: Any) -> NumpyHead:
+        """Read ``joint_head.safetensors`` of a :class:`clef_local.release.Release`."""
+        from clef_local.release import HEAD_WEIGHTS
+
+        return cls(release.head_config, read_safetensors(release.path / HEAD_WEIGHTS))
+
+    def _attend(self, name: str, query: np.ndarray, memory: np.ndarray, key_pad: np.ndarray | None,
+                self_attention: bool = False) -> np.ndarray:
+        """``nn.MultiheadAttention`` (batch_first, inference) with a key padding mask (True = padding)."""
+        width, heads = self.config.width, self.config.heads
+        weight, bias = self.p[f"{name}.in_proj_weight"], self.p[f"{name}.in_proj_bias"]
+        if self_attention:
+            q, k, v = np.split(query @ weight.T + bias, 3, axis=-1)
+        else:
+            q = query @ weight[:width].T + bias[:width]
+            k, v = np.split(memory @ weight[width:].T + bias[width:], 2, axis=-1)
+
+        def split(x: np.ndarray) -> np.ndarray:
+            return x.reshape(*x.shape[:-1], heads, width // heads).transpose(0, 2, 1, 3)
+
+        scores = split(q) @ split(k).transpose(0, 1, 3, 2) / np.float32(math.sqrt(width // heads))
+        if key_pad is not None:
+            scores = np.where(key_pad[:, None, None, :], np.float32(-np.inf), scores)
+        out = _softmax(scores) @ split(v)
+        out = out.transpose(0, 2, 1, 3).reshape(*query.shape[:-1], width)
+        return _linear(out, self.p, f"{name}.out_proj")
+
+    def logits(self, hidden_states: np.ndarray, attention_mask: np.ndarray, lexical_rows: np.ndarray,
+               layout: HeadLayout) -> np.ndarray:
+        """Option logits ``[questions, max_options]`` (``-inf`` padding) from ``[B, T, hidden]`` hidden states,
+        the ``[B, T]`` mask and the output-embedding rows of ``layout.option_token_ids``."""
+        p = self.p
+        hidden = _layer_norm(hidden_states.astype(np.float32, copy=False), p, "hidden_norm")
+        batch, seq_len, _ = hidden.shape
+        flat = hidden.reshape(batch * seq_len, -1)
+        memory = hidden @ p["memory_projection.weight"].T
+        memory_pad = None if bool(attention_mask.all()) else attention_mask == 0
+
+        question_vec = _span_mean(flat, layout.question_token_index, layout.question_token_offsets)
+        option_ctx = _span_mean(flat, layout.option_token_index, layout.option_token_offsets)
+        lexical = lexical_rows.astype(np.float32, copy=False)
+        option_lex = _span_mean(lexical, np.arange(lexical.shape[0]), layout.option_token_offsets)
+        global_vec = flat[layout.record_last_index]
+
+        queries = (option_ctx @ p["option_context_projection.weight"].T
+                   + option_lex @ p["option_lexical_projection.weight"].T
+                   + (question_vec @ p["option_question_projection.weight"].T)[layout.option_question])
+        routed = _scatter_padded(queries, layout.option_record, layout.option_record_slot, batch,
+                                 layout.max_options_per_record)
+        for i in range(self.config.routing_layers):
+            name = f"evidence_layers.{i}"
+            normed_memory = _layer_norm(memory, p, f"{name}.memory_norm")
+            routed = routed + self._attend(f"{name}.attention", _layer_norm(routed, p, f"{name}.query_norm"),
+                                           normed_memory, memory_pad)
+            ff = gelu(_linear(_layer_norm(routed, p, f"{name}.feedforward_norm"), p, f"{name}.feedforward.0"))
+            routed = routed + _linear(ff, p, f"{name}.feedforward.3")
+        routed = routed[layout.option_record, layout.option_record_slot]
+
+        base_fields = question_vec @ p["question_projection.weight"].T
+        scores = (routed * base_fields[layout.option_question]).sum(-1) / np.float32(math.sqrt(routed.shape[-1]))
+        weights = _softmax(_to_padded(scores, layout))
+        per_question = _scatter_padded(routed, layout.option_question, layout.option_slot, layout.num_questions,
+                                       layout.max_options)
+        summary = np.einsum("qk,qkw->qw", weights, per_question)
+        fields = (base_fields + _layer_norm(summary, p, "option_summary_norm")
+                  + (global_vec @ p["global_projection.weight"].T)[layout.question_record]
+                  + p["type_embedding.weight"][layout.question_type])
+
+        seq = _scatter_padded(fields, layout.question_record, layout.question_slot, batch,
+                              layout.max_questions_per_record)
+        field_pad = np.ones((batch, layout.max_questions_per_record), dtype=bool)
+        field_pad[layout.question_record, layout.question_slot] = False
+        field_pad_or_none = field_pad if field_pad.any() else None
+        for i in range(self.config.layers):
+            name = f"layers.{i}"
+            h = _layer_norm(seq, p, f"{name}.norm1")
+            seq = seq + self._attend(f"{name}.self_attn", h, h, field_pad_or_none, self_attention=True)
+            seq = seq + self._attend(f"{name}.multihead_attn", _layer_norm(seq, p, f"{name}.norm2"), memory,
+                                     memory_pad)
+            ff = gelu(_linear(_layer_norm(seq, p, f"{name}.norm3"), p, f"{name}.linear1"))
+            seq = seq + _linear(ff, p, f"{name}.linear2")
+        fields = _layer_norm(seq[layout.question_record, layout.question_slot], p, "field_norm")
+
+        anchor = _normalize(question_vec + global_vec[layout.question_record])
+        prior_scale = np.exp(min(float(p["prior_logit_scale"]), _MAX_LOG_SCALE))
+        prior = prior_scale * (_normalize(option_lex) * anchor[layout.option_question]).sum(-1)
+        options = _layer_norm(routed, p, "option_norm")
+        field_of_option = fields[layout.option_question]
+        norms = np.linalg.norm(field_of_option, axis=-1) * np.linalg.norm(options, axis=-1)
+        cosine = (field_of_option * options).sum(-1) / np.maximum(norms, 1e-8)
+        features = np.concatenate([field_of_option, options, field_of_option * options,
+                                   np.abs(field_of_option - options)], axis=-1)
+        residual = _linear(gelu(_linear(features, p, "residual_scorer.0")), p, "residual_scorer.3")[:, 0]
+        joint = np.exp(min(float(p["joint_logit_scale"]), _MAX_LOG_SCALE)) * cosine + residual
+        gate = 1.0 / (1.0 + math.exp(-float(p["residual_gate"])))
+        return _to_padded((prior + gate * joint).astype(np.float32), layout)

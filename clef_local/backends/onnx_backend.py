@@ -1,0 +1,122 @@
+"""The ONNX Runtime backend: the exported text model (``onnx/model.onnx``) + the joint schema head in numpy.
+
+A release exported by ``clef-local export-onnx`` holds ``onnx/``: ``model.onnx`` (+ ``model.onnx.data``, the
+weights; quantized linears as ``MatMulNBits``), ``output_embedding.npy`` (the ``lm_head`` rows the head gathers, in
+the release's dtype; BF16 kept as its uint16 bit patterns) and ``onnx_config.json``. This module imports neither
+torch nor ``safetensors``: a decision needs ``onnxruntime``, ``numpy``, ``tokenizers`` and ``transformers`` (for
+the tokenizer only), so it runs where PyTorch is not installed.
+
+Execution providers: ``device="cpu"`` → ``CPUExecutionProvider``; ``device="cuda"`` / ``"cuda:N"`` →
+``CUDAExecutionProvider`` (the ``onnxruntime-gpu`` wheel and a GPU), with ONNX Runtime's usual CPU placement of the
+few nodes CUDA has no kernel for. A provider that is not available is an :class:`OnnxProviderError` naming the
+available ones; there is no silent fallback to the CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from clef_local.backends.numpy_head import NumpyHead, bf16_to_float32
+from clef_local.errors import ClefError, ReleaseError
+from clef_local.layout import pad_batch
+from clef_local.release import Release, read_json
+
+if TYPE_CHECKING:
+    from clef_local.encoding import EncodedRecord
+    from clef_local.layout import HeadLayout
+
+log = logging.getLogger(__name__)
+
+ONNX_DIR = "onnx"
+ONNX_CONFIG = "onnx_config.json"
+PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+
+
+class OnnxProviderError(ClefError, ValueError):
+    """The requested ONNX Runtime execution provider is not available here."""
+
+
+def providers_for(device: str, available: list[str]) -> list[Any]:
+    """The provider list for ``device`` (``cpu``, ``cuda``, ``cuda:N``); raises naming ``available`` otherwise."""
+    kind, _, index = device.partition(":")
+    wanted = PROVIDERS.get(kind)
+    if wanted is None:
+        raise OnnxProviderError(f"the onnx backend runs on cpu or cuda, not {device!r}; available providers: "
+                                f"{', '.join(available)}")
+    if wanted not in available:
+        hint = " (install onnxruntime-gpu instead of onnxruntime, with a CUDA GPU)" if kind == "cuda" else ""
+        raise OnnxProviderError(f"{wanted} is not available{hint}; available providers: {', '.join(available)}")
+    if kind == "cuda":
+        return [(wanted, {"device_id": int(index or 0)}), "CPUExecutionProvider"]
+    return [wanted]
+
+
+def read_onnx_config(path: Path) -> dict[str, Any]:
+    """``onnx/onnx_config.json`` of a release; a release without an export is a :class:`ReleaseError` with the fix."""
+    file = path / ONNX_DIR / ONNX_CONFIG
+    if not file.is_file():
+        raise ReleaseError(f"{path} has no ONNX export ({ONNX_DIR}/{ONNX_CONFIG}); write one with "
+                           f"`clef-local export-onnx --model {path} --out DIR` and load DIR with backend='onnx'")
+    return read_json(file)
+
+
+class OnnxBackend:
+    """Runs ``onnx/model.onnx`` through ONNX Runtime and the head in numpy float32."""
+
+    name = "onnx"
+
+    def __init__(self, release: Release, *, device: str = "cpu", dtype: str | None = None) -> None:
+        import onnxruntime as ort
+
+        self.release = release
+        self.config = read_onnx_config(release.path)
+        self.format = str(self.config.get("format"))
+        if dtype not in (None, "auto", self.config.get("dtype")):
+            # The graph's precision is fixed at export; the loader passes its CPU default here, so this is a notice.
+            log.warning("this ONNX export computes in %s (%s); dtype %r does not apply (export another --format "
+                        "for another precision)", self.config.get("dtype"), self.format, dtype)
+        directory = release.path / ONNX_DIR
+        self.device = "cpu" if device in ("auto", "") else device
+        providers = providers_for(self.device, ort.get_available_providers())
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options.log_severity_level = 3  # ORT's warnings about CPU placement of shape ops are noise here
+        try:
+            self.session = ort.InferenceSession(str(directory / self.config["model"]), options, providers=providers)
+        except Exception as exc:  # ORT raises its own Fail/InvalidGraph/NoSuchFile classes
+            raise ReleaseError(f"{directory / self.config['model']}: ONNX Runtime cannot load it ({exc})") from exc
+        primary = providers[0][0] if isinstance(providers[0], tuple) else providers[0]
+        if primary not in self.session.get_providers():
+            raise OnnxProviderError(f"ONNX Runtime did not start {primary} (session providers: "
+                                    f"{', '.join(self.session.get_providers())})")
+        embedding = self.config["output_embedding"]
+        self.embedding = np.load(directory / embedding["file"], mmap_mode="r")
+        self.embedding_dtype = embedding["dtype"]
+        self.head = NumpyHead.from_release(release)
+        log.info("onnx backend: %s (%s) on %s", directory / self.config["model"], self.format,
+                 ", ".join(self.session.get_providers()))
+
+    def hidden_states(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        """``last_hidden_state`` ``[B, T, hidden]`` as float32."""
+        out = self.session.run([self.config["output"]], {"input_ids": input_ids, "attention_mask": attention_mask})
+        return out[0].astype(np.float32, copy=False)
+
+    def lexical_rows(self, token_ids: np.ndarray) -> np.ndarray:
+        """Output-embedding rows of ``token_ids`` as float32 (only those rows are read from the file)."""
+        rows = np.asarray(self.embedding[token_ids])
+        return bf16_to_float32(rows) if self.embedding_dtype == "bfloat16" else rows.astype(np.float32)
+
+    def logits(self, records: list[EncodedRecord], layout: HeadLayout, pad_token_id: int) -> np.ndarray:
+        """Option logits ``[questions, max_options]`` (float32, ``-inf`` padding) for right-padded ``records``."""
+        input_ids, attention_mask = pad_batch(records, pad_token_id)
+        hidden = self.hidden_states(input_ids, attention_mask)
+        return self.head.logits(hidden, attention_mask, self.lexical_rows(layout.option_token_ids), layout)
+
+    def describe(self) -> dict[str, Any]:
+        return {"backend": self.name, "device": self.device, "providers": self.session.get_providers(),
+                "onnx_format": self.format, "backbone_dtype": self.config.get("dtype"),
+                "matmul_nbits": self.config.get("matmul_nbits"), "head_dtype": "float32", "head_runtime": "numpy"}

@@ -32,11 +32,13 @@ THREE = {"model": "clef-local", "state": "My card payment was declined twice at 
                        "topic": {"type": "choice", "criteria": {"cards": None, "transfers": None, "account": None}},
                        "urgency": {"type": "score", "criteria": ["low", "medium", "high"]}}}
 _RSS = """
-import json, resource, sys
+import json, sys
 import clef_local
 model = clef_local.load(sys.argv[1], dtype=sys.argv[2])
 model.decide(json.loads(sys.argv[3]))
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+# VmHWM, not ru_maxrss: Linux carries the parent's maxrss into a forked+exec'd child, so ru_maxrss read the
+# benchmark's own (larger) peak for every variant
+print(next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM:")))
 """
 
 

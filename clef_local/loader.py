@@ -102,6 +102,15 @@ def _importable(module: str) -> bool:
         return False
 
 
+def _onnx_cuda() -> bool:
+    """Whether ONNX Runtime here has its CUDA execution provider (onnxruntime-gpu)."""
+    if not _importable("onnxruntime"):
+        return False
+    import onnxruntime
+
+    return "CUDAExecutionProvider" in onnxruntime.get_available_providers()
+
+
 def default_dtype(hardware: Hardware, backend: str) -> tuple[str, str]:
     """(compute dtype, why) for ``backend`` on ``hardware`` when none is asked for."""
     if hardware.kind == "cuda":
@@ -137,8 +146,10 @@ def kernel_for(backend: str, hardware: Hardware, scheme: str, *, bitsandbytes: b
 
 
 def choose(hardware: Hardware, scheme: str, *, backend: str = "auto", dtype: Any = None,
-           installed: Mapping[str, str | None], onnx_export: bool = False, bitsandbytes: bool = True) -> LoadDecision:
-    """The backend, device, dtype and kernel for ``scheme`` on ``hardware`` (no memory check); pure."""
+           installed: Mapping[str, str | None], onnx_export: bool = False, bitsandbytes: bool = True,
+           onnx_cuda: bool = False) -> LoadDecision:
+    """The backend, device, dtype and kernel for ``scheme`` on ``hardware`` (no memory check); pure.
+    ``onnx_cuda``: ONNX Runtime offers its CUDA provider (onnxruntime-gpu), so ONNX runs on a CUDA card."""
     if backend not in ("auto", *BACKENDS):
         raise ApiUsageError(f"unknown backend {backend!r}; choose one of auto, {', '.join(BACKENDS)}")
     usable = [name for name, why in installed.items() if why is None]
@@ -163,12 +174,13 @@ def choose(hardware: Hardware, scheme: str, *, backend: str = "auto", dtype: Any
     if name == "torch" and scheme == "nf4" and not bitsandbytes:
         raise ApiUsageError("nf4 variants run through bitsandbytes on torch: pip install 'clef-local[cuda]' "
                             "(bitsandbytes), or load an int4 variant")
-    device = ("cpu" if name == "onnx" or (hardware.kind == "apple" and name == "torch") else hardware.device)
+    onnx_on_cpu = name == "onnx" and not (onnx_cuda and hardware.kind == "cuda")
+    device = "cpu" if onnx_on_cpu or (hardware.kind == "apple" and name == "torch") else hardware.device
     dtype = None if dtype in (None, "auto") else str(dtype).removeprefix("torch.")  # a torch.dtype works too
     if dtype is not None and dtype not in DTYPE_SIZE:
         raise ApiUsageError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPE_SIZE)} or auto")
     if dtype is None:
-        dtype, why = default_dtype(hardware if name != "onnx" else _as_cpu(hardware), name)
+        dtype, why = default_dtype(_as_cpu(hardware) if onnx_on_cpu else hardware, name)
     else:
         why = "dtype was asked for"
     kernel = kernel_for(name, hardware, scheme, bitsandbytes=bitsandbytes, dtype=dtype)
@@ -195,12 +207,13 @@ def resident_census(census: WeightCensus, backend: str) -> WeightCensus:
 
 def decide(hardware: Hardware, scheme: str, footprint: Any, *, context: int, backend: str = "auto",
            dtype: Any = None, installed: Mapping[str, str | None], onnx_export: bool = False,
-           bitsandbytes: bool = True, check_memory: bool = True, source: str = "DIR") -> LoadDecision:
+           bitsandbytes: bool = True, check_memory: bool = True, source: str = "DIR",
+           onnx_cuda: bool = False) -> LoadDecision:
     """:func:`choose`, then the planner's check: raises :class:`InsufficientMemoryError` (with a suggestion) when
     the stored format does not fit at ``context`` tokens. ``footprint`` is a :class:`clef_local.planner.Footprint`
     (``censuses`` per format, ``dims``); ``source`` names the directory in the suggestion. Pure."""
     decision = choose(hardware, scheme, backend=backend, dtype=dtype, installed=installed, onnx_export=onnx_export,
-                      bitsandbytes=bitsandbytes)
+                      bitsandbytes=bitsandbytes, onnx_cuda=onnx_cuda)
     if not check_memory or footprint is None:
         return decision
     target = hardware if decision.device != "cpu" or hardware.kind == "cpu" else _as_cpu(hardware)
@@ -260,15 +273,19 @@ def build_backend(release: Release, *, backend: str = "auto", device: str = "aut
     scheme = stored_format(release.config)
     footprint = footprint_from_release(release.path) if check_memory else None
     context = context or min(DEFAULT_CONTEXT, release.max_position_embeddings or DEFAULT_CONTEXT)
+    onnx_export = (Path(release.path) / "onnx").is_dir()
     decision = decide(hardware, scheme, footprint, context=context, backend=backend, dtype=dtype,
-                      installed=installed_backends(), onnx_export=(Path(release.path) / "onnx").is_dir(),
-                      bitsandbytes=_importable("bitsandbytes"), check_memory=check_memory, source=str(release.path))
+                      installed=installed_backends(), onnx_export=onnx_export,
+                      bitsandbytes=_importable("bitsandbytes"), check_memory=check_memory, source=str(release.path),
+                      onnx_cuda=hardware.kind == "cuda" and (backend == "onnx" or onnx_export) and _onnx_cuda())
     log.info("backend %s on %s, %s, %s kernel: %s%s", decision.backend, decision.device, decision.dtype,
              decision.kernel, decision.reason,
              f" (needs {decision.need_bytes / GiB:.2f} of {decision.available_bytes / GiB:.1f} GiB)"
              if decision.need_bytes is not None and decision.available_bytes is not None else "")
     module_name, class_name = BACKENDS[decision.backend]
     cls = getattr(importlib.import_module(module_name), class_name)
-    runner = cls(release, device=decision.device, dtype=decision.dtype)
+    # an ONNX export runs in the precision it was exported in unless a dtype was asked for
+    asked = dtype not in (None, "auto")
+    runner = cls(release, device=decision.device, dtype=decision.dtype if decision.backend != "onnx" or asked else None)
     runner.load_decision = decision
     return runner

@@ -172,3 +172,10 @@ def test_decided_kernels_are_the_ones_the_mlx_backend_records(llama_variants: di
         info = clef_local.load(variant, backend="mlx").describe()
         assert (info["loader"]["backend"], info["loader"]["dtype"]) == ("mlx", "float32")
         assert set(info["kernels"]) == {f"{scheme}:{info['loader']['kernel']}"}
+
+
+def test_onnx_runs_on_a_card_only_with_the_cuda_provider() -> None:
+    assert choose(CARD_24, "int4", backend="onnx", installed=ALL).device == "cpu"
+    on_card = choose(CARD_24, "int4", backend="onnx", installed=ALL, onnx_cuda=True)
+    assert on_card.device == CARD_24.device and on_card.backend == "onnx"
+    assert choose(CPU_8, "int4", backend="onnx", installed=ALL, onnx_cuda=True).device == "cpu"

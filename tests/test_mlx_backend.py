@@ -216,14 +216,13 @@ def test_qwen_rope_checked_on_load(loaded) -> None:
 def test_head_names_and_shapes_equal_the_torch_heads() -> None:
     import torch
 
-    from clef_local.backends.mlx_head import expected_shapes
     from clef_local.head import JointSchemaHead
-    from clef_local.head_config import HeadConfig
+    from clef_local.head_config import HeadConfig, head_tensor_shapes
 
     config = HeadConfig(hidden_size=40, width=24, routing_layers=2, layers=3, heads=4, feedforward=48)
     with torch.device("meta"):
         state = JointSchemaHead(config).state_dict()
-    assert expected_shapes(config) == {name: tuple(t.shape) for name, t in state.items()}
+    assert head_tensor_shapes(config) == {name: tuple(t.shape) for name, t in state.items()}
 
 
 def test_head_is_loaded_strictly(tiny_llama: Path, tmp_path: Path) -> None:

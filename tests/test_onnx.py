@@ -102,6 +102,25 @@ def test_int8_matmulnbits_uses_the_variant_codes(k: int) -> None:
     assert np.abs(_run_nbits(spec, x) - reference).max() <= 1e-5 * np.abs(reference).max()
 
 
+def test_numpy_head_loads_strictly(tiny_llama: Path, tmp_path: Path) -> None:
+    """An extra or mis-shaped head tensor is named, as the torch head's strict load does."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from clef_local.backends.numpy_head import NumpyHead
+    from clef_local.errors import ReleaseError
+    from clef_local.release import read_release
+
+    copy = shutil.copytree(tiny_llama, tmp_path / "release")
+    state = load_file(str(copy / "joint_head.safetensors"))
+    state["stray.weight"] = np.zeros(3, dtype=np.float32)
+    state["type_embedding.weight"] = state["type_embedding.weight"][:2]
+    save_file(state, str(copy / "joint_head.safetensors"))
+    with pytest.raises(ReleaseError, match=r"unexpected tensors: stray\.weight.*mis-shaped tensors: type_embedding"):
+        NumpyHead.from_release(read_release(copy))
+
+
 def test_numpy_head_matches_torch_head(tiny_llama: Path) -> None:
     import torch
 

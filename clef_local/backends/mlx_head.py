@@ -5,7 +5,7 @@ for the evidence-routing cross-attention (padding keys of the memory masked), a 
 option summary, the field transformer (``nn.TransformerDecoderLayer``, ``norm_first=True``, GELU, eval mode: no
 dropout) over each record's questions, then prior + gated joint scores. Weights come from
 ``joint_head.safetensors``, loaded strictly: every name of the release's state dict with its exact shape, nothing
-else (:func:`expected_shapes`). Torch is never imported.
+else (:func:`clef_local.head_config.head_tensor_shapes`). Torch is never imported.
 """
 
 from __future__ import annotations
@@ -19,75 +19,22 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from clef_local.errors import ReleaseError
-from clef_local.head_config import HeadConfig
+from clef_local.head_config import HeadConfig, head_tensor_shapes
 from clef_local.layout import HeadLayout
 
 _MAX_LOG_SCALE = math.log(100.0)  # exp(scale) is clamped at 100 (DESIGN §2.3, step 7)
 _LN_EPS = 1e-5  # torch.nn.LayerNorm's default
 _NORMALIZE_EPS = 1e-12  # F.normalize
 _COSINE_EPS = 1e-8  # F.cosine_similarity
-_PROJECTIONS = ("memory", "question", "option_question", "global", "option_context", "option_lexical")
-
-
-def expected_shapes(config: HeadConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor name of ``joint_head.safetensors`` and its shape (DESIGN §2.3's state dict)."""
-    h, w, f = config.hidden_size, config.width, config.feedforward
-    shapes: dict[str, tuple[int, ...]] = {"prior_logit_scale": (), "joint_logit_scale": (), "residual_gate": (),
-                                          "type_embedding.weight": (3, w)}
-
-    def norm(name: str, size: int) -> None:
-        shapes[f"{name}.weight"] = shapes[f"{name}.bias"] = (size,)
-
-    def attention(name: str) -> None:
-        shapes.update({f"{name}.in_proj_weight": (3 * w, w), f"{name}.in_proj_bias": (3 * w,),
-                       f"{name}.out_proj.weight": (w, w), f"{name}.out_proj.bias": (w,)})
-
-    def linear(name: str, out_f: int, in_f: int) -> None:
-        shapes.update({f"{name}.weight": (out_f, in_f), f"{name}.bias": (out_f,)})
-
-    norm("hidden_norm", h)
-    for name in _PROJECTIONS:
-        shapes[f"{name}_projection.weight"] = (w, h)
-    for i in range(config.routing_layers):
-        prefix = f"evidence_layers.{i}"
-        for name in ("query_norm", "memory_norm", "feedforward_norm"):
-            norm(f"{prefix}.{name}", w)
-        attention(f"{prefix}.attention")
-        linear(f"{prefix}.feedforward.0", f, w)
-        linear(f"{prefix}.feedforward.3", w, f)
-    for i in range(config.layers):
-        attention(f"layers.{i}.self_attn")
-        attention(f"layers.{i}.multihead_attn")
-        linear(f"layers.{i}.linear1", f, w)
-        linear(f"layers.{i}.linear2", w, f)
-        for n in (1, 2, 3):
-            norm(f"layers.{i}.norm{n}", w)
-    for name in ("option_summary_norm", "field_norm", "option_norm"):
-        norm(name, w)
-    linear("residual_scorer.0", w, 4 * w)
-    linear("residual_scorer.3", 1, w)
-    return shapes
 
 
 def load_head_weights(file: Path, config: HeadConfig) -> dict[str, mx.array]:
     """``joint_head.safetensors`` as float32 MLX arrays, after checking every name and shape against ``config``."""
     from clef_local.backends.mlx_weights import read_safetensors
+    from clef_local.release import check_head_tensors
 
-    stored = read_safetensors(file)
-    expected = expected_shapes(config)
-    problems = []
-    if missing := sorted(set(expected) - set(stored)):
-        problems.append("missing tensors: " + ", ".join(missing))
-    if unexpected := sorted(set(stored) - set(expected)):
-        problems.append("unexpected tensors: " + ", ".join(unexpected))
-    shapes = [f"{n} {list(stored[n].array.shape)} (expected {list(expected[n])})"
-              for n in sorted(set(stored) & set(expected)) if tuple(stored[n].array.shape) != expected[n]]
-    if shapes:
-        problems.append("mis-shaped tensors: " + ", ".join(shapes))
-    if problems:
-        raise ReleaseError(f"{file} does not match joint_head_config.json: " + "; ".join(problems))
-    return {name: mx.array(t.float32()) for name, t in stored.items()}
+    check_head_tensors(file, head_tensor_shapes(config))
+    return {name: mx.array(t.float32()) for name, t in read_safetensors(file).items()}
 
 
 def _linear(x: mx.array, p: Mapping[str, mx.array], name: str) -> mx.array:

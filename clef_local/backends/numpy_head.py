@@ -150,9 +150,12 @@ class NumpyHead:
     @classmethod
     def from_release(cls, release: Any) -> NumpyHead:
         """Read ``joint_head.safetensors`` of a :class:`clef_local.release.Release`."""
-        from clef_local.release import HEAD_WEIGHTS
+        from clef_local.head_config import head_tensor_shapes
+        from clef_local.release import HEAD_WEIGHTS, check_head_tensors
 
-        return cls(release.head_config, read_safetensors(release.path / HEAD_WEIGHTS))
+        file = release.path / HEAD_WEIGHTS
+        check_head_tensors(file, head_tensor_shapes(release.head_config))  # strict, as the torch head loads
+        return cls(release.head_config, read_safetensors(file))
 
     def _attend(self, name: str, query: np.ndarray, memory: np.ndarray, key_pad: np.ndarray | None,
                 self_attention: bool = False) -> np.ndarray:

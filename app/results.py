@@ -77,10 +77,10 @@ def _option_label(view: QuestionView, option: str, legend: dict[str, Any] | None
     return option
 
 
-def _head(view: QuestionView, extra: str = "") -> str:
+def _head(view: QuestionView, extra: str = "", legend: dict[str, Any] | None = None) -> str:
     parts = [f'<b style="font-size:1.05em">{escape(view.qid)}</b>',
              f'<span style="opacity:.7">{view.kind}</span>',
-             f'decision <b class="clef-decision">{escape(view.decision)}</b>']
+             f'decision <b class="clef-decision">{escape(_option_label(view, view.decision, legend))}</b>']
     if view.confidence is not None:
         parts.append(f'confidence <b class="clef-confidence">{view.confidence:.4f}</b>')
     if view.expected_score is not None:
@@ -112,7 +112,7 @@ def results_html(response: dict[str, Any]) -> str:
         rows = "".join(_row(_option_label(view, option, legend), _bar(p, _REF_COLOR, "clef-bar"), f"{p:.4f}")
                        for option, p in view.sorted_options)
         cards.append(f'<div class="clef-question" data-qid="{escape(view.qid)}" style="margin:0 0 1em 0">'
-                     f'{_head(view)}{rows}</div>')
+                     f'{_head(view, legend=legend)}{rows}</div>')
     return f'<div class="clef-results">{"".join(cards)}</div>'
 
 
@@ -141,7 +141,7 @@ def compare_html(reference: dict[str, Any], variant: dict[str, Any], drifts: dic
         border = f"border-left:4px solid {_FLIP_COLOR};padding-left:.6em;" if flipped else ""
         cards.append(f'<div class="clef-compare-question{" clef-flipped" if flipped else ""}" '
                      f'data-qid="{escape(ref.qid)}" style="{border}margin:0 0 1em 0">'
-                     f'{_head(ref, stats + badge)}{"".join(rows)}</div>')
+                     f'{_head(ref, stats + badge, legend)}{"".join(rows)}</div>')
     return f'<div class="clef-compare">{legend_html}{"".join(cards)}</div>'
 
 

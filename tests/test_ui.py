@@ -245,3 +245,15 @@ def test_python_snippet_runs_with_typesafe_sdk(served: str, models: tuple[Any, A
     assert answers["is_complaint"]["noul"] == expected["is_complaint"]["noul"]
     assert answers["category"]["probabilities"] == expected["category"]["probabilities"]
     assert answers["urgency"]["score"] == expected["urgency"]["score"]
+
+
+def test_score_decision_names_its_level() -> None:
+    """A score question's decision is its mode level, shown with the level's text (not the bare index)."""
+    from clef_local.app.results import results_html
+
+    response = {"answers": {"urgency": {"type": "score", "score": 1.2, "confidence": 0.5,
+                                        "legend": {"0": "low", "1": "medium", "2": "high"},
+                                        "probabilities": {"0": 0.1, "1": 0.6, "2": 0.3}}}}
+    html = results_html(response)
+    assert '<b class="clef-decision">1 · medium</b>' in html
+    assert '<b class="clef-score">1.200</b>' in html

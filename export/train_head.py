@@ -14,6 +14,7 @@ The output is the head part of a release: ``joint_head.safetensors`` (float32), 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import math
@@ -27,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
@@ -75,57 +77,103 @@ def encode_examples(tokenizer: ReleaseTokenizer, examples: Sequence[Example], ma
     return out
 
 
+BLOCK_RECORDS = 256  # cache unit: a larger training set reuses every block it shares with a smaller one
+
+
+def _block_name(block: Sequence[EncodedRecord]) -> str:
+    """A block's cache directory is named by its token ids, so a stale cache cannot be picked up by mistake."""
+    digest = hashlib.sha256()
+    for record in block:
+        digest.update(np.asarray(record.input_ids, dtype=np.int64).tobytes())
+        digest.update(b"|")
+    return f"block-{digest.hexdigest()[:16]}"
+
+
 def cache_hidden_states(backbone_dir: Path, encoded: Sequence[EncodedRecord], cache: Path, *,
-                        device: str = "cpu", chunk_tokens: int = 65536, batch_tokens: int = 8192
-                        ) -> list[torch.Tensor]:
+                        device: str = "cpu", block_records: int = BLOCK_RECORDS) -> list[torch.Tensor]:
     """Hidden states ``[T, hidden]`` (stored BF16) of every record, computed once and kept in ``cache``.
 
-    The backbone computes in float32 on CPU (faster than BF16 on CPUs without AMX, and exact) and in BF16 on
-    an accelerator.
+    Records are cached in blocks of ``block_records`` consecutive records, each in a directory named by the hash of
+    its token ids: growing the training set (or resuming a killed run) computes only the blocks not yet there. The
+    backbone computes in float32 on CPU (faster than BF16 on CPUs without AMX, and exact) and in BF16 on an
+    accelerator.
     """
-    from clef_local.backends.torch_backend import TorchBackbone, collate
+    from clef_local.backends.torch_backend import TorchBackbone
 
-    cache.mkdir(parents=True, exist_ok=True)
-    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i].input_ids))
-    chunks: list[list[int]] = [[]]
-    for i in order:  # chunks of similar lengths, about chunk_tokens each
-        if chunks[-1] and sum(len(encoded[j].input_ids) for j in chunks[-1]) >= chunk_tokens:
-            chunks.append([])
-        chunks[-1].append(i)
-    todo = [c for c, members in enumerate(chunks) if not (cache / f"chunk-{c:05d}.safetensors").is_file()]
+    blocks = [list(range(s, min(s + block_records, len(encoded)))) for s in range(0, len(encoded), block_records)]
+    names = [_block_name([encoded[i] for i in block]) for block in blocks]
+    todo = [b for b, name in enumerate(names) if not (cache / name / "done").is_file()]
     backbone = None
     if todo:
         config = read_json(backbone_dir / "config.json")
         dtype = torch.float32 if device == "cpu" else torch.bfloat16
         backbone = TorchBackbone(backbone_dir, config, device=device, dtype=dtype)
+        tokens = sum(len(encoded[i].input_ids) for b in todo for i in blocks[b])
+        log.info("caching hidden states: %d of %d blocks to compute (%d tokens)", len(todo), len(blocks), tokens)
     started = time.perf_counter()
-    for c in tqdm(todo, desc="caching hidden states", unit="chunk"):
+    for b in tqdm(todo, desc="caching hidden states", unit="block"):
+        _cache_block(backbone, [encoded[i] for i in blocks[b]], cache / names[b],
+                     batch_tokens=4096 if device == "cpu" else 16384)
+    if todo:
+        log.info("cached %d blocks in %.0f s", len(todo), time.perf_counter() - started)
+    hidden: list[torch.Tensor] = []
+    for block, name in zip(blocks, names, strict=True):
+        hidden += _load_block(cache / name, len(block))
+    return hidden
+
+
+def _cache_block(backbone, records: Sequence[EncodedRecord], directory: Path, *, batch_tokens: int,
+                 chunk_tokens: int = 65536) -> None:
+    """One block: chunks of similar-length records written atomically, then a ``done`` marker."""
+    from clef_local.backends.torch_backend import collate
+
+    directory.mkdir(parents=True, exist_ok=True)
+    order = sorted(range(len(records)), key=lambda i: len(records[i].input_ids))
+    chunks: list[list[int]] = [[]]
+    for i in order:  # chunks of similar lengths, about chunk_tokens each
+        if chunks[-1] and sum(len(records[j].input_ids) for j in chunks[-1]) >= chunk_tokens:
+            chunks.append([])
+        chunks[-1].append(i)
+    for c, members in enumerate(chunks):
+        path = directory / f"chunk-{c:05d}.safetensors"
+        if path.is_file():
+            continue
         tensors = {}
-        members = chunks[c]
         start = 0
         while start < len(members):  # members grow in length, so the last of a batch is its longest
             size = 1
             while (start + size < len(members)
-                   and (size + 1) * len(encoded[members[start + size]].input_ids) <= batch_tokens):
+                   and (size + 1) * len(records[members[start + size]].input_ids) <= batch_tokens):
                 size += 1
             batch = members[start : start + size]
-            ids, mask = collate([encoded[i] for i in batch], 0, backbone.device)
+            ids, mask = collate([records[i] for i in batch], 0, backbone.device)
             hidden = backbone.hidden_states(ids, mask).to(torch.bfloat16).cpu()
             for row, i in enumerate(batch):
-                tensors[str(i)] = hidden[row, : len(encoded[i].input_ids)].contiguous()
+                tensors[str(i)] = hidden[row, : len(records[i].input_ids)].contiguous()
             start += len(batch)
-        tmp = cache / f".chunk-{c:05d}.safetensors.tmp"
+        tmp = directory / f".{path.name}.tmp"
         save_file(tensors, str(tmp))
-        os.replace(tmp, cache / f"chunk-{c:05d}.safetensors")  # atomic: a killed run leaves no half chunk
-    if todo:
-        log.info("cached %d chunks in %.0f s", len(todo), time.perf_counter() - started)
-    hidden: list[torch.Tensor | None] = [None] * len(encoded)
-    for c in range(len(chunks)):
-        for key, value in load_file(str(cache / f"chunk-{c:05d}.safetensors")).items():
+        os.replace(tmp, path)  # atomic: a killed run leaves no half chunk
+    (directory / "done").write_text(f"{len(records)}\n")
+
+
+def _load_block(directory: Path, size: int) -> list[torch.Tensor]:
+    hidden: list[torch.Tensor | None] = [None] * size
+    for path in sorted(directory.glob("chunk-*.safetensors")):
+        try:
+            tensors = load_file(str(path))
+        except (SafetensorError, OSError) as error:
+            raise RuntimeError(f"{path}: unreadable cache chunk ({error}); delete it and run again") from error
+        for key, value in tensors.items():
             hidden[int(key)] = value
     if any(h is None for h in hidden):
-        raise RuntimeError(f"{cache}: the cache does not match the training data; delete it and run again")
+        raise RuntimeError(f"{directory}: cache block is incomplete; delete it and run again")
     return hidden  # type: ignore[return-value]
+
+
+def _max_length(backbone_dir: Path) -> int:
+    config = read_json(backbone_dir / "config.json")
+    return int((config.get("text_config") or config).get("max_position_embeddings", 16384))
 
 
 def question_loss(logits: torch.Tensor, gold: torch.Tensor, smoothing: float, brier_weight: float
@@ -178,8 +226,7 @@ def train(backbone_dir: Path, examples: Sequence[Example], out: Path, *, work: P
     tokenizer = ReleaseTokenizer(backbone_dir)
     backbone_config = read_json(backbone_dir / "config.json")
     text_config = backbone_config.get("text_config") or backbone_config
-    max_length = int(text_config.get("max_position_embeddings", 16384))
-    pairs = encode_examples(tokenizer, examples, max_length)
+    pairs = encode_examples(tokenizer, examples, _max_length(backbone_dir))
     encoded = [e for e, _ in pairs]
     gold = [g for _, g in pairs]
     hidden = cache_hidden_states(backbone_dir, encoded, work / "hidden", device=device)
@@ -272,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, help="cache and checkpoints (default: OUT.work); resumable")
     parser.add_argument("--epochs", type=int, default=TrainConfig.epochs, help="passes over the training records")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (caching and training)")
+    parser.add_argument("--cache-only", action="store_true",
+                        help="compute the hidden-state cache under --work and stop (e.g. on a GPU machine)")
     for name in ("width", "routing_layers", "layers", "heads", "feedforward", "batch_records"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(TrainConfig, name),
                             help=f"head/training setting (default {getattr(TrainConfig, name)})")
@@ -290,6 +339,12 @@ def main(argv: list[str] | None = None) -> int:
     config = TrainConfig(epochs=args.epochs, lr=args.lr, width=args.width, routing_layers=args.routing_layers,
                          layers=args.layers, heads=args.heads, feedforward=args.feedforward,
                          batch_records=args.batch_records)
+    if args.cache_only:
+        tokenizer = ReleaseTokenizer(args.backbone)
+        encoded = [e for e, _ in encode_examples(tokenizer, examples, _max_length(args.backbone))]
+        cache_hidden_states(args.backbone, encoded, work / "hidden", device=args.device)
+        print(f"cached {len(encoded)} records under {work / 'hidden'}")
+        return 0
     result = train(args.backbone, examples, args.out, work=work, config=config, device=args.device)
     print(json.dumps(result["history"][-1] if result["history"] else {}, indent=2))
     return 0

@@ -12,7 +12,8 @@ import torch
 
 import clef_local
 from clef_local.export.demo_data import training_examples
-from clef_local.export.train_head import TrainConfig, question_loss, train
+from clef_local.export.train_head import TrainConfig, cache_hidden_states, encode_examples, question_loss, train
+from clef_local.tokenizer import ReleaseTokenizer
 
 SMALL = TrainConfig(width=32, heads=4, feedforward=64, epochs=2, batch_records=8)
 
@@ -31,7 +32,7 @@ def test_train_writes_a_loadable_head_and_resumes(tiny_llama: Path, tmp_path: Pa
     assert [h["epoch"] for h in result["history"]] == [1, 2]
     assert json.loads((out / "joint_head_config.json").read_text()) == {
         "hidden_size": 64, "width": 32, "routing_layers": 1, "layers": 2, "heads": 4, "feedforward": 64}
-    chunks = {p: p.stat().st_mtime_ns for p in (work / "hidden").glob("chunk-*.safetensors")}
+    chunks = {p: p.stat().st_mtime_ns for p in (work / "hidden").rglob("chunk-*.safetensors")}
     assert chunks
     # A second run finds the cache and the final checkpoint: nothing is recomputed, the head is the same.
     before = (out / "joint_head.safetensors").read_bytes()
@@ -44,3 +45,27 @@ def test_train_writes_a_loadable_head_and_resumes(tiny_llama: Path, tmp_path: Pa
         shutil.copyfile(out / name, release / name)
     answer = clef_local.load(release).decide(examples[0].request)
     assert set(answer["answers"]) == set(examples[0].request["questions"])
+
+
+def test_demo_data_grows_by_prefix():
+    small, large = training_examples(banking77=10, nlupp=6, seed=1), training_examples(banking77=14, nlupp=9, seed=1)
+    assert [e.request for e in small[:10]] == [e.request for e in large[:10]]
+    assert [e.request for e in small[10:]] == [e.request for e in large[14:20]]
+    assert all(set(e.labels) == set(e.request["questions"]) for e in large)
+
+
+def test_cache_blocks_are_reused_and_a_bad_chunk_is_named(tiny_llama: Path, tmp_path: Path):
+    tokenizer = ReleaseTokenizer(tiny_llama)
+    encoded = [e for e, _ in encode_examples(tokenizer, training_examples(banking77=6, nlupp=0, seed=2), 4096)]
+    cache = tmp_path / "hidden"
+    first = cache_hidden_states(tiny_llama, encoded[:4], cache, block_records=2)
+    stamps = {p: p.stat().st_mtime_ns for p in cache.rglob("chunk-*")}
+    grown = cache_hidden_states(tiny_llama, encoded, cache, block_records=2)
+    assert len(list(cache.glob("block-*"))) == 3
+    assert {p: p.stat().st_mtime_ns for p in stamps} == stamps  # the first two blocks were not recomputed
+    assert all(torch.equal(a, b) for a, b in zip(first, grown[:4], strict=False))
+    assert [h.shape[0] for h in grown] == [len(e.input_ids) for e in encoded]
+    bad = sorted(cache.rglob("chunk-*"))[0]
+    bad.write_bytes(bad.read_bytes()[:20])
+    with pytest.raises(RuntimeError, match=bad.name):
+        cache_hidden_states(tiny_llama, encoded, cache, block_records=2)

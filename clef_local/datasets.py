@@ -30,6 +30,19 @@ class Example:
     labels: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Twin:
+    """Two requests that must get the same answers: ``same`` maps a question id of ``first`` to its twin's id.
+
+    Head training uses twins for a consistency term: renaming ids, reordering questions or adding unrelated ones
+    must not move any probability (what a SystemOne conformance suite checks).
+    """
+
+    first: Example
+    second: Example
+    same: dict[str, str]
+
+
 def datasets_dir() -> Path:
     """``$CLEF_LOCAL_DATASETS``, else ``shared/datasets`` beside this checkout or the working directory."""
     candidates = [os.environ.get("CLEF_LOCAL_DATASETS")]

@@ -8,6 +8,9 @@ subsets and order, and which other questions share the record. Labels come from 
   plus noul questions "is the customer asking about <intent>?" with balanced yes/no answers.
 - NLU++ banking folds: noul questions from the ontology's descriptions (multi-label truth), and a score question
   "how many of these intents does the message carry" over three listed intents (a real ordinal label).
+- Twins (:func:`twin_records`): a mixed record and the same record with ids renamed, questions reordered, unrelated
+  questions added or one removed. Labelled questions carry their labels; generic questions without labels only
+  have to get the same answer in both.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 
 from clef_local.datasets import (
     Example,
+    Twin,
     banking77_intents,
     banking77_rows,
     intent_description,
@@ -55,10 +59,11 @@ def _qid(rng: random.Random, readable: str, used: set[str]) -> str:
             return qid
 
 
-def _choice(rng: random.Random, gold: str, intents: tuple[str, ...]) -> dict[str, Any]:
-    full = rng.random() < FULL_CHOICE
+def _choice(rng: random.Random, gold: str, intents: tuple[str, ...], max_options: int | None = None
+            ) -> dict[str, Any]:
+    full = max_options is None and rng.random() < FULL_CHOICE
     others = [i for i in intents if i != gold]
-    chosen = list(intents) if full else [gold, *rng.sample(others, rng.randint(1, 31))]
+    chosen = list(intents) if full else [gold, *rng.sample(others, rng.randint(1, (max_options or 32) - 1))]
     rng.shuffle(chosen)  # request order must not matter (options are sorted by id in the prompt anyway)
     describe = rng.random() < (0.2 if full else 0.5)  # descriptions make a 77-option record 2,200 tokens, not 1,700
     question: dict[str, Any] = {"type": "choice",
@@ -75,7 +80,8 @@ def _noul(rng: random.Random, text: str) -> dict[str, Any]:
     return question
 
 
-def banking77_record(rng: random.Random, n: int, text: str, gold: str, intents: tuple[str, ...]) -> Example:
+def banking77_record(rng: random.Random, n: int, text: str, gold: str, intents: tuple[str, ...],
+                     max_options: int | None = None) -> Example:
     used: set[str] = set()
     questions: dict[str, Any] = {}
     labels: dict[str, Any] = {}
@@ -84,7 +90,7 @@ def banking77_record(rng: random.Random, n: int, text: str, gold: str, intents: 
     for kind in kinds:
         if kind == "choice":
             qid = _qid(rng, "intent", used)
-            questions[qid], labels[qid] = _choice(rng, gold, intents), gold
+            questions[qid], labels[qid] = _choice(rng, gold, intents, max_options), gold
         else:
             positive = rng.random() < 0.5
             intent = gold if positive else rng.choice([i for i in intents if i != gold])
@@ -146,3 +152,84 @@ def training_examples(banking77: int = 2000, nlupp: int = 1660, seed: int = 0) -
     examples += [nlupp_record(nlu_rng, n, text, gold, nlu_intents)
                  for n, (text, gold) in enumerate((nlu_rows * (1 + nlupp // len(nlu_rows)))[:nlupp])]
     return examples
+
+
+# Generic questions with no label in the data: twins teach the head to answer them the same whatever surrounds them.
+# (Worded unlike the robustness benchmark's questions, which must stay held out.)
+GENERIC: list[tuple[str, dict[str, Any]]] = [
+    ("upset", {"type": "noul", "instructions": "Is the customer upset or frustrated?"}),
+    ("has_question", {"type": "noul", "instructions": "Does the message contain a direct question?"}),
+    ("money", {"type": "noul", "instructions": "Does the customer mention an amount of money?"}),
+    ("polite", {"type": "noul", "instructions": "Is the message polite?",
+                "criteria": {"true": "Yes.", "false": "No."}}),
+    ("sentiment", {"type": "choice", "instructions": "Overall sentiment of the message?",
+                   "criteria": {"positive": None, "neutral": None, "negative": None}}),
+    ("area", {"type": "choice", "instructions": "Which team should handle it?",
+              "criteria": {"payments": "Payments and transfers", "security": "Fraud and account security",
+                           "fees": "Charges and fees", "other": "Anything else"}}),
+    ("channel", {"type": "choice", "criteria": {"app": None, "branch": None, "phone": None}}),
+    ("priority", {"type": "score", "instructions": "Priority of the ticket?", "criteria": ["low", "medium", "high"]}),
+    ("tone", {"type": "score", "criteria": ["calm", "annoyed", "angry", "furious"]}),
+    ("detail", {"type": "score", "instructions": "How detailed is the message?",
+                "criteria": ["very brief", "brief", "detailed"]}),
+]
+
+
+def _random_id(rng: random.Random, used: set[str]) -> str:
+    while (qid := "".join(rng.choices(string.ascii_lowercase + string.digits, k=rng.randint(3, 10)))) in used:
+        pass
+    used.add(qid)
+    return qid
+
+
+def _twin(rng: random.Random, n: int, base: Example) -> Twin:
+    """``base`` plus generic questions, and its perturbed twin."""
+    questions = dict(base.request["questions"])
+    for name, question in rng.sample(GENERIC, rng.randint(1, 2)):
+        questions[_qid(rng, name, set(questions))] = question
+    keys = list(questions)
+    rng.shuffle(keys)
+    first = {k: questions[k] for k in keys}
+    kind = rng.choice(["rename", "reorder", "add", "remove", "rename+reorder"])
+    second_keys = keys[:]
+    if "reorder" in kind:
+        while len(second_keys) > 1 and second_keys == keys:
+            rng.shuffle(second_keys)
+    if kind == "remove" and len(second_keys) > 1:
+        second_keys.remove(rng.choice(second_keys))
+    used = set(keys)
+    names = {k: (_random_id(rng, used) if "rename" in kind else k) for k in second_keys}
+    second = {names[k]: first[k] for k in second_keys}
+    if kind == "add":
+        extra = [(_qid(rng, name, used), q) for name, q in rng.sample(GENERIC, 3) if q not in first.values()]
+        items = list(second.items())
+        for item in extra:
+            items.insert(rng.randint(0, len(items)), item)
+        second = dict(items)
+    labels = {k: v for k, v in base.labels.items() if k in first}
+    request = base.request
+    return Twin(Example(f"twin-{n}-a", {**request, "questions": first}, labels),
+                Example(f"twin-{n}-b", {**request, "questions": second},
+                        {names[k]: v for k, v in labels.items() if k in names}),
+                {k: names[k] for k in second_keys})
+
+
+def twin_records(count: int, seed: int = 0) -> list[Twin]:
+    """``count`` twins over BANKING77 and NLU++ training texts (their own random stream, prefix-stable)."""
+    rng = random.Random(seed + 2_000_003)
+    intents = banking77_intents()
+    rows = banking77_rows("train")
+    rng.shuffle(rows)
+    nlu_intents = nlupp_intents()
+    nlu_rows = nlupp_rows(range(16))
+    rng.shuffle(nlu_rows)
+    twins = []
+    for n in range(count):
+        if n % 3 < 2:
+            text, gold = rows[n % len(rows)]
+            base = banking77_record(rng, n, text, gold, intents, max_options=12)
+        else:
+            text, gold_set = nlu_rows[n % len(nlu_rows)]
+            base = nlupp_record(rng, n, text, gold_set, nlu_intents)
+        twins.append(_twin(rng, n, base))
+    return twins

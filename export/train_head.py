@@ -32,7 +32,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from clef_local.datasets import Example
+from clef_local.datasets import Example, Twin
 from clef_local.encoding import EncodedRecord, encode_request
 from clef_local.head import HeadConfig, JointSchemaHead
 from clef_local.layout import build_layout
@@ -56,10 +56,14 @@ class TrainConfig:
     batch_records: int = 16
     label_smoothing: float = 0.05  # as Clef was trained
     brier_weight: float = 1.0  # Brier term keeps the probabilities calibrated, not just the argmax
+    consistency_weight: float = 1.0  # symmetric KL between twins: ids, order and company must not move answers
     seed: int = 0
 
 
 def _gold_index(question_type: int, option_ids: Sequence[str], label: object) -> int:
+    """The gold option's index; ``-1`` for a question without a label (it then only counts in twin consistency)."""
+    if label is None:
+        return -1
     if question_type == 0:
         return 0 if label else 1  # noul options are true, false
     return list(option_ids).index(str(label))
@@ -72,7 +76,8 @@ def encode_examples(tokenizer: ReleaseTokenizer, examples: Sequence[Example], ma
     for example in examples:
         record = request_to_record(validate_request(example.request))
         encoded = encode_request(tokenizer, record, max_length=max_length)
-        gold = [_gold_index(q.question_type, q.option_ids, example.labels[q.question_id]) for q in encoded.questions]
+        gold = [_gold_index(q.question_type, q.option_ids, example.labels.get(q.question_id))
+                for q in encoded.questions]
         out.append((encoded, gold))
     return out
 
@@ -178,7 +183,15 @@ def _max_length(backbone_dir: Path) -> int:
 
 def question_loss(logits: torch.Tensor, gold: torch.Tensor, smoothing: float, brier_weight: float
                   ) -> torch.Tensor:
-    """Mean over questions of label-smoothed CE + Brier; ``logits`` ``[Q, K]`` with ``-inf`` padding."""
+    """Mean over questions of label-smoothed CE + Brier; ``logits`` ``[Q, K]`` with ``-inf`` padding.
+
+    Questions whose gold index is ``-1`` (no label) are left out; with none labelled the loss is 0.
+    """
+    labelled = gold >= 0
+    if not bool(labelled.all()):
+        if not bool(labelled.any()):
+            return logits.new_zeros(())
+        logits, gold = logits[labelled], gold[labelled]
     valid = torch.isfinite(logits)
     log_p = torch.log_softmax(logits, dim=-1).masked_fill(~valid, 0.0)
     count = valid.sum(-1)
@@ -205,6 +218,45 @@ def _batch(items: Sequence[int], encoded, hidden, gold, embedding: torch.Tensor)
     return states.to(device), mask.to(device), lexical, layout, target
 
 
+def twin_loss(logits: torch.Tensor, rows: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """Mean symmetric KL between the option distributions of twin question rows (``-inf`` padding ignored)."""
+    if not rows:
+        return logits.new_zeros(())
+    first = logits[[a for a, _ in rows]]
+    second = logits[[b for _, b in rows]]
+    valid = torch.isfinite(first)
+    log_p = torch.log_softmax(first, -1).masked_fill(~valid, 0.0)
+    log_q = torch.log_softmax(second, -1).masked_fill(~valid, 0.0)
+    return (0.5 * (log_p.exp() - log_q.exp()) * (log_p - log_q)).sum(-1).mean()
+
+
+def _twin_rows(items: Sequence[int], encoded, twins_of: dict[int, tuple[int, dict[str, str]]]
+               ) -> list[tuple[int, int]]:
+    """Row pairs (first, second) in the batch's logits for every twin question whose partner is in the batch."""
+    offsets, row = {}, 0
+    for i in items:
+        offsets[i] = row
+        row += len(encoded[i].questions)
+    pairs = []
+    for i in items:
+        if i in twins_of and twins_of[i][0] in offsets:
+            j, same = twins_of[i]
+            where = {q.question_id: k for k, q in enumerate(encoded[j].questions)}
+            pairs += [(offsets[i] + k, offsets[j] + where[same[q.question_id]])
+                      for k, q in enumerate(encoded[i].questions) if q.question_id in same]
+    return pairs
+
+
+def _units_to_batches(units: Sequence[tuple[int, ...]], batch_records: int) -> list[list[int]]:
+    """Consecutive units (a record, or a twin's two records) grouped into batches of about ``batch_records``."""
+    batches: list[list[int]] = [[]]
+    for unit in units:
+        if len(batches[-1]) + len(unit) > batch_records and batches[-1]:
+            batches.append([])
+        batches[-1].extend(unit)
+    return [b for b in batches if b]
+
+
 def _warmup_cosine(total: int, warmup_fraction: float = 0.05):
     """Linear warm-up over the first 5% of steps, then cosine decay to zero."""
     warmup = max(1, int(total * warmup_fraction))
@@ -218,20 +270,27 @@ def _warmup_cosine(total: int, warmup_fraction: float = 0.05):
 
 
 def train(backbone_dir: Path, examples: Sequence[Example], out: Path, *, work: Path,
-          config: TrainConfig = TrainConfig(), validation: float = 0.05, device: str = "cpu") -> dict:
-    """Cache hidden states, train the head, write it to ``out``; returns the training log."""
+          config: TrainConfig = TrainConfig(), validation: float = 0.05, device: str = "cpu",
+          twins: Sequence[Twin] = ()) -> dict:
+    """Cache hidden states, train the head, write it to ``out``; returns the training log.
+
+    ``twins`` add a consistency term (``config.consistency_weight`` × symmetric KL between twin questions) on top
+    of the supervised loss of their labelled questions.
+    """
     from clef_local.backends.torch_backend import TorchBackbone
 
     torch.manual_seed(config.seed)
     tokenizer = ReleaseTokenizer(backbone_dir)
     backbone_config = read_json(backbone_dir / "config.json")
     text_config = backbone_config.get("text_config") or backbone_config
-    pairs = encode_examples(tokenizer, examples, _max_length(backbone_dir))
+    records = [*examples, *(e for twin in twins for e in (twin.first, twin.second))]
+    pairs = encode_examples(tokenizer, records, _max_length(backbone_dir))
     encoded = [e for e, _ in pairs]
     gold = [g for _, g in pairs]
     hidden = cache_hidden_states(backbone_dir, encoded, work / "hidden", device=device)
     embedding = TorchBackbone(backbone_dir, backbone_config, device=device,
                               dtype=torch.float32).output_embedding.detach()
+    twins_of = {len(examples) + 2 * t: (len(examples) + 2 * t + 1, twin.same) for t, twin in enumerate(twins)}
 
     head_config = HeadConfig(hidden_size=int(text_config["hidden_size"]), width=config.width,
                              routing_layers=config.routing_layers, layers=config.layers, heads=config.heads,
@@ -239,11 +298,11 @@ def train(backbone_dir: Path, examples: Sequence[Example], out: Path, *, work: P
     head = JointSchemaHead(head_config).to(device)
     optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     rng = random.Random(config.seed)
-    indices = list(range(len(examples)))
-    rng.shuffle(indices)
-    n_val = int(len(indices) * validation)
-    val, fit = indices[:n_val], indices[n_val:]
-    steps_per_epoch = (len(fit) + config.batch_records - 1) // config.batch_records
+    units: list[tuple[int, ...]] = [(i,) for i in range(len(examples))] + [(i, j) for i, (j, _) in twins_of.items()]
+    rng.shuffle(units)
+    n_val = int(len(units) * validation)
+    val, fit = units[:n_val], units[n_val:]
+    steps_per_epoch = len(_units_to_batches(fit, config.batch_records))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_cosine(config.epochs * steps_per_epoch))
     checkpoint = work / "checkpoint.pt"
     history: list[dict] = []
@@ -257,23 +316,24 @@ def train(backbone_dir: Path, examples: Sequence[Example], out: Path, *, work: P
         log.info("resuming at epoch %d", first_epoch + 1)
     for epoch in range(first_epoch, config.epochs):
         head.train()
-        epoch_rng = random.Random(config.seed * 1000 + epoch)
         order = fit[:]
-        epoch_rng.shuffle(order)
+        random.Random(config.seed * 1000 + epoch).shuffle(order)
         total = 0.0
-        for start in tqdm(range(0, len(order), config.batch_records), desc=f"epoch {epoch + 1}/{config.epochs}"):
-            states, mask, lexical, layout, target = _batch(order[start : start + config.batch_records], encoded,
-                                                           hidden, gold, embedding)
-            loss = question_loss(head(states, mask, lexical, layout), target, config.label_smoothing,
-                                 config.brier_weight)
+        batches = _units_to_batches(order, config.batch_records)
+        for items in tqdm(batches, desc=f"epoch {epoch + 1}/{config.epochs}"):
+            states, mask, lexical, layout, target = _batch(items, encoded, hidden, gold, embedding)
+            logits = head(states, mask, lexical, layout)
+            loss = question_loss(logits, target, config.label_smoothing, config.brier_weight)
+            if twins_of:
+                loss = loss + config.consistency_weight * twin_loss(logits, _twin_rows(items, encoded, twins_of))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
             optimizer.step()
             scheduler.step()
             total += loss.item()
-        metrics = {"epoch": epoch + 1, "train_loss": total / steps_per_epoch,
-                   **evaluate(head, val, encoded, hidden, gold, embedding, config)}
+        metrics = {"epoch": epoch + 1, "train_loss": total / len(batches),
+                   **evaluate(head, val, encoded, hidden, gold, embedding, config, twins_of)}
         history.append(metrics)
         log.info("epoch %d: %s", epoch + 1, metrics)
         tmp = work / "checkpoint.pt.tmp"
@@ -285,26 +345,35 @@ def train(backbone_dir: Path, examples: Sequence[Example], out: Path, *, work: P
               str(out / "joint_head.safetensors"))
     config_dict = {k: v for k, v in head_config.to_json_dict().items() if k != "dropout"}
     (out / "joint_head_config.json").write_text(json.dumps(config_dict, indent=2) + "\n")
-    log_dict = {"config": asdict(config), "examples": len(examples), "validation": len(val), "history": history}
+    log_dict = {"config": asdict(config), "examples": len(examples), "twins": len(twins), "validation": len(val),
+                "history": history}
     (out / "training_log.json").write_text(json.dumps(log_dict, indent=2) + "\n")
     return log_dict
 
 
 @torch.no_grad()
-def evaluate(head: JointSchemaHead, items: Sequence[int], encoded, hidden, gold, embedding,
-             config: TrainConfig) -> dict:
-    """Validation loss and accuracy (argmax = gold) over ``items``."""
+def evaluate(head: JointSchemaHead, units: Sequence[tuple[int, ...]], encoded, hidden, gold, embedding,
+             config: TrainConfig, twins_of: dict[int, tuple[int, dict[str, str]]] | None = None) -> dict:
+    """Validation loss and accuracy (argmax = gold) over the labelled questions of ``units``; for twins, the mean
+    and max |Δp| between twin questions (the robustness a conformance suite checks)."""
     head.eval()
-    losses, correct, questions = [], 0, 0
-    for start in range(0, len(items), config.batch_records):
-        states, mask, lexical, layout, target = _batch(items[start : start + config.batch_records], encoded,
-                                                       hidden, gold, embedding)
+    losses, correct, questions, moved = [], 0, 0, []
+    for items in _units_to_batches(units, config.batch_records):
+        states, mask, lexical, layout, target = _batch(items, encoded, hidden, gold, embedding)
         logits = head(states, mask, lexical, layout)
-        losses.append(float(question_loss(logits, target, config.label_smoothing, config.brier_weight)))
-        correct += int((logits.argmax(-1) == target).sum())
-        questions += len(target)
-    return {"val_loss": float(np.mean(losses)) if losses else float("nan"),
-            "val_accuracy": correct / max(questions, 1)}
+        labelled = target >= 0
+        if bool(labelled.any()):
+            losses.append(float(question_loss(logits, target, config.label_smoothing, config.brier_weight)))
+            correct += int((logits.argmax(-1) == target)[labelled].sum())
+            questions += int(labelled.sum())
+        if rows := _twin_rows(items, encoded, twins_of or {}):
+            probs = torch.softmax(logits, -1).nan_to_num(0.0)
+            moved += (probs[[a for a, _ in rows]] - probs[[b for _, b in rows]]).abs().amax(-1).tolist()
+    metrics = {"val_loss": float(np.mean(losses)) if losses else float("nan"),
+               "val_accuracy": correct / max(questions, 1)}
+    if moved:
+        metrics |= {"val_twin_mean_dp": float(np.mean(moved)), "val_twin_max_dp": float(np.max(moved))}
+    return metrics
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -325,26 +394,33 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(TrainConfig, name),
                             help=f"head/training setting (default {getattr(TrainConfig, name)})")
     parser.add_argument("--lr", type=float, default=TrainConfig.lr, help=f"peak learning rate ({TrainConfig.lr})")
+    parser.add_argument("--consistency-weight", type=float, default=TrainConfig.consistency_weight,
+                        help=f"weight of the twin consistency term ({TrainConfig.consistency_weight})")
     parser.add_argument("--banking77", type=int, default=2000, help="BANKING77 training records (demo data)")
     parser.add_argument("--nlupp", type=int, default=1660, help="NLU++ training records (demo data)")
+    parser.add_argument("--twins", type=int, default=0,
+                        help="twin requests for the consistency term (demo data; e.g. 512)")
     args = parser.parse_args(argv)
+    twins: list[Twin] = []
     if args.data == "demo":
-        from clef_local.export.demo_data import training_examples
+        from clef_local.export.demo_data import training_examples, twin_records
 
         examples = training_examples(args.banking77, args.nlupp)
+        twins = twin_records(args.twins)
     else:
         examples = [Example(str(n), row["request"], row["labels"]) for n, row in
                     enumerate(json.loads(line) for line in Path(args.data).read_text().splitlines() if line.strip())]
     work = args.work or args.out.with_name(args.out.name + ".work")
     config = TrainConfig(epochs=args.epochs, lr=args.lr, width=args.width, routing_layers=args.routing_layers,
                          layers=args.layers, heads=args.heads, feedforward=args.feedforward,
-                         batch_records=args.batch_records)
+                         batch_records=args.batch_records, consistency_weight=args.consistency_weight)
     if args.cache_only:
         tokenizer = ReleaseTokenizer(args.backbone)
-        encoded = [e for e, _ in encode_examples(tokenizer, examples, _max_length(args.backbone))]
+        records = [*examples, *(e for twin in twins for e in (twin.first, twin.second))]
+        encoded = [e for e, _ in encode_examples(tokenizer, records, _max_length(args.backbone))]
         cache_hidden_states(args.backbone, encoded, work / "hidden", device=args.device)
         print(f"cached {len(encoded)} records under {work / 'hidden'}")
         return 0
-    result = train(args.backbone, examples, args.out, work=work, config=config, device=args.device)
+    result = train(args.backbone, examples, args.out, work=work, config=config, device=args.device, twins=twins)
     print(json.dumps(result["history"][-1] if result["history"] else {}, indent=2))
     return 0

@@ -11,8 +11,16 @@ import pytest
 import torch
 
 import clef_local
-from clef_local.export.demo_data import training_examples
-from clef_local.export.train_head import TrainConfig, cache_hidden_states, encode_examples, question_loss, train
+from clef_local.export.demo_data import training_examples, twin_records
+from clef_local.export.train_head import (
+    TrainConfig,
+    _twin_rows,
+    cache_hidden_states,
+    encode_examples,
+    question_loss,
+    train,
+    twin_loss,
+)
 from clef_local.tokenizer import ReleaseTokenizer
 
 SMALL = TrainConfig(width=32, heads=4, feedforward=64, epochs=2, batch_records=8)
@@ -69,3 +77,46 @@ def test_cache_blocks_are_reused_and_a_bad_chunk_is_named(tiny_llama: Path, tmp_
     bad.write_bytes(bad.read_bytes()[:20])
     with pytest.raises(RuntimeError, match=bad.name):
         cache_hidden_states(tiny_llama, encoded, cache, block_records=2)
+
+
+def test_unlabelled_questions_are_left_out_of_the_loss():
+    logits = torch.tensor([[0.0, math.log(3.0), float("-inf")], [5.0, 0.0, 1.0]])
+    alone = question_loss(logits[:1], torch.tensor([1]), 0.05, 1.0)
+    assert float(question_loss(logits, torch.tensor([1, -1]), 0.05, 1.0)) == pytest.approx(float(alone))
+    assert float(question_loss(logits, torch.tensor([-1, -1]), 0.05, 1.0)) == 0.0
+
+
+def test_twin_loss_is_symmetric_kl():
+    p, q = torch.tensor([0.25, 0.75]), torch.tensor([0.5, 0.5])
+    logits = torch.stack([torch.cat([p.log(), torch.tensor([float("-inf")])]),
+                          torch.cat([q.log(), torch.tensor([float("-inf")])])])
+    kl = float((p * (p / q).log()).sum() + (q * (q / p).log()).sum()) / 2
+    assert float(twin_loss(logits, [(0, 1)])) == pytest.approx(kl, rel=1e-6)
+    assert float(twin_loss(logits, [(0, 0)])) == 0.0
+
+
+def test_twins_map_questions_across_renames_and_reorders(tiny_llama: Path):
+    tokenizer = ReleaseTokenizer(tiny_llama)
+    for twin in twin_records(12, seed=5):
+        assert set(twin.same) <= set(twin.first.request["questions"])
+        assert set(twin.same.values()) <= set(twin.second.request["questions"])
+        for a, b in twin.same.items():  # the same question, maybe renamed, with the same label
+            assert twin.first.request["questions"][a] == twin.second.request["questions"][b]
+            assert twin.first.labels.get(a) == twin.second.labels.get(b)
+        pairs = encode_examples(tokenizer, [twin.first, twin.second], 4096)
+        encoded = [e for e, _ in pairs]
+        rows = _twin_rows([0, 1], encoded, {0: (1, twin.same)})
+        assert len(rows) == len(twin.same)
+        first_q, second_q = encoded[0].questions, encoded[1].questions
+        n_first = len(first_q)
+        for a, b in rows:
+            assert twin.same[first_q[a].question_id] == second_q[b - n_first].question_id
+
+
+def test_train_with_twins_reports_their_consistency(tiny_llama: Path, tmp_path: Path):
+    examples = training_examples(banking77=8, nlupp=4, seed=3)
+    result = train(tiny_llama, examples, tmp_path / "head", work=tmp_path / "work", config=SMALL,
+                   twins=twin_records(40, seed=1), validation=0.3)
+    last = result["history"][-1]
+    assert result["twins"] == 40
+    assert 0.0 <= last["val_twin_mean_dp"] <= last["val_twin_max_dp"] <= 1.0

@@ -74,7 +74,8 @@ def _mixed(text: str, rng: random.Random, intents: list[str], gold: str) -> dict
         "urgency": THREE["urgency"]}}
 
 
-def section_robustness(model, n: int = 100) -> dict[str, Any]:
+def robustness_requests(n: int = 100) -> tuple[list[dict], dict[str, list[dict]], dict[str, list[dict[str, str]]]]:
+    """``n`` held-out mixed requests, their three perturbations, and per perturbation the question-id maps."""
     rng = random.Random(7)
     intents = list(banking77_intents())
     rows = banking77_rows("test")
@@ -83,27 +84,32 @@ def section_robustness(model, n: int = 100) -> dict[str, Any]:
     unrelated = {"weather": {"type": "noul", "instructions": "Does the message mention the weather?"},
                  "language": {"type": "choice", "criteria": {"english": None, "french": None, "german": None}},
                  "length": {"type": "score", "criteria": ["short", "medium", "long"]}}
+    renamed = [{k: f"q_{k}_{i}" for i, k in enumerate(r["questions"])} for r in base]
     variants = {
-        "rename ids": [{**r, "questions": {f"q_{k}_{i}": v for i, (k, v) in enumerate(r["questions"].items())}}
-                       for r in base],
+        "rename ids": [{**r, "questions": {names[k]: v for k, v in r["questions"].items()}}
+                       for r, names in zip(base, renamed, strict=True)],
         "reorder questions": [{**r, "questions": dict(reversed(r["questions"].items()))} for r in base],
         "add 3 unrelated": [{**r, "questions": {**unrelated, **r["questions"]}} for r in base],
     }
+    same = {"rename ids": renamed, "reorder questions": [{k: k for k in r["questions"]} for r in base],
+            "add 3 unrelated": [{k: k for k in r["questions"]} for r in base]}
+    return base, variants, same
+
+
+def robustness_summary(moved: list[float]) -> dict[str, float]:
+    """Max, mean and share within 0.05 of the per-request largest probability move."""
+    return {"max": float(np.max(moved)), "mean": float(np.mean(moved)),
+            "within_0.05": float(np.mean(np.array(moved) <= 0.05))}
+
+
+def section_robustness(model, n: int = 100) -> dict[str, Any]:
+    base, variants, same = robustness_requests(n)
     reference = model.decide_batch(base)
     results = {}
     for name, requests in variants.items():
-        moved = []
-        for ref, new in zip(reference, model.decide_batch(requests), strict=True):
-            answers = list(new["answers"].values())
-            if name == "rename ids":
-                pairs = zip(ref["answers"].values(), answers, strict=True)
-            elif name == "reorder questions":
-                pairs = ((a, new["answers"][k]) for k, a in ref["answers"].items())
-            else:
-                pairs = ((a, new["answers"][k]) for k, a in ref["answers"].items())
-            moved.append(max(_max_delta(a, b) for a, b in pairs))
-        results[name] = {"max": float(np.max(moved)), "mean": float(np.mean(moved)),
-                         "within_0.05": float(np.mean(np.array(moved) <= 0.05))}
+        moved = [max(_max_delta(ref["answers"][k], new["answers"][names[k]]) for k in ref["answers"])
+                 for ref, new, names in zip(reference, model.decide_batch(requests), same[name], strict=True)]
+        results[name] = robustness_summary(moved)
     return results
 
 

@@ -271,8 +271,10 @@ def _warmup_cosine(total: int, warmup_fraction: float = 0.05):
 
 def train(backbone_dir: Path, examples: Sequence[Example], out: Path, *, work: Path,
           config: TrainConfig = TrainConfig(), validation: float = 0.05, device: str = "cpu",
-          twins: Sequence[Twin] = ()) -> dict:
+          twins: Sequence[Twin] = (), cache: Path | None = None) -> dict:
     """Cache hidden states, train the head, write it to ``out``; returns the training log.
+
+    The hidden-state cache lives in ``cache`` (default ``work/hidden``; several runs may share one).
 
     ``twins`` add a consistency term (``config.consistency_weight`` × symmetric KL between twin questions) on top
     of the supervised loss of their labelled questions.
@@ -287,7 +289,7 @@ def train(backbone_dir: Path, examples: Sequence[Example], out: Path, *, work: P
     pairs = encode_examples(tokenizer, records, _max_length(backbone_dir))
     encoded = [e for e, _ in pairs]
     gold = [g for _, g in pairs]
-    hidden = cache_hidden_states(backbone_dir, encoded, work / "hidden", device=device)
+    hidden = cache_hidden_states(backbone_dir, encoded, cache or work / "hidden", device=device)
     embedding = TorchBackbone(backbone_dir, backbone_config, device=device,
                               dtype=torch.float32).output_embedding.detach()
     twins_of = {len(examples) + 2 * t: (len(examples) + 2 * t + 1, twin.same) for t, twin in enumerate(twins)}
@@ -304,6 +306,7 @@ def train(backbone_dir: Path, examples: Sequence[Example], out: Path, *, work: P
     val, fit = units[:n_val], units[n_val:]
     steps_per_epoch = len(_units_to_batches(fit, config.batch_records))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_cosine(config.epochs * steps_per_epoch))
+    work.mkdir(parents=True, exist_ok=True)
     checkpoint = work / "checkpoint.pt"
     history: list[dict] = []
     first_epoch = 0

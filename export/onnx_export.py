@@ -46,13 +46,7 @@ from typing import Any
 import numpy as np
 
 from clef_local.errors import ClefError
-from clef_local.export.quantize import (
-    ExportError,
-    _check_paths,
-    _finalize,
-    _sibling,
-    clean_stale,
-)
+from clef_local.export.staging import ExportError, resolve_out, staged
 from clef_local.manifest import MANIFEST, check_files, file_entries, list_files, write_manifest
 
 log = logging.getLogger(__name__)
@@ -137,17 +131,11 @@ def export_onnx(source: str | Path, out: str | Path, fmt: str | None = None, *, 
     from clef_local.release import read_release
 
     started = time.perf_counter()
-    source = Path(source).expanduser().resolve()
-    out = Path(out).expanduser().absolute()
-    out = out.parent.resolve() / out.name
+    source, out = Path(source).expanduser().resolve(), resolve_out(out)
     release = read_release(source)
     fmt = _resolve_format(fmt, variant_scheme(release.config), source)
-    _check_paths(source, out, force)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    clean_stale(out)
-    tmp = _sibling(out, "tmp")
-    log.info("exporting %s → %s (%s) via %s", source, out, fmt, tmp)
-    try:
+    with staged(source, out, force) as tmp:
+        log.info("exporting %s → %s (%s) via %s", source, out, fmt, tmp)
         if fmt in ("int4", "int8") and variant_scheme(release.config) is None:
             tmp.rmdir()  # quantize_release writes the variant there (atomically, through its own sibling)
             log.info("quantizing %s to %s first (clef-local quantize's functions)", source, fmt)
@@ -166,10 +154,6 @@ def export_onnx(source: str | Path, out: str | Path, fmt: str | None = None, *, 
                        source={"path": str(source), "files": file_entries(source)})
         if problems := check_files(tmp):
             raise ExportError("the written ONNX release does not check: " + "; ".join(problems))
-        _finalize(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     onnx_bytes = sum(f.stat().st_size for f in (out / ONNX_DIR).iterdir())
     return {"out": str(out), "source": str(source), "format": fmt, "config": config, "validation": validation,
             "onnx_bytes": onnx_bytes, "seconds": time.perf_counter() - started}

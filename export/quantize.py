@@ -10,10 +10,10 @@ that :func:`clef_local.quant.predicate.should_quantize` selects replaced by the 
 gains ``quantization_config`` (with a ``clef_local`` member: scheme, group size, counts, what was skipped and why);
 ``clef_local_manifest.json`` records every file's size and SHA-256, the source's hashes, the scheme and byte counts.
 
-Safety: everything is written into a temporary sibling ``.{out}.tmp-{pid}-{random}`` that is renamed to ``out``
-only when complete (validated, manifest written and checked); any exception removes it; a temp left by a killed
-run is removed by the next run (unless its process is still alive). An existing ``out`` is refused without
-``force``; with it the old directory is moved aside only after the new one is complete. The source is only read.
+Safety (:mod:`clef_local.export.staging`): everything is written into a temporary sibling of ``out`` that is
+renamed to ``out`` only when complete (validated, manifest written and checked); any exception removes it; a temp
+left by a killed run is removed by the next run. An existing ``out`` is refused without ``force``; with it the old
+directory is moved aside only after the new one is complete. The source is only read.
 Memory: the source is read shard by shard with ``safe_open`` and each output shard is written before the next
 is read, so the peak is about one shard plus its quantized copy.
 
@@ -24,11 +24,9 @@ in the middle (tests/test_quantize_export.py); it has no other use.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import logging
 import os
-import secrets
 import shutil
 import sys
 import time
@@ -37,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from clef_local.errors import ClefError
+from clef_local.export.staging import ExportError, resolve_out, staged
 from clef_local.manifest import MANIFEST, check_files, file_entries, list_files, write_manifest
 
 if TYPE_CHECKING:
@@ -58,27 +57,6 @@ INDEX = "model.safetensors.index.json"
 VALIDATION = "validation.json"
 
 
-class ExportError(ClefError, ValueError):
-    """An export refused or failed for a reason the user can fix (paths, scheme, group size, source)."""
-
-
-def _is_within(path: Path, parent: Path) -> bool:
-    return path == parent or parent in path.parents
-
-
-def _check_paths(source: Path, out: Path, force: bool) -> None:
-    if _is_within(out, source):
-        raise ExportError(f"--out {out} is the source release or inside it; write the variant elsewhere")
-    if _is_within(source, out):
-        raise ExportError(f"--out {out} contains the source release {source}; write the variant elsewhere")
-    if out.exists() or out.is_symlink():
-        if not force:
-            raise ExportError(f"{out} exists; pass --force to replace it (the old one stays until the new one is "
-                              f"complete)")
-        if not out.is_dir() or out.is_symlink():
-            raise ExportError(f"{out} exists and is not a directory; refusing to replace it")
-
-
 def _check_group(scheme: Scheme, group_size: int | None) -> int | None:
     from clef_local.quant import int4
 
@@ -92,42 +70,6 @@ def _check_group(scheme: Scheme, group_size: int | None) -> int | None:
     if group < 32 or group & (group - 1):
         raise ExportError(f"{scheme.name} --group-size must be a power of two >= 32, not {group}")
     return group
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, someone else's
-        pass
-    return True
-
-
-def clean_stale(out: Path) -> list[Path]:
-    """Remove ``.{out.name}.tmp-*`` / ``.trash-*`` siblings left by killed exports (not those of a live process)."""
-    removed = []
-    for kind in ("tmp", "trash"):
-        for path in sorted(out.parent.glob(f".{glob.escape(out.name)}.{kind}-*")):
-            pid = path.name.removeprefix(f".{out.name}.{kind}-").split("-")[0]
-            if pid.isdigit() and int(pid) != os.getpid() and _pid_alive(int(pid)):
-                log.info("leaving %s: its export (pid %s) is still running", path, pid)
-                continue
-            log.info("removing stale %s left by an interrupted export", path)
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-    return removed
-
-
-def _sibling(out: Path, kind: str) -> Path:
-    """A fresh, empty hidden sibling of ``out`` (created with the umask's permissions, unlike mkdtemp's 0700)."""
-    while True:
-        path = out.parent / f".{out.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}"
-        try:
-            path.mkdir()
-            return path
-        except FileExistsError:
-            continue
 
 
 def _file_mode() -> int:
@@ -275,19 +217,6 @@ def _write_index(source: Path, tmp: Path, result: dict[str, Any]) -> None:
     (tmp / INDEX).write_text(json.dumps(index, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def _finalize(tmp: Path, out: Path) -> None:
-    """Rename the complete ``tmp`` to ``out``; an existing ``out`` is moved aside first and deleted after."""
-    if not out.exists():
-        os.replace(tmp, out)
-        return
-    trash = _sibling(out, "trash")
-    trash.rmdir()
-    os.replace(out, trash)
-    os.replace(tmp, out)
-    shutil.rmtree(trash, ignore_errors=True)
-    log.info("replaced the previous %s (--force)", out)
-
-
 def quantize_release(source: Path, out: Path, scheme: str, group_size: int | None = None, force: bool = False,
                      validate: bool = True, *, log_summary: bool = True) -> dict[str, Any]:
     """Write the ``scheme`` variant of the release at ``source`` to ``out``; return the summary.
@@ -305,8 +234,7 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
     from clef_local.release import read_release
 
     started = time.perf_counter()
-    source, out = Path(source).expanduser().resolve(), Path(out).expanduser().absolute()
-    out = out.parent.resolve() / out.name
+    source, out = Path(source).expanduser().resolve(), resolve_out(out)
     try:
         spec = quant.get(scheme)
     except ValueError as exc:
@@ -316,12 +244,8 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
     if release.quantization:
         raise ExportError(f"{source} is already quantized ({release.quantization.get('quant_method')}); quantize "
                           f"the BF16 release")
-    _check_paths(source, out, force)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    clean_stale(out)
-    tmp = _sibling(out, "tmp")
-    log.info("exporting %s → %s (%s%s) via %s", source, out, spec.name, f", group {group}" if group else "", tmp)
-    try:
+    with staged(source, out, force) as tmp:
+        log.info("exporting %s → %s (%s%s) via %s", source, out, spec.name, f", group {group}" if group else "", tmp)
         source_files = file_entries(source)
         shards = [f.name for f in release.weight_files]
         result = _quantize_shards(source, tmp, shards, spec, group)
@@ -350,10 +274,6 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
                        quantized=result["quantized"], skipped=result["skipped"], bytes=nbytes)
         if problems := check_files(tmp):
             raise ExportError("the written variant does not check: " + "; ".join(problems))
-        _finalize(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     summary = {"out": str(out), "source": str(source), "scheme": spec.name, "group_size": group,
                "bits_per_weight": bits, "quantized": len(result["quantized"]), "kept": len(result["skipped"]),
                "skipped": result["skipped"], "skipped_by_reason": dict(Counter(result["skipped"].values())),

@@ -227,10 +227,13 @@ def decide(hardware: Hardware, scheme: str, footprint: Any, *, context: int, bac
 
 def _resident_plan(census: WeightCensus, footprint: Any, hardware: Hardware, decision: LoadDecision,
                    context: int) -> Plan:
-    # Today's backends put the whole backbone on the device (embeddings and, for torch, the vision tower too);
-    # the planner's DESIGN §6 default keeps them on the host, which needs backend support first.
     return plan(resident_census(census, decision.backend), footprint.dims, hardware, context=context,
-                dtype=decision.dtype, host_embeddings=False, media=decision.backend == "torch")
+                dtype=decision.dtype, host_embeddings=_host_embeddings(decision), media=decision.backend == "torch")
+
+
+def _host_embeddings(decision: LoadDecision) -> bool:
+    """Torch on CUDA keeps ``embed_tokens``/``lm_head`` in host memory (TorchBackbone); other backends do not."""
+    return decision.backend == "torch" and decision.device.startswith("cuda")
 
 
 _BITS_FLAG = {"int4": "--bits 4", "int8": "--bits 8", "nf4": "--format nf4", "fp8": "--format fp8"}
@@ -246,7 +249,8 @@ def refusal(mine: Plan, plans: Mapping[str, Plan], footprint: Any, hardware: Har
         return (f"{head}; try {_BITS_FLAG[smaller.fmt]}: clef-local quantize {_BITS_FLAG[smaller.fmt]} --model "
                 f"{source} --out {source}-{smaller.fmt} (needs {smaller.need / GiB:.1f} GiB)")
     census = resident_census(mine.census, decision.backend)
-    longest = max_context(census, footprint.dims, hardware, dtype=decision.dtype, host_embeddings=False,
+    longest = max_context(census, footprint.dims, hardware, dtype=decision.dtype,
+                          host_embeddings=_host_embeddings(decision),
                           media=decision.backend == "torch", limit=context)
     hints = []
     if mine.fmt in ("bf16", "int8", "fp8") and mine.fmt == footprint.stored:

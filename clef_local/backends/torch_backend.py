@@ -67,7 +67,10 @@ class TorchBackbone:
     """
 
     def __init__(self, path: Path, config: dict[str, Any], *, device: str = "cpu",
-                 dtype: torch.dtype = torch.float32, weight_files: Sequence[Path] | None = None) -> None:
+                 dtype: torch.dtype = torch.float32, weight_files: Sequence[Path] | None = None,
+                 host_embeddings: bool | None = None) -> None:
+        """``host_embeddings`` (default: on a CUDA device) keeps ``embed_tokens`` and ``lm_head`` in host memory:
+        both are only gathered from (a few rows per request), and on Clef 27B they are ~2.5 GB each (DESIGN §6)."""
         import transformers
 
         qwen3_5 = config.get("model_type") == "qwen3_5" or QWEN3_5 in (config.get("architectures") or [])
@@ -89,19 +92,52 @@ class TorchBackbone:
             except (OSError, ValueError, KeyError) as exc:
                 raise ReleaseError(f"{path}: the backbone cannot be loaded ({exc})") from exc
         model.config.use_cache = False
-        self.model = model.to(self.device).eval()
-        self.layers = prepare_quantized(self.model)
-        base = self.model.model
+        base = model.model
         # Without media only the text model runs (DESIGN §2.2); with a vision tower it sits beside it.
         self.text_model = getattr(base, "language_model", base)
+        self.host_embeddings = self.device.type == "cuda" if host_embeddings is None else host_embeddings
+        if self.host_embeddings:
+            _to_device_except(model, self.device, {id(self.text_model.get_input_embeddings()),
+                                                   id(model.get_output_embeddings())})
+            self.model = model.eval()
+        else:
+            self.model = model.to(self.device).eval()
+        self.layers = prepare_quantized(self.model)
         self.output_embedding = self.model.get_output_embeddings().weight
 
     @torch.inference_mode()
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """The text model's final (normed) hidden states, ``[B, T, hidden]``."""
-        out = self.text_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                              return_dict=True)
+        if self.host_embeddings:  # gather on the host, ship only [B, T, hidden] to the device
+            embeds = self.text_model.get_input_embeddings()(input_ids.cpu()).to(self.device)
+            out = self.text_model(inputs_embeds=embeds, attention_mask=attention_mask.to(self.device),
+                                  use_cache=False, return_dict=True)
+        else:
+            out = self.text_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                                  return_dict=True)
         return out.last_hidden_state
+
+    def lexical_rows(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Output-embedding rows of ``token_ids``, on the compute device (the matrix may stay on the host)."""
+        table = self.output_embedding
+        return table.index_select(0, token_ids.to(table.device)).to(self.device)
+
+
+def _to_device_except(module: torch.nn.Module, device: torch.device, keep: set[int]) -> None:
+    """Move ``module`` to ``device`` except the submodules whose ``id`` is in ``keep`` (they stay where they are)."""
+    for child in module.children():
+        if id(child) in keep:
+            continue
+        if any(id(m) in keep for m in child.modules()):
+            _to_device_except(child, device, keep)
+        else:
+            child.to(device)
+    for name, param in module._parameters.items():
+        if param is not None:
+            module._parameters[name] = torch.nn.Parameter(param.to(device), requires_grad=param.requires_grad)
+    for name, buffer in module._buffers.items():
+        if buffer is not None:
+            module._buffers[name] = buffer.to(device)
 
 
 class TorchBackend:
@@ -129,7 +165,7 @@ class TorchBackend:
         input_ids, attention_mask = collate(records, pad_token_id, self.device)
         hidden = self.backbone.hidden_states(input_ids, attention_mask)
         device_layout = layout.map(lambda a: torch.from_numpy(a).to(self.device))
-        lexical = self.output_embedding.index_select(0, device_layout.option_token_ids)
+        lexical = self.backbone.lexical_rows(device_layout.option_token_ids)
         logits = self.head(hidden, attention_mask, lexical, device_layout)
         return logits.float().cpu().numpy()
 
@@ -138,6 +174,7 @@ class TorchBackend:
         head_params = sum(p.numel() for p in self.head.parameters())
         out = {"backend": self.name, "device": str(self.device),
                "backbone_dtype": str(self.backbone.dtype).split(".")[-1],
+               "embeddings": "host" if self.backbone.host_embeddings else "device",
                "backbone_parameters": params, "head_parameters": head_params, "head_dtype": "float32"}
         if self.backbone.scheme is not None:
             out.update(scheme=self.backbone.scheme, kernels=kernel_counts(self.backbone.layers),

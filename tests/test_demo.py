@@ -1,0 +1,47 @@
+"""The demo release in the user cache: an older head is replaced in place, a corrupted file is named."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from clef_local.demo import DEMO_NAME, _packaged, demo_path
+from clef_local.errors import ReleaseError
+from clef_local.manifest import write_manifest
+
+
+def _copy_build(demo_release: Path, cache: Path) -> Path:
+    """A private copy of the built demo (the big backbone hard-linked: these tests never write it)."""
+    target = cache / DEMO_NAME
+    shutil.copytree(demo_release, target, copy_function=lambda s, d: os.link(s, d) if s.endswith(
+        "model.safetensors") else shutil.copy2(s, d))
+    return target
+
+
+def test_an_intact_build_with_an_older_head_gets_the_packaged_one(demo_release: Path, tmp_path: Path):
+    target = _copy_build(demo_release, tmp_path)
+    config = json.loads((target / "joint_head_config.json").read_text())
+    (target / "joint_head_config.json").write_text(json.dumps(config, indent=4))  # an "old" head: other bytes
+    tensors = load_file(str(target / "joint_head.safetensors"))
+    save_file({k: v * 0.5 for k, v in tensors.items()}, str(target / "joint_head.safetensors"))
+    write_manifest(target, name=DEMO_NAME)  # ...but an intact build
+    assert demo_path(tmp_path) == target
+    for name in ("joint_head.safetensors", "joint_head_config.json", "MODEL_CARD.md"):
+        assert (target / name).read_bytes() == (_packaged() / name).read_bytes()
+    assert not list(target.glob(".*.tmp-*"))
+
+
+def test_a_corrupted_head_is_named_not_repaired(demo_release: Path, tmp_path: Path):
+    target = _copy_build(demo_release, tmp_path)
+    head = target / "joint_head.safetensors"
+    data = bytearray(head.read_bytes())
+    data[-1] ^= 0xFF
+    head.write_bytes(bytes(data))
+    with pytest.raises(ReleaseError, match=r"joint_head\.safetensors"):
+        demo_path(tmp_path)
+    assert head.read_bytes() == bytes(data)

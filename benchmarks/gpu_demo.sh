@@ -2,7 +2,7 @@
 # Build and measure the demo model (clef-demo-135m) on a CUDA machine: convert the GGUF backbone, train the joint
 # schema head with the default recipe (the same command runs on CPU, slower), and evaluate it on BANKING77 and
 # NLU++. Writes the head and the metrics under $OUT. Scale knobs are for a quick dry run on CPU:
-#   NO_WHEELS=1 DEVICE=cpu BANKING77=20 NLUPP=10 EPOCHS=1 LIMIT=5 bash benchmarks/gpu_demo.sh
+#   NO_WHEELS=1 DEVICE=cpu BANKING77=20 NLUPP=10 TWINS=8 EPOCHS=1 LIMIT=5 bash benchmarks/gpu_demo.sh
 # On the lent H200 (no network, 64 MiB carried per call): the GGUF travels in two parts. A call's carried paths
 # replace .gpu/ in the repo copy, but /tmp survives while the machine is warm (30 s), so call 1 carries
 # .gpu/gguf.part-01 and runs `mkdir -p /tmp/clef-gguf && cp .gpu/gguf.part-01 /tmp/clef-gguf/`; call 2 carries
@@ -12,7 +12,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/clef-demo-build}; DEVICE=${DEVICE:-cuda}; WORK=${WORK:-/tmp/clef-demo-work}
-BANKING77=${BANKING77:-2000}; NLUPP=${NLUPP:-1660}; EPOCHS=${EPOCHS:-8}; LIMIT=${LIMIT:-}
+BANKING77=${BANKING77:-2048}; NLUPP=${NLUPP:-1024}; TWINS=${TWINS:-512}; EPOCHS=${EPOCHS:-20}; LIMIT=${LIMIT:-}
 # TRAIN_ARGS: extra train-head options for both recipes, e.g. TRAIN_ARGS="--width 512 --feedforward 1024 --lr 5e-4"
 mkdir -p "$OUT" "$WORK"
 exec > >(tee -a "$OUT/log.txt") 2>&1  # the log comes back even when the call is stopped at its time limit
@@ -42,14 +42,15 @@ from clef_local.export.demo_backbone import convert_backbone
 print(convert_backbone(Path(sys.argv[1]), Path(sys.argv[2])))" "$GGUF" "$WORK/backbone"
 sha256sum "$WORK/backbone/model.safetensors" | tee "$OUT/backbone.sha256"
 
-train_and_eval() {  # name banking77-records nlupp-records epochs
+train_and_eval() {  # name banking77-records nlupp-records twins epochs
   local name=$1
   python3 -m clef_local.cli train-head --backbone "$WORK/backbone" --out "$OUT/$name" --work "$WORK/$name.work" \
-    --banking77 "$2" --nlupp "$3" --epochs "$4" --device "$DEVICE" ${TRAIN_ARGS:-} 2>&1 | grep -v "it/s]$" | tail -20
+    --banking77 "$2" --nlupp "$3" --twins "$4" --epochs "$5" --device "$DEVICE" ${TRAIN_ARGS:-} 2>&1 \
+    | grep -v "it/s]$" | tail -20
   rm -rf "$WORK/$name.release" && cp -r "$WORK/backbone" "$WORK/$name.release"
   cp "$OUT/$name"/joint_head.safetensors "$OUT/$name"/joint_head_config.json "$WORK/$name.release/"
   python3 benchmarks/demo_model.py --model "$WORK/$name.release" --device "$DEVICE" ${LIMIT:+--limit $LIMIT} \
     --sections banking77 nlupp robustness --json "$OUT/$name/metrics.json" 2>&1 | grep -v "^\[transformers\]"
 }
-echo "== default recipe"; train_and_eval default "$BANKING77" "$NLUPP" "$EPOCHS"
-if [ -n "${LARGE:-}" ]; then echo "== larger recipe"; train_and_eval large 8000 3320 10; fi
+echo "== default recipe"; train_and_eval default "$BANKING77" "$NLUPP" "$TWINS" "$EPOCHS"
+if [ -n "${LARGE:-}" ]; then echo "== larger recipe"; train_and_eval large 10240 3328 2048 30; fi

@@ -247,14 +247,27 @@ def _twin_rows(items: Sequence[int], encoded, twins_of: dict[int, tuple[int, dic
     return pairs
 
 
-def _units_to_batches(units: Sequence[tuple[int, ...]], batch_records: int) -> list[list[int]]:
-    """Consecutive units (a record, or a twin's two records) grouped into batches of about ``batch_records``."""
+def _units_to_batches(units: Sequence[tuple[int, ...]], batch_records: int,
+                      lengths: Sequence[int] | None = None, pool: int = 50) -> list[list[int]]:
+    """Units (a record, or a twin's two records) grouped into batches of about ``batch_records`` records.
+
+    With ``lengths``, units are sorted by length within pools of ``pool`` batches (so a batch pads to a similar
+    length, not to the longest record in the data: ~2x less work here) and the batches are shuffled back; the
+    order stays random from epoch to epoch because ``units`` arrive shuffled.
+    """
+    if lengths is not None:
+        size = pool * batch_records
+        units = [u for start in range(0, len(units), size)
+                 for u in sorted(units[start : start + size], key=lambda u: max(lengths[i] for i in u))]
     batches: list[list[int]] = [[]]
     for unit in units:
         if len(batches[-1]) + len(unit) > batch_records and batches[-1]:
             batches.append([])
         batches[-1].extend(unit)
-    return [b for b in batches if b]
+    batches = [b for b in batches if b]
+    if lengths is not None:
+        random.Random(len(units) + sum(batches[0])).shuffle(batches)
+    return batches
 
 
 def _warmup_cosine(total: int, warmup_fraction: float = 0.05):
@@ -304,7 +317,8 @@ def train(backbone_dir: Path, examples: Sequence[Example], out: Path, *, work: P
     rng.shuffle(units)
     n_val = int(len(units) * validation)
     val, fit = units[:n_val], units[n_val:]
-    steps_per_epoch = len(_units_to_batches(fit, config.batch_records))
+    lengths = [len(e.input_ids) for e in encoded]
+    steps_per_epoch = len(_units_to_batches(fit, config.batch_records, lengths))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_cosine(config.epochs * steps_per_epoch))
     work.mkdir(parents=True, exist_ok=True)
     checkpoint = work / "checkpoint.pt"
@@ -322,7 +336,7 @@ def train(backbone_dir: Path, examples: Sequence[Example], out: Path, *, work: P
         order = fit[:]
         random.Random(config.seed * 1000 + epoch).shuffle(order)
         total = 0.0
-        batches = _units_to_batches(order, config.batch_records)
+        batches = _units_to_batches(order, config.batch_records, lengths)
         for items in tqdm(batches, desc=f"epoch {epoch + 1}/{config.epochs}"):
             states, mask, lexical, layout, target = _batch(items, encoded, hidden, gold, embedding)
             logits = head(states, mask, lexical, layout)

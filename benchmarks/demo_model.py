@@ -24,7 +24,7 @@ import numpy as np
 from _timing import median_ms
 
 import clef_local
-from clef_local.datasets import banking77_examples, banking77_intents, banking77_rows, nlupp_examples
+from clef_local.datasets import banking77_examples, banking77_intents, banking77_rows, evenly, nlupp_examples
 from clef_local.metrics import classification_report, ece, macro_f1
 
 THREE = {
@@ -38,7 +38,7 @@ THREE = {
 
 
 def section_banking77(model, limit: int | None) -> dict[str, Any]:
-    examples = banking77_examples("test", limit=limit)
+    examples = evenly(banking77_examples("test"), limit)  # the split is sorted by intent: sample across it
     order = sorted(banking77_intents())  # choice options are sorted by id in the prompt
     predictions = model.predict([e.request for e in examples], batch_size=8)
     probs = np.stack([p.probabilities[0] for p in predictions])
@@ -49,7 +49,7 @@ def section_banking77(model, limit: int | None) -> dict[str, Any]:
 
 
 def section_nlupp(model, limit: int | None) -> dict[str, Any]:
-    examples = nlupp_examples(range(16, 20))[:limit]
+    examples = evenly(nlupp_examples(range(16, 20)), limit)
     predictions = model.predict([e.request for e in examples], batch_size=16)
     p_true, truth, intents = [], [], []
     for example, prediction in zip(examples, predictions, strict=True):

@@ -1,7 +1,7 @@
 """Compare joint-schema-head recipes on cached backbone hidden states (how the demo model's head was chosen).
 
     python benchmarks/head_recipe.py --cache /work/demo-build/cpu/work/hidden --out /work/demo-build/cpu/recipes \
-        --recipe base:epochs=20 --recipe no-twins:epochs=20,twins=0 --eval-rows 200
+        --recipe base:epochs=20 --recipe no-twins:epochs=20,twins=0 --eval-rows 200 --score clef_local/demo_model
 
 Each recipe trains a head with ``train-head``'s :func:`train` on cached training records (BANKING77 / NLU++ / twin
 counts may differ per recipe; a shared cache computes each block once) and is scored on cached held-out features:
@@ -24,7 +24,7 @@ from demo_model import robustness_requests, robustness_summary
 from safetensors.torch import load_file
 
 import clef_local
-from clef_local.datasets import Example, banking77_examples, banking77_intents, nlupp_examples
+from clef_local.datasets import Example, banking77_examples, banking77_intents, evenly, nlupp_examples
 from clef_local.export.demo_data import training_examples, twin_records
 from clef_local.export.train_head import TrainConfig, _batch, _max_length, cache_hidden_states, encode_examples, train
 from clef_local.head import JointSchemaHead
@@ -56,8 +56,8 @@ class HeldOut:
 
     def __init__(self, backbone: Path, cache: Path, rows: int, nlupp_rows: int, robustness: int):
         tokenizer = ReleaseTokenizer(backbone)
-        self.b77 = banking77_examples("test", limit=rows)
-        self.nlupp = nlupp_examples(range(16, 20))[:nlupp_rows]
+        self.b77 = evenly(banking77_examples("test"), rows)  # the split is sorted by intent: sample across it
+        self.nlupp = evenly(nlupp_examples(range(16, 20)), nlupp_rows)
         self.base, self.variants, self.same = robustness_requests(robustness)
         requests = [e.request for e in self.b77 + self.nlupp] + self.base
         requests += [r for name in self.variants for r in self.variants[name]]
@@ -113,15 +113,25 @@ class HeldOut:
         return result
 
 
+def _load_head(directory: Path) -> JointSchemaHead:
+    head = JointSchemaHead(read_head_config(directory / "joint_head_config.json"))
+    head.load_state_dict(load_file(str(directory / "joint_head.safetensors")))
+    return head
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backbone", type=Path, help="backbone directory (default: the demo release)")
     parser.add_argument("--cache", type=Path, required=True, help="shared hidden-state cache directory")
     parser.add_argument("--out", type=Path, required=True, help="one sub-directory per recipe (head, checkpoint)")
     parser.add_argument("--recipe", action="append", default=[], help="name:key=value,... (repeatable)")
+    parser.add_argument("--score", action="append", default=[], type=Path, metavar="HEAD_DIR",
+                        help="also score an existing head (a directory with joint_head.*), e.g. clef_local/demo_model")
     parser.add_argument("--eval-rows", type=int, default=200, help="BANKING77 test rows (77-way)")
     parser.add_argument("--nlupp-rows", type=int, default=60, help="NLU++ folds 16-19 rows")
     parser.add_argument("--robustness", type=int, default=100, help="robustness requests (demo_model.py's)")
+    parser.add_argument("--init", type=Path, metavar="HEAD_DIR",
+                        help="recipes fine-tune this head instead of a fresh one (train-head --init)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -132,14 +142,15 @@ def main() -> None:
     embedding = TorchBackbone(backbone, read_json(backbone / "config.json"), device="cpu",
                               dtype=torch.float32).output_embedding.detach()
     results = {}
+    for directory in args.score:
+        results[directory.name] = held_out.score(_load_head(directory), embedding)
+        print(json.dumps({directory.name: results[directory.name]}, indent=1), flush=True)
     for text in args.recipe:
         name, config, data = parse_recipe(text)
         examples = training_examples(data["banking77"], data["nlupp"])
         log = train(backbone, examples, args.out / name, work=args.out / name, config=config,
-                    twins=twin_records(data["twins"]), cache=args.cache)
-        head = JointSchemaHead(read_head_config(args.out / name / "joint_head_config.json"))
-        head.load_state_dict(load_file(str(args.out / name / "joint_head.safetensors")))
-        results[name] = {**data, **log["history"][-1], **held_out.score(head, embedding)}
+                    twins=twin_records(data["twins"]), cache=args.cache, init=args.init)
+        results[name] = {**data, **log["history"][-1], **held_out.score(_load_head(args.out / name), embedding)}
         print(json.dumps({name: results[name]}, indent=1), flush=True)
     columns = ["b77_accuracy", "b77_macro_f1", "b77_ece", "nlupp_macro_f1", "rename ids mean", "reorder questions mean",
                "add 3 unrelated mean", "add 3 unrelated max"]

@@ -21,6 +21,17 @@ BANKING77_INSTRUCTIONS = "Which banking intent does the customer's message expre
 NLUPP_DOMAINS = ("general", "banking")  # the banking folds use these intents (hotels ones never occur there)
 
 
+def evenly(items: Sequence[Any], n: int | None) -> list[Any]:
+    """``n`` items spread evenly over ``items`` (all of them when ``n`` is None or not smaller).
+
+    BANKING77's test split is sorted by intent, so its first 150 rows hold two intents: a limited evaluation must
+    sample across the split, not take a prefix.
+    """
+    if n is None or n >= len(items):
+        return list(items)
+    return [items[k * len(items) // n] for k in range(n)]
+
+
 @dataclass(frozen=True)
 class Example:
     """One labelled request: ``labels`` maps question id → gold option id / bool / level index."""

@@ -175,11 +175,27 @@ GENERIC: list[tuple[str, dict[str, Any]]] = [
 ]
 
 
+ID_WORDS = ["q", "zz", "renamed", "field", "item", "Check", "x", "y", "z", "Ask", "topic", "v2"]
+ID_EXTRAS = ["🙂", "é", "ß", "✓", "日本"]
+
+
 def _random_id(rng: random.Random, used: set[str]) -> str:
-    while (qid := "".join(rng.choices(string.ascii_lowercase + string.digits, k=rng.randint(3, 10)))) in used:
-        pass
-    used.add(qid)
-    return qid
+    """A renamed id in one of the shapes clients (and the conformance suite) use: ``k3x9q``, ``zz-renamed.1``,
+    ``x_y_z``, ``CheckTopic``, ``Q 🙂`` — a renaming must not move answers whatever the id looks like."""
+    while True:
+        style = rng.random()
+        if style < 0.4:
+            qid = "".join(rng.choices(string.ascii_lowercase + string.digits, k=rng.randint(3, 10)))
+        elif style < 0.7:
+            words = rng.sample(ID_WORDS, rng.randint(2, 3))
+            qid = rng.choice("-_.").join(words) + (f".{rng.randint(1, 9)}" if rng.random() < 0.5 else "")
+        elif style < 0.85:
+            qid = "".join(w.capitalize() for w in rng.sample(ID_WORDS, rng.randint(1, 3)))
+        else:
+            qid = f"{rng.choice(ID_WORDS).upper()} {rng.choice(ID_EXTRAS)}"
+        if qid not in used:
+            used.add(qid)
+            return qid
 
 
 def _twin(rng: random.Random, n: int, base: Example) -> Twin:

@@ -34,9 +34,10 @@ from tqdm import tqdm
 
 from clef_local.datasets import Example, Twin
 from clef_local.encoding import EncodedRecord, encode_request
+from clef_local.errors import ReleaseError
 from clef_local.head import HeadConfig, JointSchemaHead
 from clef_local.layout import build_layout
-from clef_local.release import read_json
+from clef_local.release import read_head_config, read_json
 from clef_local.schema import request_to_record, validate_request
 from clef_local.tokenizer import ReleaseTokenizer
 
@@ -284,8 +285,11 @@ def _warmup_cosine(total: int, warmup_fraction: float = 0.05):
 
 def train(backbone_dir: Path, examples: Sequence[Example], out: Path, *, work: Path,
           config: TrainConfig = TrainConfig(), validation: float = 0.05, device: str = "cpu",
-          twins: Sequence[Twin] = (), cache: Path | None = None) -> dict:
+          twins: Sequence[Twin] = (), cache: Path | None = None, init: Path | None = None) -> dict:
     """Cache hidden states, train the head, write it to ``out``; returns the training log.
+
+    ``init`` fine-tunes an existing head (a directory with ``joint_head.*``, e.g. the packaged demo head): its
+    architecture replaces ``config``'s width and layer counts, its weights are the starting point.
 
     The hidden-state cache lives in ``cache`` (default ``work/hidden``; several runs may share one).
 
@@ -307,10 +311,18 @@ def train(backbone_dir: Path, examples: Sequence[Example], out: Path, *, work: P
                               dtype=torch.float32).output_embedding.detach()
     twins_of = {len(examples) + 2 * t: (len(examples) + 2 * t + 1, twin.same) for t, twin in enumerate(twins)}
 
-    head_config = HeadConfig(hidden_size=int(text_config["hidden_size"]), width=config.width,
-                             routing_layers=config.routing_layers, layers=config.layers, heads=config.heads,
-                             feedforward=config.feedforward)
+    if init is not None:
+        head_config = read_head_config(init / "joint_head_config.json")
+        if head_config.hidden_size != int(text_config["hidden_size"]):
+            raise ReleaseError(f"--init {init}: the head reads hidden size {head_config.hidden_size}, the backbone "
+                             f"{backbone_dir} has {text_config['hidden_size']}; fine-tune a head of this backbone")
+    else:
+        head_config = HeadConfig(hidden_size=int(text_config["hidden_size"]), width=config.width,
+                                 routing_layers=config.routing_layers, layers=config.layers, heads=config.heads,
+                                 feedforward=config.feedforward)
     head = JointSchemaHead(head_config).to(device)
+    if init is not None:
+        head.load_state_dict(load_file(str(init / "joint_head.safetensors"), device=str(device)))
     optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     rng = random.Random(config.seed)
     units: list[tuple[int, ...]] = [(i,) for i in range(len(examples))] + [(i, j) for i, (j, _) in twins_of.items()]
@@ -362,8 +374,8 @@ def train(backbone_dir: Path, examples: Sequence[Example], out: Path, *, work: P
               str(out / "joint_head.safetensors"))
     config_dict = {k: v for k, v in head_config.to_json_dict().items() if k != "dropout"}
     (out / "joint_head_config.json").write_text(json.dumps(config_dict, indent=2) + "\n")
-    log_dict = {"config": asdict(config), "examples": len(examples), "twins": len(twins), "validation": len(val),
-                "history": history}
+    log_dict = {"config": asdict(config), "init": str(init) if init else None, "examples": len(examples),
+                "twins": len(twins), "validation": len(val), "history": history}
     (out / "training_log.json").write_text(json.dumps(log_dict, indent=2) + "\n")
     return log_dict
 
@@ -417,6 +429,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nlupp", type=int, default=1660, help="NLU++ training records (demo data)")
     parser.add_argument("--twins", type=int, default=0,
                         help="twin requests for the consistency term (demo data; e.g. 512)")
+    parser.add_argument("--init", type=Path, metavar="HEAD_DIR",
+                        help="fine-tune this head (joint_head.* in HEAD_DIR, e.g. clef_local/demo_model) instead of "
+                             "a fresh one; its architecture overrides --width and the layer counts")
     args = parser.parse_args(argv)
     twins: list[Twin] = []
     if args.data == "demo":
@@ -438,6 +453,7 @@ def main(argv: list[str] | None = None) -> int:
         cache_hidden_states(args.backbone, encoded, work / "hidden", device=args.device)
         print(f"cached {len(encoded)} records under {work / 'hidden'}")
         return 0
-    result = train(args.backbone, examples, args.out, work=work, config=config, device=args.device, twins=twins)
+    result = train(args.backbone, examples, args.out, work=work, config=config, device=args.device, twins=twins,
+                   init=args.init)
     print(json.dumps(result["history"][-1] if result["history"] else {}, indent=2))
     return 0

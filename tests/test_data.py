@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from clef_local.data import DataFormatError, load_dataset, main, parse_folds, read_jsonl, write_jsonl
-from clef_local.datasets import Example
+from clef_local.datasets import Example, banking77_examples, evenly
 
 
 def _datasets_or_skip() -> None:
@@ -89,3 +89,12 @@ def test_convert_cli(tmp_path: Path, capsys):
     with pytest.raises(SystemExit):
         main(["convert", "--dataset", "banking77", "--k", "1", "--out", str(out)])
     assert main(["convert", "--dataset", "nlupp", "--folds", "25", "--out", str(out2)]) == 2
+
+
+def test_evenly_samples_across_a_sorted_split():
+    assert evenly(list(range(10)), 3) == [0, 3, 6]
+    assert evenly([1, 2], 5) == [1, 2] and evenly([1, 2], None) == [1, 2]
+    rows = banking77_examples("test")
+    prefix = {e.labels["intent"] for e in rows[:150]}
+    spread = {e.labels["intent"] for e in evenly(rows, 150)}
+    assert len(prefix) <= 4 and len(spread) == 77  # the split is sorted by intent

@@ -120,3 +120,24 @@ def test_train_with_twins_reports_their_consistency(tiny_llama: Path, tmp_path: 
     last = result["history"][-1]
     assert result["twins"] == 40
     assert 0.0 <= last["val_twin_mean_dp"] <= last["val_twin_max_dp"] <= 1.0
+
+
+def test_init_fine_tunes_an_existing_head(tiny_llama: Path, tmp_path: Path):
+    from safetensors.torch import load_file
+
+    from clef_local.errors import ReleaseError
+
+    examples = training_examples(banking77=12, nlupp=4, seed=3)
+    first = tmp_path / "first"
+    train(tiny_llama, examples, first, work=tmp_path / "w1", config=SMALL)
+    # a different width in the config is overridden by the head being fine-tuned; lr 0 keeps its weights exactly
+    still = TrainConfig(width=48, heads=4, feedforward=64, epochs=1, batch_records=8, lr=0.0)
+    result = train(tiny_llama, examples, tmp_path / "tuned", work=tmp_path / "w2", config=still, init=first)
+    assert result["init"] == str(first)
+    want, got = (load_file(str(d / "joint_head.safetensors")) for d in (first, tmp_path / "tuned"))
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    assert (tmp_path / "tuned" / "joint_head_config.json").read_text() == (first / "joint_head_config.json").read_text()
+    config = json.loads((first / "joint_head_config.json").read_text())
+    (first / "joint_head_config.json").write_text(json.dumps({**config, "hidden_size": 99}))
+    with pytest.raises(ReleaseError, match="hidden size 99"):
+        train(tiny_llama, examples, tmp_path / "bad", work=tmp_path / "w3", config=still, init=first)

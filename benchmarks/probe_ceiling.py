@@ -1,0 +1,137 @@
+"""How much BANKING77 intent the frozen backbone's state features carry: a linear probe, the head's ceiling estimate.
+
+    python benchmarks/probe_ceiling.py                                   # the demo backbone, every row (CPU ~15 min)
+    python benchmarks/probe_ceiling.py --train-rows 2000 --features /tmp/b77-features.npz
+
+The joint schema head sees the state only through the backbone's hidden states (its memory and the option spans
+that attend back to it). This script encodes each BANKING77 row exactly as a request does — the DESIGN §2.1 prefix,
+then ``render(state)`` as its own piece — and takes the final hidden states over the state tokens (the prefix's keys
+and values are computed once and reused, so only the state tokens cost anything). A logistic regression on
+``[mean, last]`` of those states, trained on BANKING77 ``train.csv``, is then scored on ``test.csv``: a direct
+77-class classifier with all training rows, so a fair estimate of what a head on this frozen backbone can reach
+(the head must in addition read the 77 options from the prompt). Nearest class centroid (cosine) is shown beside.
+
+Features are cached in ``--features`` (npz) so the classifiers can be rerun without the backbone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+import clef_local
+from clef_local.datasets import banking77_intents, banking77_rows, evenly
+from clef_local.encoding import PREFIX, render
+from clef_local.metrics import classification_report
+
+
+def state_features(model, texts: list[str], batch_size: int) -> np.ndarray:
+    """``[mean, last]`` of the final hidden states over each text's state tokens, after the shared prefix."""
+    backend = model.backend
+    text_model = backend.backbone.text_model
+    prefix_ids, *_ = model.tokenizer.encode_pieces([PREFIX])
+    pad = model.tokenizer.pad_token_id
+    with torch.inference_mode():
+        prefix = text_model(input_ids=torch.tensor([prefix_ids], device=backend.device), use_cache=True)
+        cache = prefix.past_key_values
+    states = [model.tokenizer.encode_pieces([render(t)])[0] for t in texts]
+    order = sorted(range(len(texts)), key=lambda i: len(states[i]))  # similar lengths together: little padding
+    out = np.zeros((len(texts), 2 * text_model.config.hidden_size), dtype=np.float32)
+    for start in tqdm(range(0, len(order), batch_size), desc="state features", unit="batch"):
+        chunk = order[start : start + batch_size]
+        width = max(len(states[i]) for i in chunk)
+        ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(chunk), len(prefix_ids) + width), dtype=torch.long)
+        mask[:, : len(prefix_ids)] = 1
+        for row, i in enumerate(chunk):
+            ids[row, : len(states[i])] = torch.tensor(states[i])
+            mask[row, len(prefix_ids) : len(prefix_ids) + len(states[i])] = 1
+        past = copy.deepcopy(cache)
+        past.batch_repeat_interleave(len(chunk))
+        positions = torch.arange(len(prefix_ids), len(prefix_ids) + width).expand(len(chunk), -1)
+        with torch.inference_mode():
+            hidden = text_model(input_ids=ids.to(backend.device), attention_mask=mask.to(backend.device),
+                                position_ids=positions.to(backend.device), past_key_values=past,
+                                use_cache=True).last_hidden_state.float().cpu()
+        for row, i in enumerate(chunk):
+            h = hidden[row, : len(states[i])]
+            out[i] = torch.cat([h.mean(0), h[-1]]).numpy()
+    return out
+
+
+def check_prefix_reuse(model, text: str) -> float:
+    """Max |Δ| between the cached-prefix features and one plain pass over prefix + state (must be float noise)."""
+    ids = [t for piece in model.tokenizer.encode_pieces([PREFIX, render(text)]) for t in piece]
+    n_prefix = len(model.tokenizer.encode_pieces([PREFIX])[0])
+    tensor = torch.tensor([ids], device=model.backend.device)
+    hidden = model.backend.hidden_states(tensor, torch.ones_like(tensor))[0, n_prefix:].float().cpu()
+    plain = torch.cat([hidden.mean(0), hidden[-1]]).numpy()
+    return float(np.abs(plain - state_features(model, [text], 1)[0]).max())
+
+
+def features(model, path: Path | None, train: list, test: list, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+    if path and path.exists():
+        cached = np.load(path)
+        if len(cached["train"]) == len(train) and len(cached["test"]) == len(test):
+            return cached["train"], cached["test"]
+    x_train = state_features(model, [t for t, _ in train], batch_size)
+    x_test = state_features(model, [t for t, _ in test], batch_size)
+    if path:
+        np.savez(path, train=x_train, test=x_test)
+    return x_train, x_test
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="release directory (default: the demo model)")
+    parser.add_argument("--train-rows", type=int, default=None, help="spread over train.csv (default: all 10,003)")
+    parser.add_argument("--test-rows", type=int, default=None, help="spread over test.csv (default: all 3,080)")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--features", type=Path, default=None, help="npz cache of the features")
+    args = parser.parse_args()
+
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.preprocessing import StandardScaler
+
+    model = clef_local.load(args.model or clef_local.default_model_path(), dtype="float32")
+    train = evenly(banking77_rows("train"), args.train_rows)
+    test = evenly(banking77_rows("test"), args.test_rows)
+    intents = banking77_intents()
+    y_train = np.array([intents.index(i) for _, i in train])
+    y_test = np.array([intents.index(i) for _, i in test])
+    drift = check_prefix_reuse(model, test[0][0])
+    started = time.perf_counter()
+    x_train, x_test = features(model, args.features, train, test, args.batch_size)
+    encode_s = time.perf_counter() - started
+
+    scaler = StandardScaler().fit(x_train)
+    rows = []
+    for c in (0.01, 0.1, 1.0):
+        probe = LogisticRegression(C=c, max_iter=3000).fit(scaler.transform(x_train), y_train)
+        probs = np.zeros((len(x_test), len(intents)))
+        probs[:, probe.classes_] = probe.predict_proba(scaler.transform(x_test))
+        rows.append((f"logistic regression, C={c}", probs))
+    unit = x_train / np.linalg.norm(x_train, axis=1, keepdims=True)
+    centroids = np.stack([unit[y_train == k].mean(0) for k in range(len(intents))])
+    centroids /= np.linalg.norm(centroids, axis=1, keepdims=True)
+    scores = (x_test / np.linalg.norm(x_test, axis=1, keepdims=True)) @ centroids.T
+    rows.append(("nearest centroid (cosine)", np.eye(len(intents))[scores.argmax(1)]))
+
+    print(f"\nfrozen {model.describe()['architecture']} backbone, {len(train)} train / {len(test)} test "
+          f"rows, features in {encode_s:.0f} s; cached-prefix vs plain pass max |Δ| {drift:.1e}\n")
+    print("| probe on state features | accuracy | macro-F1 | ECE (15 bins) |")
+    print("|---|---:|---:|---:|")
+    for name, probs in rows:
+        report = classification_report(probs, y_test)
+        calibration = "—" if name.startswith("nearest") else f"{report['ece']:.3f}"  # one-hot: no confidence
+        print(f"| {name} | {report['accuracy']:.3f} | {report['macro_f1']:.3f} | {calibration} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -3,7 +3,8 @@
     python benchmarks/eval_throughput.py                                  # demo model, 64 NLU++ requests, batch 8
     python benchmarks/eval_throughput.py --requests 8 --batch-size 8      # reduced (a busy 2-core CPU)
 
-Both runs go through :func:`clef_local.evaluate.evaluate` on one loaded model (one warm-up request first); prints
+Both go through :func:`clef_local.evaluate.evaluate` on one loaded model (one warm-up request first), alternating
+``--rounds`` times (the faster run of each counts); prints
 one table: batch size, requests, seconds, requests/s, tokens/s, and the batched/one-at-a-time ratio.
 """
 
@@ -26,14 +27,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--folds", default="16-19")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="batched and one-at-a-time runs alternate this many times; the faster of each counts "
+                             "(the first run after loading is often slower on a CPU)")
     args = parser.parse_args(argv)
     examples = load_dataset("nlupp", folds=parse_folds(args.folds))[: args.requests]
     model = clef_local.load(args.model or default_model_path(), dtype=args.dtype)
     model.predict([examples[0].request])  # warm-up: first-call allocations and kernel selection
-    rows = []
-    for batch in (args.batch_size, 1):
-        result, _ = evaluate(model, examples, batch_size=batch)
-        rows.append((batch, result))
+    best: dict[int, object] = {}
+    for _ in range(args.rounds):
+        for batch in (args.batch_size, 1):
+            result, _ = evaluate(model, examples, batch_size=batch)
+            if batch not in best or result.speed["requests_per_s"] > best[batch].speed["requests_per_s"]:
+                best[batch] = result
+    rows = [(batch, best[batch]) for batch in (args.batch_size, 1)]
     print(f"model {model.path} ({args.dtype}), {len(examples)} NLU++ requests, "
           f"{rows[0][1].questions} questions, {rows[0][1].meta['tokens']} tokens")
     print("| batch | requests | seconds | requests/s | tokens/s |\n|---|---|---|---|---|")

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from clef_local.answers import CONFIDENCE_MODES, Confidence, build_response, softmax_rows
+from clef_local.batching import device_pad_waste, split_by_length
 from clef_local.encoding import REFERENCE_MAX_LENGTH, EncodedRecord, encode_request
 from clef_local.errors import ApiUsageError, ReleaseError
 from clef_local.layout import build_layout
@@ -68,6 +69,8 @@ class ClefModel:
         self.limits = limits
         # logits are divided by their question type's temperature before the softmax (clef-local calibrate)
         self.temperatures = read_temperatures(release.config, str(release.path / "config.json"))
+        # how much padding a batch may carry on this device (clef_local.batching): tight on a CPU
+        self.pad_waste = device_pad_waste(getattr(backend, "device", "cpu"))
 
     @property
     def path(self) -> Path:
@@ -83,12 +86,15 @@ class ClefModel:
 
     def predict(self, requests: Sequence[Any], *, truncate_state: bool = False,
                 batch_size: int = 8) -> list[Prediction]:
-        """Probabilities for each request, run in padded batches of ``batch_size`` (similar lengths together)."""
+        """Probabilities for each request, run in padded batches of up to ``batch_size`` similar lengths.
+
+        A batch is cut where padding would cost more than ``self.pad_waste`` times its rows' own tokens
+        (:mod:`clef_local.batching`): on a CPU, where padding is pure loss, only equal lengths share one.
+        """
         encoded = [self.encode(r, truncate_state=truncate_state) for r in requests]
-        order = sorted(range(len(encoded)), key=lambda i: len(encoded[i][1].input_ids))
+        lengths = [len(e[1].input_ids) for e in encoded]
         results: list[Prediction | None] = [None] * len(encoded)
-        for start in range(0, len(order), batch_size):
-            chunk = order[start : start + batch_size]
+        for chunk in split_by_length(lengths, self.pad_waste, max_size=batch_size):
             records = [encoded[i][1] for i in chunk]
             probs = self._probabilities(records)
             for i, record_probs in zip(chunk, probs, strict=True):

@@ -21,7 +21,7 @@ from clef_local.answers import round_floats
 from clef_local.errors import MaxTokensExceededError
 from clef_local.server import ServerConfig, ThreadedServer, create_app
 from clef_local.server.config import bind_warning, is_loopback, parse_model_specs
-from clef_local.server.scheduler import estimate_cost, split_by_length
+from clef_local.server.scheduler import estimate_cost
 
 try:
     from compression import zstd  # type: ignore[import-not-found]  # Python 3.14+
@@ -357,10 +357,7 @@ def test_graceful_shutdown_finishes_in_flight(model: Any) -> None:
     assert not running.thread.is_alive()
 
 
-def test_length_buckets_bound_padding() -> None:
-    assert split_by_length([300, 310, 320, 7000]) == [[0, 1, 2], [3]]
-    assert split_by_length([7000, 300, 7100, 320]) == [[1, 3], [0, 2]]
-    assert split_by_length([500] * 8) == [list(range(8))]
+def test_cost_estimate_orders_requests_by_size() -> None:
     small = estimate_cost(REQUEST, 300)
     many = estimate_cost({"questions": {"q": {"type": "choice", "criteria": {f"o{i}": None for i in range(255)}}}},
                          3000)

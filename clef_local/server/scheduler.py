@@ -4,9 +4,11 @@ The event loop never runs a model. ``submit`` puts a validated request on a queu
 collector task takes the first waiting request, keeps collecting until ``max_batch`` requests are in hand or
 ``max_wait_ms`` have passed since the first, groups them by model and hands each group to ONE worker thread
 (torch is not safe for concurrent forwards on one model) as one padded ``decide_batch``. A group of very
-different lengths is first split so that padding never costs more than :data:`PAD_WASTE` times the real work
-(one 8K-token request would otherwise pad seven short ones to 8K). While that thread computes, new requests
-queue up and form the next batch. A full queue raises :class:`QueueFullError` (HTTP 429 with ``Retry-After``).
+different lengths is first split on estimated lengths so that padding never costs more than
+:data:`clef_local.batching.PAD_WASTE` times the real work (one 8K-token request would otherwise pad seven short
+ones to 8K); ``decide_batch`` then splits again on exact token counts with its device's budget (tighter on a
+CPU). While that thread computes, new requests queue up and form the next batch. A full queue raises
+:class:`QueueFullError` (HTTP 429 with ``Retry-After``).
 
 Errors stay with the request that caused them: requests are validated before they are queued, and if a batch
 still fails (a state too long for the context, images, anything the model refuses), its requests are re-run
@@ -27,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from clef_local.batching import split_by_length
 from clef_local.errors import ClefError
 from clef_local.server.metrics import ServerMetrics
 
@@ -51,9 +54,6 @@ class ShuttingDownError(ClefError):
     error_type = "unavailable"
 
 
-PAD_WASTE = 1.5  # a padded sub-batch may cost at most this many times its requests' own tokens
-
-
 def estimate_cost(request: Mapping[str, Any], body_bytes: int) -> float:
     """Roughly proportional to a request's prompt tokens: its JSON size plus the prompt's per-question and
     per-option template text (DESIGN §2.1); only used to keep similar lengths together in a padded batch."""
@@ -66,23 +66,6 @@ def estimate_cost(request: Mapping[str, Any], body_bytes: int) -> float:
             options += 2 if kind == "noul" else len(criteria) if isinstance(criteria, Mapping | list) else 0
     count = len(questions) if isinstance(questions, Mapping) else 0
     return 300.0 + body_bytes + 60.0 * count + 40.0 * options
-
-
-def split_by_length(costs: Sequence[float], waste: float = PAD_WASTE) -> list[list[int]]:
-    """Indices grouped so that padding each group to its longest member wastes at most ``waste``× its cost.
-
-    Sorted by cost; a request joins the current group while ``size × its cost ≤ waste × the group's total``.
-    """
-    groups: list[list[int]] = []
-    total = 0.0
-    for i in sorted(range(len(costs)), key=lambda k: costs[k]):
-        if groups and (len(groups[-1]) + 1) * costs[i] <= waste * (total + costs[i]):
-            groups[-1].append(i)
-            total += costs[i]
-        else:
-            groups.append([i])
-            total = costs[i]
-    return groups
 
 
 @dataclass

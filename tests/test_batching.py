@@ -1,0 +1,64 @@
+"""Length-bucketed batches: padding bounded per device, and the model's batches follow the bound."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import clef_local
+from clef_local.batching import CPU_PAD_WASTE, PAD_WASTE, device_pad_waste, split_by_length
+
+
+def padded_over_real(costs: list[float], groups: list[list[int]]) -> float:
+    return max(len(g) * max(costs[i] for i in g) / sum(costs[i] for i in g) for g in groups)
+
+
+def test_split_bounds_padding_and_size() -> None:
+    assert split_by_length([300, 310, 320, 7000]) == [[0, 1, 2], [3]]
+    assert split_by_length([7000, 300, 7100, 320]) == [[1, 3], [0, 2]]
+    assert split_by_length([500] * 8) == [list(range(8))]
+    assert split_by_length([500] * 8, max_size=3) == [[0, 1, 2], [3, 4, 5], [6, 7]]
+    costs = [444, 294, 325, 444, 294, 325, 294, 325]  # the three example requests' token counts, mixed
+    assert split_by_length(costs, CPU_PAD_WASTE) == [[1, 4, 6], [2, 5, 7], [0, 3]]
+    assert split_by_length(costs, PAD_WASTE) == [[1, 4, 6, 2, 5, 7, 0, 3]]  # 1.22× padding: one batch
+    for waste in (1.0, 1.05, 1.5, 3.0):
+        groups = split_by_length(costs, waste)
+        assert sorted(i for g in groups for i in g) == list(range(8))
+        assert padded_over_real(costs, groups) <= waste + 1e-9
+
+
+def test_split_refuses_impossible_bounds() -> None:
+    with pytest.raises(ValueError, match=r"must be ≥ 1, got 0\.5"):
+        split_by_length([1, 2], 0.5)
+    with pytest.raises(ValueError, match="max_size must be ≥ 1, got 0"):
+        split_by_length([1, 2], max_size=0)
+
+
+def test_devices_get_their_budget() -> None:
+    assert device_pad_waste(torch.device("cpu")) == CPU_PAD_WASTE
+    assert device_pad_waste("cpu") == CPU_PAD_WASTE
+    assert device_pad_waste("Device(cpu, 0)") == CPU_PAD_WASTE  # MLX's CPU device
+    assert device_pad_waste(torch.device("cuda", 0)) == PAD_WASTE
+    assert device_pad_waste("Device(gpu, 0)") == PAD_WASTE
+
+
+def test_predict_batches_follow_the_device_budget(tiny_qwen, monkeypatch) -> None:
+    model = clef_local.load(tiny_qwen)
+    assert model.pad_waste == CPU_PAD_WASTE  # these tests run on the CPU backend
+    short = {"model": "m", "state": "short", "questions": {"ok": {"type": "noul"}}}
+    long = {"model": "m", "state": "a longer state " * 10, "questions": {"ok": {"type": "noul"}}}
+    sizes: list[list[int]] = []
+    original = model._probabilities
+
+    def spy(records):
+        sizes.append([len(r.input_ids) for r in records])
+        return original(records)
+
+    monkeypatch.setattr(model, "_probabilities", spy)
+    out = model.predict([short, long, short, long, short], batch_size=8)
+    assert sorted(map(sorted, sizes)) == sorted([[len(out[0].encoded.input_ids)] * 3,
+                                                 [len(out[1].encoded.input_ids)] * 2])
+    sizes.clear()
+    model.pad_waste = float("inf")
+    model.predict([short, long, short, long, short], batch_size=2)
+    assert [len(s) for s in sizes] == [2, 2, 1]

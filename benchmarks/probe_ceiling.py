@@ -12,6 +12,10 @@ and values are computed once and reused, so only the state tokens cost anything)
 (the head must in addition read the 77 options from the prompt). Nearest class centroid (cosine) is shown beside.
 
 Features are cached in ``--features`` (npz) so the classifiers can be rerun without the backbone.
+
+``--candidate NAME=DIR`` (repeatable; a quantized variant of the same release) feeds the candidate's test features
+to the probe trained on the reference's: accuracy, flips of its decision and mean KL(reference‖candidate) show how
+much of the decision information a quantized backbone keeps, independently of any trained head.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ def state_features(model, texts: list[str], batch_size: int) -> np.ndarray:
     pad = model.tokenizer.pad_token_id
     with torch.inference_mode():
         prefix = text_model(input_ids=torch.tensor([prefix_ids], device=backend.device), use_cache=True)
-        cache = prefix.past_key_values
+        cache = prefix.cache
     states = [model.tokenizer.encode_pieces([render(t)])[0] for t in texts]
     order = sorted(range(len(texts)), key=lambda i: len(states[i]))  # similar lengths together: little padding
     out = np.zeros((len(texts), 2 * text_model.config.hidden_size), dtype=np.float32)
@@ -57,7 +61,7 @@ def state_features(model, texts: list[str], batch_size: int) -> np.ndarray:
         positions = torch.arange(len(prefix_ids), len(prefix_ids) + width).expand(len(chunk), -1)
         with torch.inference_mode():
             hidden = text_model(input_ids=ids.to(backend.device), attention_mask=mask.to(backend.device),
-                                position_ids=positions.to(backend.device), past_key_values=past,
+                                position_ids=positions.to(backend.device), cache=past,
                                 use_cache=True).last_hidden_state.float().cpu()
         for row, i in enumerate(chunk):
             h = hidden[row, : len(states[i])]
@@ -94,6 +98,8 @@ def main() -> None:
     parser.add_argument("--test-rows", type=int, default=None, help="spread over test.csv (default: all 3,080)")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--features", type=Path, default=None, help="npz cache of the features")
+    parser.add_argument("--candidate", action="append", default=[], metavar="NAME=DIR",
+                        help="a variant whose test features go through the reference's probe (repeatable)")
     args = parser.parse_args()
 
     from sklearn.linear_model import LogisticRegression
@@ -112,11 +118,10 @@ def main() -> None:
 
     scaler = StandardScaler().fit(x_train)
     rows = []
+    probes = {}
     for c in (0.01, 0.1, 1.0):
-        probe = LogisticRegression(C=c, max_iter=3000).fit(scaler.transform(x_train), y_train)
-        probs = np.zeros((len(x_test), len(intents)))
-        probs[:, probe.classes_] = probe.predict_proba(scaler.transform(x_test))
-        rows.append((f"logistic regression, C={c}", probs))
+        probes[c] = LogisticRegression(C=c, max_iter=3000).fit(scaler.transform(x_train), y_train)
+        rows.append((f"logistic regression, C={c}", probe_probs(probes[c], scaler.transform(x_test), len(intents))))
     unit = x_train / np.linalg.norm(x_train, axis=1, keepdims=True)
     centroids = np.stack([unit[y_train == k].mean(0) for k in range(len(intents))])
     centroids /= np.linalg.norm(centroids, axis=1, keepdims=True)
@@ -131,6 +136,37 @@ def main() -> None:
         report = classification_report(probs, y_test)
         calibration = "—" if name.startswith("nearest") else f"{report['ece']:.3f}"  # one-hot: no confidence
         print(f"| {name} | {report['accuracy']:.3f} | {report['macro_f1']:.3f} | {calibration} |")
+    if args.candidate:
+        best = max(probes, key=lambda c: classification_report(rows[list(probes).index(c)][1], y_test)["accuracy"])
+        compare_candidates(args.candidate, probes[best], scaler, rows[list(probes).index(best)][1], x_test, test,
+                           y_test, args.batch_size, f"C={best}")
+
+
+def probe_probs(probe, x: np.ndarray, classes: int) -> np.ndarray:
+    probs = np.zeros((len(x), classes))
+    probs[:, probe.classes_] = probe.predict_proba(x)
+    return probs
+
+
+def compare_candidates(candidates: list[str], probe, scaler, reference: np.ndarray, x_reference: np.ndarray,
+                       test: list, y_test: np.ndarray, batch_size: int, label: str) -> None:
+    """The reference-trained probe on each candidate's test features: quality, flips and KL against the reference."""
+    print(f"\nthe reference's probe ({label}) on each candidate's test features:\n")
+    print("| backbone | accuracy | macro-F1 | ECE | flips vs reference | mean KL(ref‖cand) | feature rel. error |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for spec in candidates:
+        name, _, path = spec.partition("=")
+        if not path:
+            raise SystemExit(f"--candidate takes NAME=DIR, got {spec!r}")
+        x = state_features(clef_local.load(path, dtype="float32"), [t for t, _ in test], batch_size)
+        probs = probe_probs(probe, scaler.transform(x), reference.shape[1])
+        report = classification_report(probs, y_test)
+        flips = float(np.mean(probs.argmax(1) != reference.argmax(1)))
+        tiny = 1e-12  # the probe's probabilities can underflow to 0
+        kl = float(np.mean(np.sum(reference * (np.log(reference + tiny) - np.log(probs + tiny)), axis=1)))
+        error = float(np.median(np.linalg.norm(x - x_reference, axis=1) / np.linalg.norm(x_reference, axis=1)))
+        print(f"| {name} | {report['accuracy']:.3f} | {report['macro_f1']:.3f} | {report['ece']:.3f} "
+              f"| {flips:.1%} | {kl:.4f} | {error:.3f} |")
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 import clef_local
 from clef_local.datasets import banking77_intents, banking77_rows, evenly
+from clef_local.drift import question_drift
 from clef_local.encoding import PREFIX, render
 from clef_local.metrics import classification_report
 
@@ -111,35 +112,35 @@ def main() -> None:
     intents = banking77_intents()
     y_train = np.array([intents.index(i) for _, i in train])
     y_test = np.array([intents.index(i) for _, i in test])
-    drift = check_prefix_reuse(model, test[0][0])
+    reuse_error = check_prefix_reuse(model, test[0][0])
     started = time.perf_counter()
     x_train, x_test = features(model, args.features, train, test, args.batch_size)
     encode_s = time.perf_counter() - started
 
     scaler = StandardScaler().fit(x_train)
-    rows = []
-    probes = {}
-    for c in (0.01, 0.1, 1.0):
-        probes[c] = LogisticRegression(C=c, max_iter=3000).fit(scaler.transform(x_train), y_train)
-        rows.append((f"logistic regression, C={c}", probe_probs(probes[c], scaler.transform(x_test), len(intents))))
+    probes = {c: LogisticRegression(C=c, max_iter=3000).fit(scaler.transform(x_train), y_train)
+              for c in (0.01, 0.1, 1.0)}
+    probs = {c: probe_probs(probe, scaler.transform(x_test), len(intents)) for c, probe in probes.items()}
+    reports = {c: classification_report(p, y_test) for c, p in probs.items()}
     unit = x_train / np.linalg.norm(x_train, axis=1, keepdims=True)
     centroids = np.stack([unit[y_train == k].mean(0) for k in range(len(intents))])
     centroids /= np.linalg.norm(centroids, axis=1, keepdims=True)
     scores = (x_test / np.linalg.norm(x_test, axis=1, keepdims=True)) @ centroids.T
-    rows.append(("nearest centroid (cosine)", np.eye(len(intents))[scores.argmax(1)]))
+    nearest = classification_report(np.eye(len(intents))[scores.argmax(1)], y_test)
 
     print(f"\nfrozen {model.describe()['architecture']} backbone, {len(train)} train / {len(test)} test "
-          f"rows, features in {encode_s:.0f} s; cached-prefix vs plain pass max |Δ| {drift:.1e}\n")
+          f"rows, features in {encode_s:.0f} s; cached-prefix vs plain pass max |Δ| {reuse_error:.1e}\n")
     print("| probe on state features | accuracy | macro-F1 | ECE (15 bins) |")
     print("|---|---:|---:|---:|")
-    for name, probs in rows:
-        report = classification_report(probs, y_test)
-        calibration = "—" if name.startswith("nearest") else f"{report['ece']:.3f}"  # one-hot: no confidence
-        print(f"| {name} | {report['accuracy']:.3f} | {report['macro_f1']:.3f} | {calibration} |")
+    for c, report in reports.items():
+        print(f"| logistic regression, C={c} | {report['accuracy']:.3f} | {report['macro_f1']:.3f} "
+              f"| {report['ece']:.3f} |")
+    # one-hot decisions: no confidence, so no ECE
+    print(f"| nearest centroid (cosine) | {nearest['accuracy']:.3f} | {nearest['macro_f1']:.3f} | — |")
     if args.candidate:
-        best = max(probes, key=lambda c: classification_report(rows[list(probes).index(c)][1], y_test)["accuracy"])
-        compare_candidates(args.candidate, probes[best], scaler, rows[list(probes).index(best)][1], x_test, test,
-                           y_test, args.batch_size, f"C={best}")
+        best = max(reports, key=lambda c: reports[c]["accuracy"])
+        compare_candidates(args.candidate, probes[best], scaler, probs[best], x_test, test, y_test,
+                           args.batch_size, f"C={best}")
 
 
 def probe_probs(probe, x: np.ndarray, classes: int) -> np.ndarray:
@@ -161,9 +162,9 @@ def compare_candidates(candidates: list[str], probe, scaler, reference: np.ndarr
         x = state_features(clef_local.load(path, dtype="float32"), [t for t, _ in test], batch_size)
         probs = probe_probs(probe, scaler.transform(x), reference.shape[1])
         report = classification_report(probs, y_test)
-        flips = float(np.mean(probs.argmax(1) != reference.argmax(1)))
-        tiny = 1e-12  # the probe's probabilities can underflow to 0
-        kl = float(np.mean(np.sum(reference * (np.log(reference + tiny) - np.log(probs + tiny)), axis=1)))
+        drifts = [question_drift(p, q, "choice") for p, q in zip(reference, probs, strict=True)]
+        flips = float(np.mean([d.flipped for d in drifts]))
+        kl = float(np.mean([d.kl for d in drifts]))
         error = float(np.median(np.linalg.norm(x - x_reference, axis=1) / np.linalg.norm(x_reference, axis=1)))
         print(f"| {name} | {report['accuracy']:.3f} | {report['macro_f1']:.3f} | {report['ece']:.3f} "
               f"| {flips:.1%} | {kl:.4f} | {error:.3f} |")

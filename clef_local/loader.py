@@ -51,7 +51,8 @@ DEQUANTIZE = "dequantize"  # clef_local.backends.quantized.DEQUANTIZE: W rebuilt
 KERNELS: dict[tuple[str, str], dict[str, str]] = {
     ("torch", "cpu"): {"int4": "torch_int4pack_cpu", "int8": "torch_int8pack_cpu", "nf4": "bnb_matmul_4bit",
                        "fp8": DEQUANTIZE},
-    ("torch", "cuda"): {"int4": DEQUANTIZE, "int8": "bnb_int8", "nf4": "bnb_matmul_4bit", "fp8": "scaled_mm_rowwise"},
+    ("torch", "cuda"): {"int4": "tinygemm_cuda", "int8": "bnb_int8", "nf4": "bnb_matmul_4bit",
+                        "fp8": "scaled_mm_rowwise"},
     ("mlx", "apple"): {"int4": "mlx_quantized_matmul", "int8": "mlx_quantized_matmul", "nf4": "dequantize_at_load",
                        "fp8": "dequantize_at_load"},
     ("onnx", "cpu"): {"int4": "MatMulNBits", "int8": "MatMulNBits", "nf4": DEQUANTIZE, "fp8": DEQUANTIZE},
@@ -140,6 +141,8 @@ def kernel_for(backend: str, hardware: Hardware, scheme: str, *, bitsandbytes: b
     if backend == "torch" and hardware.kind == "cuda":
         if scheme == "fp8" and not hardware.fp8:
             return DEQUANTIZE  # torch._scaled_mm needs sm_89+
+        if scheme == "int4" and (dtype != "bfloat16" or not (hardware.compute_capability or (0, 0)) >= (8, 0)):
+            return DEQUANTIZE  # tinygemm needs sm_80+ and bfloat16 activations
         if scheme == "int8" and not bitsandbytes:
             return DEQUANTIZE
     return kernel

@@ -131,11 +131,18 @@ def quantization_config(group_size: int = DEFAULT_GROUP_SIZE) -> dict:
 
 
 class TorchInt4(NamedTuple):
-    """Inputs of ``aten._weight_int4pack_mm_for_cpu``: packed weight, group size, scales_and_zeros [in/g, out, 2]."""
+    """Inputs of torch's int4 matmul kernels: packed weight, group size, scales_and_zeros [in/g, out, 2]."""
 
     weight: torch.Tensor
     group_size: int
     scales_and_zeros: torch.Tensor
+
+
+def scales_and_zeros(packed: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """torch's ``(s, z)`` pairs [in/g, out, 2] for ``w = (q - 8)·s + z``: ``s = scale``, ``z = bias + 8·scale``."""
+    scale = packed["scales"].to(torch.float32)
+    zero = packed["biases"].to(torch.float32) + 8.0 * scale
+    return torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(dtype)
 
 
 def to_torch_int4pack(
@@ -150,11 +157,8 @@ def to_torch_int4pack(
     _check(tuple(q.shape), group_size)
     if out_f % 16:
         raise ValueError(f"torch's int4 CPU kernel needs out_features % 16 == 0, got {out_f}")
-    scale = packed["scales"].to(torch.float32)
-    zero = packed["biases"].to(torch.float32) + 8.0 * scale
-    scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(dtype)
     weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
-    return TorchInt4(weight, group_size, scales_and_zeros)
+    return TorchInt4(weight, group_size, scales_and_zeros(packed, dtype))
 
 
 def int4_matmul(x: torch.Tensor, repacked: TorchInt4) -> torch.Tensor:
@@ -162,4 +166,66 @@ def int4_matmul(x: torch.Tensor, repacked: TorchInt4) -> torch.Tensor:
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).to(repacked.scales_and_zeros.dtype).contiguous()
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, repacked.weight, repacked.group_size, repacked.scales_and_zeros)
+    return y.reshape(*lead, y.shape[-1])
+
+
+# torch's CUDA int4 kernel (tinygemm, ``aten._weight_int4pack_mm``): the same ``w = (q - 8)·s + z`` per group, bf16
+# activations and scales only, sm_80+, out % 8 == 0, in % (16 · inner_k_tiles) == 0, group size 32..256. Its
+# ``aten._convert_weight_to_int4pack`` takes the 4-bit values as uint8 [out, in / 2] with column 2j in the HIGH
+# nibble and 2j + 1 in the low one (the opposite of MLX's order inside a word).
+TINYGEMM_CAPABILITY = (8, 0)
+TINYGEMM_DTYPE = torch.bfloat16
+
+
+def tinygemm_inner_k_tiles(in_features: int) -> int | None:
+    """The largest ``inner_k_tiles`` (8, 4 or 2) whose tile width 16 · tiles divides ``in_features``."""
+    return next((tiles for tiles in (8, 4, 2) if in_features % (16 * tiles) == 0), None)
+
+
+def tinygemm_uint8(q: torch.Tensor) -> torch.Tensor:
+    """4-bit values [out, in] (0..15, any int dtype) → uint8 [out, in / 2], column 2j high nibble, 2j + 1 low."""
+    q = q.to(torch.uint8)
+    return ((q[:, 0::2] << 4) | q[:, 1::2]).contiguous()
+
+
+def tinygemm_unsupported(device: torch.device, dtype: torch.dtype, out_features: int, in_features: int,
+                         group_size: int) -> str:
+    """Why torch's CUDA int4 kernel cannot serve this layer ("" when it can)."""
+    if device.type != "cuda":
+        return f"tinygemm is a CUDA kernel, the layer is on {device.type}"
+    if torch.version.hip is not None:
+        return "tinygemm is not built for ROCm"
+    capability = torch.cuda.get_device_capability(device)
+    if capability < TINYGEMM_CAPABILITY:
+        return f"tinygemm needs sm_80+, this GPU is sm_{capability[0]}{capability[1]}"
+    if dtype != TINYGEMM_DTYPE:
+        return f"{dtype} activations (tinygemm takes bfloat16 only)"
+    if out_features % 8:
+        return f"out_features {out_features} is not a multiple of 8 (tinygemm)"
+    if tinygemm_inner_k_tiles(in_features) is None or group_size not in (32, 64, 128, 256):
+        return f"in_features {in_features} / group size {group_size} do not fit tinygemm's tiles"
+    return ""
+
+
+def to_tinygemm(packed: dict[str, torch.Tensor], group_size: int = DEFAULT_GROUP_SIZE,
+                dtype: torch.dtype = TINYGEMM_DTYPE) -> TorchInt4:
+    """Repack MLX-layout int4 (on a CUDA device) into tinygemm's tiled format, exactly (see the note above).
+
+    The stored uint32 words are read through an int32 view (same bits) because CUDA has little uint32 arithmetic.
+    """
+    words = packed["weight"]
+    q = unpack(words.view(torch.int32) if words.dtype == torch.uint32 else words)
+    _check(tuple(q.shape), group_size)
+    tiles = tinygemm_inner_k_tiles(q.shape[1])
+    if tiles is None:
+        raise ValueError(f"tinygemm needs in_features % 32 == 0, got {q.shape[1]}")
+    weight = torch.ops.aten._convert_weight_to_int4pack(tinygemm_uint8(q), tiles)
+    return TorchInt4(weight, group_size, scales_and_zeros(packed, dtype))
+
+
+def tinygemm_matmul(x: torch.Tensor, repacked: TorchInt4) -> torch.Tensor:
+    """``x @ W.T`` with torch's CUDA int4 kernel; ``x`` [..., in] is cast to bfloat16 (the output is bfloat16)."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1]).to(TINYGEMM_DTYPE).contiguous()
+    y = torch.ops.aten._weight_int4pack_mm(x2, repacked.weight, repacked.group_size, repacked.scales_and_zeros)
     return y.reshape(*lead, y.shape[-1])

@@ -24,7 +24,8 @@ pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 SM89 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
-CUDA_KERNEL = {"int4": "dequantize", "int8": "bnb_int8", "nf4": "bnb_matmul_4bit",
+SM80 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
+CUDA_KERNEL = {"int4": "tinygemm_cuda" if SM80 else "dequantize", "int8": "bnb_int8", "nf4": "bnb_matmul_4bit",
                "fp8": "scaled_mm_rowwise" if SM89 else "dequantize"}
 TOLERANCE = {"int4": 1e-2, "int8": 3e-2, "nf4": 1e-2, "fp8": 5e-2}
 
@@ -51,7 +52,8 @@ def test_cuda_layer_matches_dequantize_then_matmul(scheme: str, dtype: torch.dty
     if scheme in ("int8", "nf4"):
         pytest.importorskip("bitsandbytes")
     layer, weight, layers = _cuda_layer(scheme, dtype)
-    assert layers == {"0": f"{scheme}:{CUDA_KERNEL[scheme]}"}, layer.kernel_reason
+    kernel = "dequantize" if scheme == "int4" and dtype != torch.bfloat16 else CUDA_KERNEL[scheme]  # tinygemm: bf16
+    assert layers == {"0": f"{scheme}:{kernel}"}, layer.kernel_reason
     worst = 0.0
     for tokens in (1, 21):  # bitsandbytes takes a gemv path for one token
         x = torch.randn(tokens, weight.shape[1], device="cuda", generator=torch.Generator("cuda").manual_seed(1))
@@ -91,3 +93,19 @@ def test_variant_decides_on_cuda_close_to_cpu(llama_variants, scheme: str):
                 for a, b in zip(c.probabilities, g.probabilities, strict=True))
     print(f"{scheme}: max |Δp| cuda bf16 ({kernels}) vs cpu float32: {worst:.2e}")
     assert worst <= 0.05
+
+
+@pytest.mark.skipif(not SM80, reason="tinygemm needs sm_80+")
+@pytest.mark.parametrize(("out_f", "in_f", "group"), [(256, 512, 64), (200, 96, 32), (64, 1024, 128)])
+def test_tinygemm_repack_is_exact(out_f: int, in_f: int, group: int):
+    """Every inner_k_tiles (512 → 8, 96 → 2, 1024 → 8) and group size: tinygemm equals bf16 x @ dequantize(W).T up to
+    the kernel's own bf16 accumulation; a wrong nibble order or zero point would be off by far more."""
+    weight = torch.randn(out_f, in_f, generator=torch.Generator().manual_seed(out_f)) * 0.02
+    stored = quant.int4.quantize(weight.to(torch.bfloat16), group)
+    packed = {k: v.cuda() for k, v in stored.items()}
+    repacked = ql.repack_int4(packed, group, torch.bfloat16, rows=64 * in_f, convert=quant.int4.to_tinygemm)
+    x = torch.randn(7, in_f, device="cuda", generator=torch.Generator("cuda").manual_seed(2)).to(torch.bfloat16)
+    reference = x.float() @ quant.int4.dequantize(stored, group, torch.float32).cuda().T
+    error = float((quant.int4.tinygemm_matmul(x, repacked).float() - reference).abs().max() / reference.abs().max())
+    print(f"tinygemm [{out_f}, {in_f}] g{group}: max error / max |x @ W.T| = {error:.2e}")
+    assert error <= 1e-2

@@ -47,12 +47,13 @@ def test_cuda_cards_run_torch_with_the_scheme_kernels() -> None:
         d = choose(card, "int4", installed=ALL)
         assert (d.backend, d.device, d.dtype) == ("torch", "cuda:0", "bfloat16")
         assert _kernels(card) == {"bf16": "dense", "int8": "bnb_int8", "fp8": "scaled_mm_rowwise",
-                                  "int4": DEQUANTIZE, "nf4": "bnb_matmul_4bit"}
-    ampere = named_device("a100-80g")  # sm_80: no FP8 matmul, weights dequantized per call
-    assert _kernels(ampere)["fp8"] == DEQUANTIZE
+                                  "int4": "tinygemm_cuda", "nf4": "bnb_matmul_4bit"}
+    ampere = named_device("a100-80g")  # sm_80: no FP8 matmul, weights dequantized per call; tinygemm runs
+    assert _kernels(ampere)["fp8"] == DEQUANTIZE and _kernels(ampere)["int4"] == "tinygemm_cuda"
     assert choose(CARD_24, "int8", installed=ALL, bitsandbytes=False).kernel == DEQUANTIZE
     turing = replace(CARD_24, compute_capability=(7, 5), bf16=False, fast_bf16=False, fp8=False)
     assert choose(turing, "bf16", installed=ALL).dtype == "float16"
+    assert choose(turing, "int4", installed=ALL).kernel == DEQUANTIZE  # tinygemm: sm_80+, bf16 only
 
 
 def test_a_mac_runs_mlx_and_dequantizes_nf4_and_fp8() -> None:
@@ -108,7 +109,7 @@ def test_24gb_card_refuses_bf16_clef_and_suggests_4_bits(flash, clef) -> None:
 def test_24gb_card_and_27b(clef) -> None:
     with pytest.raises(InsufficientMemoryError, match="try --bits 4"):
         decide(CARD_24, "int8", clef, context=4096, installed=ALL, source="clef")
-    assert decide(CARD_24, "int4", clef, context=4096, installed=ALL).kernel == DEQUANTIZE
+    assert decide(CARD_24, "int4", clef, context=4096, installed=ALL).kernel == "tinygemm_cuda"
     with pytest.raises(InsufficientMemoryError, match=r"try max_length=\d+ \(a context of [\d,]+ tokens fits\)"):
         decide(CARD_24, "int4", clef, context=65536, installed=ALL)
 

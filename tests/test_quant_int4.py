@@ -129,3 +129,31 @@ def test_rejects_bad_shapes() -> None:
     with pytest.raises(ValueError, match="out_features % 16"):
         int4.to_torch_int4pack(int4.quantize(_weight(8, 64)), 64)
     assert int4.bits_per_weight(64) == 4.5 and int4.bits_per_weight(32) == 5.0
+
+
+def test_tinygemm_uint8_puts_the_even_column_in_the_high_nibble() -> None:
+    """The CUDA kernel's input layout (checked on CPU; the kernel itself in tests/test_cuda_quant.py)."""
+    q = torch.tensor([[1, 2, 15, 0], [7, 8, 0, 15]])
+    assert int4.tinygemm_uint8(q).tolist() == [[0x12, 0xF0], [0x78, 0x0F]]
+    stored = int4.quantize(_weight(16, 64), 32)
+    nibbles = int4.tinygemm_uint8(int4.unpack(stored["weight"]))
+    assert torch.equal(torch.stack([nibbles >> 4, nibbles & 0xF], -1).reshape(16, 64), int4.unpack(stored["weight"]))
+
+
+def test_tinygemm_scales_and_zeros_are_the_cpu_kernels() -> None:
+    """Both torch kernels compute (q - 8)·s + z: the same pairs serve both, and they reproduce dequantize."""
+    stored = int4.quantize(_weight(16, 128), 64)
+    pairs = int4.scales_and_zeros(stored, torch.float32)
+    assert torch.equal(pairs, int4.to_torch_int4pack(stored, 64).scales_and_zeros)
+    q = int4.unpack(stored["weight"]).float().reshape(16, 2, 64)
+    rebuilt = (q - 8) * pairs[:, :, 0].T[..., None] + pairs[:, :, 1].T[..., None]
+    torch.testing.assert_close(rebuilt.reshape(16, 128), int4.dequantize(stored, 64, torch.float32))
+
+
+@pytest.mark.parametrize(("in_features", "tiles"), [(4096, 8), (576, 4), (96, 2), (1536, 8), (40, None)])
+def test_tinygemm_inner_k_tiles(in_features: int, tiles: int | None) -> None:
+    assert int4.tinygemm_inner_k_tiles(in_features) == tiles
+
+
+def test_tinygemm_says_why_it_does_not_apply() -> None:
+    assert "CUDA" in int4.tinygemm_unsupported(torch.device("cpu"), torch.bfloat16, 64, 64, 64)

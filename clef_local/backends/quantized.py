@@ -12,8 +12,8 @@ activation dtype at each call, never cached in full precision):
 =====  ====================================================  ===================================================
        CPU                                                   CUDA
 =====  ====================================================  ===================================================
-int4   ``torch_int4pack_cpu`` (out % 16 == 0, x f32/bf16/f16) ``dequantize``
-int8   ``torch_int8pack_cpu`` (x f32/bf16/f16)                ``bnb_int8`` (bitsandbytes installed)
+int4   ``torch_int4pack_cpu`` (out % 16 == 0, x bf16/f16)     ``tinygemm_cuda`` (sm_80+, x bf16, out % 8 == 0)
+int8   ``torch_int8pack_cpu`` (x bf16/f16)                    ``bnb_int8`` (bitsandbytes installed)
 nf4    ``bnb_matmul_4bit`` (bitsandbytes required)            ``bnb_matmul_4bit``
 fp8    ``dequantize`` (``_scaled_mm`` on CPU: DESIGN §9)       ``scaled_mm_rowwise`` (sm_89+, in, out % 16 == 0)
 =====  ====================================================  ===================================================
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -42,6 +42,9 @@ DEQUANTIZE = "dequantize"
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 BNB_MISSING = "nf4 variants need bitsandbytes: pip install bitsandbytes"
 REPACK_ROWS_BUDGET = 1 << 18  # weights per block of the int4 repack (a few MiB of transient int64 nibbles)
+# tinygemm vs dequantize-then-matmul at load (bf16 activations, error / max |x @ W.T|): bf16 rounding of the
+# output is ~4e-3; a wrong nibble order or zero point is off by 10-100%.
+TINYGEMM_CHECK = 2e-2
 
 
 class QuantizedLinear(nn.Module):
@@ -120,17 +123,21 @@ class QuantizedLinear(nn.Module):
 
 
 def repack_int4(packed: dict[str, torch.Tensor], group_size: int, dtype: torch.dtype,
-                rows: int = REPACK_ROWS_BUDGET) -> int4.TorchInt4:
-    """:func:`quant.int4.to_torch_int4pack` applied to blocks of rows (a multiple of 64 rows, about ``rows``
-    weights each) and concatenated: bit-identical to the whole-matrix repack (tested), with a transient memory of
-    one block (the unpacking makes 8 bytes per weight) instead of one layer."""
+                rows: int = REPACK_ROWS_BUDGET, convert: Callable[..., int4.TorchInt4] = int4.to_torch_int4pack
+                ) -> int4.TorchInt4:
+    """``convert`` (:func:`quant.int4.to_torch_int4pack` or :func:`quant.int4.to_tinygemm`) applied to blocks of
+    rows (a multiple of 64 rows, about ``rows`` weights each) and concatenated: bit-identical to the whole-matrix
+    repack (tested), with a transient memory of one block (the unpacking makes 8 bytes per weight), not one layer."""
     out_f, words = packed["weight"].shape
     step = max(64, rows // (words * int4.PACK) // 64 * 64)
-    weight = torch.empty(out_f, words * int4.PACK // 2, dtype=torch.uint8)
-    scales_and_zeros = torch.empty(packed["scales"].shape[1], out_f, 2, dtype=dtype)
-    for start in range(0, out_f, step):
-        block = int4.to_torch_int4pack({k: v[start:start + step] for k, v in packed.items()}, group_size, dtype)
-        weight[start:start + step] = block.weight
+    weight = scales_and_zeros = None
+    for start in range(0, out_f, step):  # written into preallocated tensors: a list + cat left 15 MiB more RSS
+        block = convert({k: v[start:start + step] for k, v in packed.items()}, group_size, dtype)
+        if weight is None:  # the kernel layouts' leading dimension is proportional to the rows (1 or 1/8 per row)
+            per_row = block.weight.shape[0] / min(step, out_f)
+            weight = block.weight.new_empty((int(out_f * per_row), *block.weight.shape[1:]))
+            scales_and_zeros = block.scales_and_zeros.new_empty((block.scales_and_zeros.shape[0], out_f, 2))
+        weight[int(start * per_row):int((start + step) * per_row)] = block.weight
         scales_and_zeros[:, start:start + step] = block.scales_and_zeros
     return int4.TorchInt4(weight, group_size, scales_and_zeros)
 
@@ -141,6 +148,9 @@ class Int4Linear(QuantizedLinear):
     ``torch_int4pack_cpu``: the stored tensors are repacked exactly (:func:`quant.int4.to_torch_int4pack`:
     ``w = (q - 8) * s + z`` with ``s = scale``, ``z = bias + 8 * scale``) in the compute dtype, the MLX-layout
     buffers are then released (one 4-bit copy stays), and ``y = aten._weight_int4pack_mm_for_cpu(x, ...)``.
+    ``tinygemm_cuda``: the same exact repack into the CUDA kernel's tiles (:func:`quant.int4.to_tinygemm`), then
+    ``y = aten._weight_int4pack_mm(x, ...)``; checked once at load against dequantize-then-matmul on a few random
+    rows (a wrong repack would otherwise decide silently wrong), falling back to ``dequantize`` with the error.
     ``dequantize``: ``y = x @ (scales * q + biases).T`` rebuilt per call.
     """
 
@@ -164,24 +174,51 @@ class Int4Linear(QuantizedLinear):
         return int4.dequantize(packed, self.group_size, dtype)
 
     def prepare(self) -> None:
-        if self.scales.device.type != "cpu":
-            self._set_kernel(DEQUANTIZE, f"no int4 kernel wired for {self.scales.device.type}")
+        device = self.scales.device
+        if device.type == "cuda":
+            self._prepare_tinygemm(device)
+        elif device.type != "cpu":
+            self._set_kernel(DEQUANTIZE, f"no int4 kernel wired for {device.type}")
         elif self.out_features % 16:
             self._set_kernel(DEQUANTIZE, "out_features % 16 != 0 (torch's int4 CPU kernel)")
         elif self.compute_dtype not in KERNEL_DTYPES:
             self._set_kernel(DEQUANTIZE, f"{self.compute_dtype} activations (torch's int4 CPU kernel is fast in "
                                          "bf16/fp16 only)")
         else:
-            repacked = repack_int4(self.packed(), self.group_size, self.compute_dtype)
-            self.register_buffer("int4pack", repacked.weight, persistent=False)
-            self.register_buffer("scales_and_zeros", repacked.scales_and_zeros, persistent=False)
-            self.weight = self.scales = self.biases = None  # the kernel's copy replaces the MLX layout
-            self._set_kernel("torch_int4pack_cpu")
+            self._use_repack(repack_int4(self.packed(), self.group_size, self.compute_dtype), "torch_int4pack_cpu")
+
+    def _prepare_tinygemm(self, device: torch.device) -> None:
+        if reason := int4.tinygemm_unsupported(device, self.compute_dtype, self.out_features, self.in_features,
+                                               self.group_size):
+            self._set_kernel(DEQUANTIZE, reason)
+            return
+        repacked = repack_int4(self.packed(), self.group_size, int4.TINYGEMM_DTYPE, convert=int4.to_tinygemm)
+        x = torch.randn(4, self.in_features, device=device, dtype=int4.TINYGEMM_DTYPE,
+                        generator=torch.Generator(device).manual_seed(0))
+        with torch.inference_mode():
+            reference = F.linear(x.float(), self.dequantize(torch.float32))
+            error = float((int4.tinygemm_matmul(x, repacked).float() - reference).abs().max()
+                          / reference.abs().max().clamp_min(1e-12))
+        if error > TINYGEMM_CHECK:
+            log.warning("int4 layer [%d, %d]: tinygemm disagrees with dequantize-then-matmul (max relative error "
+                        "%.2e > %.0e); using dequantize", self.out_features, self.in_features, error, TINYGEMM_CHECK)
+            self._set_kernel(DEQUANTIZE, f"tinygemm self-check failed (error {error:.1e})")
+            return
+        self._use_repack(repacked, "tinygemm_cuda")
+
+    def _use_repack(self, repacked: int4.TorchInt4, kernel: str) -> None:
+        self.register_buffer("int4pack", repacked.weight, persistent=False)
+        self.register_buffer("scales_and_zeros", repacked.scales_and_zeros, persistent=False)
+        self.weight = self.scales = self.biases = None  # the kernel's copy replaces the MLX layout
+        self._set_kernel(kernel)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "torch_int4pack_cpu":
             repacked = int4.TorchInt4(self.int4pack, self.group_size, self.scales_and_zeros)
             return int4.int4_matmul(x, repacked).to(x.dtype)
+        if self.kernel == "tinygemm_cuda":
+            repacked = int4.TorchInt4(self.int4pack, self.group_size, self.scales_and_zeros)
+            return int4.tinygemm_matmul(x, repacked).to(x.dtype)
         return super()._matmul(x)
 
 

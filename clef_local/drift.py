@@ -247,25 +247,10 @@ def drift_from_predictions(ref_preds: Sequence[Prediction], cand_preds: Sequence
 
 def predict_all(model: ClefModel, requests: Sequence[Mapping[str, Any]], *, batch_size: int = 8,
                 progress: Progress | None = None, truncate_state: bool = False) -> list[Prediction]:
-    """``model.predict`` over all requests in batches of similar length, calling ``progress(done, total)``.
+    """``model.predict`` with ``progress(done, total)`` (kept for the UI and scripts that import it from here).
 
     A request longer than the model's context raises ``MaxTokensExceededError`` unless ``truncate_state``."""
-    from clef_local.encoding import render
-
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be ≥ 1, got {batch_size}")
-    # rough length (characters) is enough to group similar requests; the model re-sorts within a batch anyway
-    order = sorted(range(len(requests)), key=lambda i: len(render(requests[i].get("state", "")))
-                   + len(render(requests[i].get("questions", {}))))
-    results: list[Prediction | None] = [None] * len(requests)
-    for start in range(0, len(order), batch_size):
-        chunk = order[start : start + batch_size]
-        preds = model.predict([requests[i] for i in chunk], truncate_state=truncate_state, batch_size=batch_size)
-        for i, pred in zip(chunk, preds, strict=True):
-            results[i] = pred
-        if progress is not None:
-            progress(min(start + batch_size, len(order)), len(order))
-    return [r for r in results if r is not None]
+    return model.predict(requests, truncate_state=truncate_state, batch_size=batch_size, progress=progress)
 
 
 def run_drift(reference: ClefModel, candidate: ClefModel, requests: Sequence[Mapping[str, Any]], *,

@@ -92,22 +92,20 @@ def _progress_bar(total: int, enabled: bool) -> Any:
 def timed_predict(model: ClefModel, requests: Sequence[dict[str, Any]], *, batch_size: int = 8,
                   progress: Callable[[int, int], None] | None = None,
                   truncate_state: bool = False) -> tuple[list[Prediction], list[float]]:
-    """Predictions in request order, plus the wall time of each batch (requests of similar length together)."""
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be ≥ 1, got {batch_size}")
-    encoded_len = [len(model.encode(r, truncate_state=truncate_state)[1].input_ids) for r in requests]
-    order = sorted(range(len(requests)), key=encoded_len.__getitem__)
+    """Predictions in request order, plus the wall time of each batch (backbone and head; encoding excluded)."""
     results: list[Prediction | None] = [None] * len(requests)
-    times = []
-    for start in range(0, len(order), batch_size):
-        chunk = order[start : start + batch_size]
-        began = time.perf_counter()
-        preds = model.predict([requests[i] for i in chunk], truncate_state=truncate_state, batch_size=batch_size)
+    times: list[float] = []
+    done = 0
+    batches = model.predict_batches(requests, truncate_state=truncate_state, batch_size=batch_size)
+    began = time.perf_counter()
+    for chunk, predictions in batches:
         times.append(time.perf_counter() - began)
-        for i, pred in zip(chunk, preds, strict=True):
-            results[i] = pred
+        for i, prediction in zip(chunk, predictions, strict=True):
+            results[i] = prediction
+        done += len(chunk)
         if progress is not None:
-            progress(min(start + batch_size, len(order)), len(order))
+            progress(done, len(requests))
+        began = time.perf_counter()
     return [r for r in results if r is not None], times
 
 

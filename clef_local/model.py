@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -84,22 +84,43 @@ class ClefModel:
         encoded = encode_request(self.tokenizer, record, max_length=self.max_length, truncate_state=truncate_state)
         return record, encoded
 
-    def predict(self, requests: Sequence[Any], *, truncate_state: bool = False,
-                batch_size: int = 8) -> list[Prediction]:
-        """Probabilities for each request, run in padded batches of up to ``batch_size`` similar lengths.
+    def predict(self, requests: Sequence[Any], *, truncate_state: bool = False, batch_size: int = 8,
+                progress: Callable[[int, int], None] | None = None) -> list[Prediction]:
+        """Probabilities for each request (in request order), run in padded batches of similar lengths.
 
-        A batch is cut where padding would cost more than ``self.pad_waste`` times its rows' own tokens
-        (:mod:`clef_local.batching`): on a CPU, where padding is pure loss, only equal lengths share one.
+        ``progress(done, total)`` is called after each batch. See :meth:`predict_batches` for how batches are cut.
         """
-        encoded = [self.encode(r, truncate_state=truncate_state) for r in requests]
-        lengths = [len(e[1].input_ids) for e in encoded]
-        results: list[Prediction | None] = [None] * len(encoded)
-        for chunk in split_by_length(lengths, self.pad_waste, max_size=batch_size):
-            records = [encoded[i][1] for i in chunk]
-            probs = self._probabilities(records)
-            for i, record_probs in zip(chunk, probs, strict=True):
-                results[i] = Prediction(encoded[i][0], encoded[i][1], record_probs)
+        results: list[Prediction | None] = [None] * len(requests)
+        done = 0
+        for chunk, predictions in self.predict_batches(requests, truncate_state=truncate_state,
+                                                       batch_size=batch_size):
+            for i, prediction in zip(chunk, predictions, strict=True):
+                results[i] = prediction
+            done += len(chunk)
+            if progress is not None:
+                progress(done, len(requests))
         return [r for r in results if r is not None]
+
+    def predict_batches(self, requests: Sequence[Any], *, truncate_state: bool = False, batch_size: int = 8
+                        ) -> Iterator[tuple[list[int], list[Prediction]]]:
+        """``(request indices, their predictions)`` for each batch as it finishes (for progress and timing).
+
+        Every request is validated and encoded first (so a bad one raises before any batch runs). Batches hold up
+        to ``batch_size`` requests sorted by token count, cut where padding would cost more than
+        ``self.pad_waste`` times the rows' own tokens (:mod:`clef_local.batching`): on a CPU, where padding is pure
+        loss, only equal lengths share one.
+        """
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be ≥ 1, got {batch_size}")
+        encoded = [self.encode(r, truncate_state=truncate_state) for r in requests]
+        chunks = split_by_length([len(e[1].input_ids) for e in encoded], self.pad_waste, max_size=batch_size)
+
+        def run() -> Iterator[tuple[list[int], list[Prediction]]]:
+            for chunk in chunks:
+                probs = self._probabilities([encoded[i][1] for i in chunk])
+                yield chunk, [Prediction(*encoded[i], p) for i, p in zip(chunk, probs, strict=True)]
+
+        return run()
 
     def _probabilities(self, records: list[EncodedRecord]) -> list[list[np.ndarray]]:
         layout = build_layout(records, max(len(r.input_ids) for r in records))

@@ -62,3 +62,27 @@ def test_predict_batches_follow_the_device_budget(tiny_qwen, monkeypatch) -> Non
     model.pad_waste = float("inf")
     model.predict([short, long, short, long, short], batch_size=2)
     assert [len(s) for s in sizes] == [2, 2, 1]
+
+
+def test_predict_batches_and_progress(tiny_qwen) -> None:
+    """Each request lands in exactly one batch, results come back in request order, progress counts requests, and a
+    bad request raises before any batch runs (so eval/drift never spend time on a set they cannot finish)."""
+    from clef_local.errors import RequestValidationError
+
+    model = clef_local.load(tiny_qwen)
+    requests = [{"model": "m", "state": "x" * n, "questions": {"q": {"type": "noul"}}} for n in (3, 40, 3, 9, 40)]
+    batches = list(model.predict_batches(requests, batch_size=2))
+    assert sorted(i for chunk, _ in batches for i in chunk) == list(range(5))
+    assert all(len(chunk) <= 2 for chunk, _ in batches)
+    seen: list[tuple[int, int]] = []
+    out = model.predict(requests, batch_size=2, progress=lambda done, total: seen.append((done, total)))
+    assert [p.record["state"] for p in out] == [r["state"] for r in requests]
+    assert seen[-1] == (5, 5) and [d for d, _ in seen] == sorted(d for d, _ in seen) and len(seen) == len(batches)
+    for chunk, predictions in batches:
+        for i, prediction in zip(chunk, predictions, strict=True):
+            assert prediction.record["state"] == requests[i]["state"]
+            assert all((p == q).all() for p, q in zip(prediction.probabilities, out[i].probabilities, strict=True))
+    with pytest.raises(RequestValidationError):
+        model.predict_batches([*requests, {"model": "m", "state": "s", "questions": {}}])
+    with pytest.raises(ValueError, match="batch_size"):
+        model.predict_batches(requests, batch_size=0)

@@ -32,7 +32,8 @@ from clef_local.metrics import classification_report, macro_f1
 from clef_local.release import read_head_config, read_json
 from clef_local.tokenizer import ReleaseTokenizer
 
-DATA_KEYS = {"banking77": 1024, "nlupp": 1024, "twins": 512}  # defaults: what the CPU cache holds first
+DATA_KEYS = {"banking77": 1024, "nlupp": 1024, "twins": 512,  # defaults: what the CPU cache holds first
+             "hard": 0, "max_options": 0}  # % of hard-negative choices; choice size cap (0: none, full 77s kept)
 
 
 def parse_recipe(text: str) -> tuple[str, TrainConfig, dict[str, int]]:
@@ -147,7 +148,8 @@ def main() -> None:
         print(json.dumps({directory.name: results[directory.name]}, indent=1), flush=True)
     for text in args.recipe:
         name, config, data = parse_recipe(text)
-        examples = training_examples(data["banking77"], data["nlupp"])
+        examples = training_examples(data["banking77"], data["nlupp"], hard=data["hard"] / 100,
+                                     max_options=data["max_options"] or None)
         log = train(backbone, examples, args.out / name, work=args.out / name, config=config,
                     twins=twin_records(data["twins"]), cache=args.cache, init=args.init)
         results[name] = {**data, **log["history"][-1], **held_out.score(_load_head(args.out / name), embedding)}

@@ -16,8 +16,12 @@ subsets and order, and which other questions share the record. Labels come from 
 from __future__ import annotations
 
 import random
+import re
 import string
+from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 from clef_local.datasets import (
     Example,
@@ -44,6 +48,7 @@ NOUL_TEMPLATES = [
     "Is the user's intent: {intent}?",
 ]
 FULL_CHOICE = 0.15  # all 77 intents: the hardest case, but one such record costs as much as four subset records
+NEIGHBOURS = 16  # the closest intents by training-text words: the distractors a 77-way question really poses
 COUNT_LEVELS = ["none of them", "exactly one of them", "exactly two of them", "all three of them"]
 
 
@@ -59,11 +64,38 @@ def _qid(rng: random.Random, readable: str, used: set[str]) -> str:
             return qid
 
 
-def _choice(rng: random.Random, gold: str, intents: tuple[str, ...], max_options: int | None = None
-            ) -> dict[str, Any]:
+def intent_neighbours(rows: Sequence[tuple[str, str]], k: int = NEIGHBOURS) -> dict[str, list[str]]:
+    """Each intent's ``k`` nearest intents: cosine of TF-IDF word profiles of its training texts (data only)."""
+    intents = sorted({gold for _, gold in rows})
+    words = sorted({w for text, _ in rows for w in re.findall(r"[a-z']+", text.lower())})
+    index = {w: n for n, w in enumerate(words)}
+    counts = np.zeros((len(intents), len(words)))
+    for text, gold in rows:
+        for word in re.findall(r"[a-z']+", text.lower()):
+            counts[intents.index(gold), index[word]] += 1
+    profile = np.log1p(counts) * np.log(len(intents) / np.maximum((counts > 0).sum(0), 1))
+    profile /= np.maximum(np.linalg.norm(profile, axis=1, keepdims=True), 1e-12)
+    similarity = profile @ profile.T
+    np.fill_diagonal(similarity, -np.inf)
+    return {intent: [intents[j] for j in np.argsort(-similarity[n], kind="stable")[:k]]
+            for n, intent in enumerate(intents)}
+
+
+def _choice(rng: random.Random, gold: str, intents: tuple[str, ...], max_options: int | None = None,
+            neighbours: dict[str, list[str]] | None = None, hard: float = 0.0) -> dict[str, Any]:
+    """A choice over a random subset holding ``gold`` (all intents 15% of the time); with probability ``hard`` the
+    distractors are drawn from ``gold``'s nearest neighbours first, the confusions a full 77-way question holds."""
     full = max_options is None and rng.random() < FULL_CHOICE
     others = [i for i in intents if i != gold]
-    chosen = list(intents) if full else [gold, *rng.sample(others, rng.randint(1, (max_options or 32) - 1))]
+    if full:
+        chosen = list(intents)
+    else:
+        size = rng.randint(1, (max_options or 32) - 1)
+        if neighbours and hard > 0 and rng.random() < hard:  # hard = 0 draws nothing: the old records, unchanged
+            close = rng.sample(neighbours[gold], min(size, len(neighbours[gold])))
+            chosen = [gold, *close, *rng.sample([i for i in others if i not in close], size - len(close))]
+        else:
+            chosen = [gold, *rng.sample(others, size)]
     rng.shuffle(chosen)  # request order must not matter (options are sorted by id in the prompt anyway)
     describe = rng.random() < (0.2 if full else 0.5)  # descriptions make a 77-option record 2,200 tokens, not 1,700
     question: dict[str, Any] = {"type": "choice",
@@ -81,7 +113,8 @@ def _noul(rng: random.Random, text: str) -> dict[str, Any]:
 
 
 def banking77_record(rng: random.Random, n: int, text: str, gold: str, intents: tuple[str, ...],
-                     max_options: int | None = None) -> Example:
+                     max_options: int | None = None, neighbours: dict[str, list[str]] | None = None,
+                     hard: float = 0.0) -> Example:
     used: set[str] = set()
     questions: dict[str, Any] = {}
     labels: dict[str, Any] = {}
@@ -90,7 +123,7 @@ def banking77_record(rng: random.Random, n: int, text: str, gold: str, intents: 
     for kind in kinds:
         if kind == "choice":
             qid = _qid(rng, "intent", used)
-            questions[qid], labels[qid] = _choice(rng, gold, intents, max_options), gold
+            questions[qid], labels[qid] = _choice(rng, gold, intents, max_options, neighbours, hard), gold
         else:
             positive = rng.random() < 0.5
             intent = gold if positive else rng.choice([i for i in intents if i != gold])
@@ -133,18 +166,23 @@ def nlupp_record(rng: random.Random, n: int, text: str, gold: frozenset[str], in
                                         "questions": {k: questions[k] for k in keys}}, {k: labels[k] for k in keys})
 
 
-def training_examples(banking77: int = 2000, nlupp: int = 1660, seed: int = 0) -> list[Example]:
+def training_examples(banking77: int = 2000, nlupp: int = 1660, seed: int = 0, *, hard: float = 0.0,
+                      max_options: int | None = None) -> list[Example]:
     """``banking77`` records from BANKING77 train rows, then ``nlupp`` from NLU++ folds 0–15.
 
+    ``hard``: the share of BANKING77 choice questions whose distractors are the gold intent's nearest neighbours
+    (:func:`intent_neighbours`); ``max_options`` caps a choice's size (and drops the full 77-way records).
     Each source draws from its own random stream, so a larger request yields the smaller one's records as its
     prefix (per source): a bigger training run reuses every cached block of a smaller one. Training shuffles.
     """
     rng = random.Random(seed)
     intents = banking77_intents()
     rows = banking77_rows("train")
+    neighbours = intent_neighbours(rows) if hard > 0 else None
     rng.shuffle(rows)
     rows = (rows * (1 + banking77 // len(rows)))[:banking77]  # past 10,003 rows: the same texts, new schemas
-    examples = [banking77_record(rng, n, text, gold, intents) for n, (text, gold) in enumerate(rows)]
+    examples = [banking77_record(rng, n, text, gold, intents, max_options, neighbours, hard)
+                for n, (text, gold) in enumerate(rows)]
     nlu_rng = random.Random(seed + 1_000_003)
     nlu_intents = nlupp_intents()
     nlu_rows = nlupp_rows(range(16))

@@ -429,6 +429,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nlupp", type=int, default=1660, help="NLU++ training records (demo data)")
     parser.add_argument("--twins", type=int, default=0,
                         help="twin requests for the consistency term (demo data; e.g. 512)")
+    parser.add_argument("--hard-negatives", type=float, default=0.0, metavar="SHARE",
+                        help="share of BANKING77 choice questions whose distractors are the gold intent's nearest "
+                             "intents (demo data; 0 = random subsets)")
     parser.add_argument("--init", type=Path, metavar="HEAD_DIR",
                         help="fine-tune this head (joint_head.* in HEAD_DIR, e.g. clef_local/demo_model) instead of "
                              "a fresh one; its architecture overrides --width and the layer counts")
@@ -437,7 +440,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.data == "demo":
         from clef_local.export.demo_data import training_examples, twin_records
 
-        examples = training_examples(args.banking77, args.nlupp)
+        if not 0 <= args.hard_negatives <= 1:
+            parser.error(f"--hard-negatives is a share between 0 and 1, got {args.hard_negatives}")
+        examples = training_examples(args.banking77, args.nlupp, hard=args.hard_negatives)
         twins = twin_records(args.twins)
     else:
         examples = [Example(str(n), row["request"], row["labels"]) for n, row in

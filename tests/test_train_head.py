@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import clef_local
-from clef_local.export.demo_data import training_examples, twin_records
+from clef_local.export.demo_data import intent_neighbours, training_examples, twin_records
 from clef_local.export.train_head import (
     TrainConfig,
     _twin_rows,
@@ -60,6 +60,36 @@ def test_demo_data_grows_by_prefix():
     assert [e.request for e in small[:10]] == [e.request for e in large[:10]]
     assert [e.request for e in small[10:]] == [e.request for e in large[14:20]]
     assert all(set(e.labels) == set(e.request["questions"]) for e in large)
+
+
+def test_intent_neighbours_are_the_closest_word_profiles():
+    rows = [("my card has not arrived", "card_arrival"), ("when will my card arrive", "card_arrival"),
+            ("card delivery time estimate", "card_delivery_estimate"), ("how long until my card is delivered",
+                                                                        "card_delivery_estimate"),
+            ("what is the exchange rate", "exchange_rate"), ("exchange rate for euros", "exchange_rate"),
+            ("I was charged an exchange fee", "exchange_charge")]
+    near = intent_neighbours(rows, k=2)
+    assert near["card_arrival"][0] == "card_delivery_estimate"
+    assert near["exchange_rate"][0] == "exchange_charge"
+    assert all(intent not in others for intent, others in near.items())
+
+
+def test_hard_negative_choices_hold_the_gold_and_its_neighbours():
+    from clef_local.datasets import banking77_rows
+
+    near = intent_neighbours(banking77_rows("train"))
+    plain = training_examples(banking77=40, nlupp=0, seed=3)
+    assert [e.request for e in plain] == [e.request for e in training_examples(40, 0, seed=3, hard=0.0)]
+    hard = training_examples(banking77=40, nlupp=0, seed=3, hard=1.0, max_options=8)
+    shares = []
+    for example in hard:
+        for qid, question in example.request["questions"].items():
+            if question["type"] == "choice":
+                options = set(question["criteria"])
+                gold = example.labels[qid]
+                assert gold in options and 2 <= len(options) <= 8
+                shares.append(len(options & set(near[gold])) / (len(options) - 1))
+    assert len(shares) == 40 and min(shares) == 1.0  # every distractor is one of the gold's neighbours
 
 
 def test_cache_blocks_are_reused_and_a_bad_chunk_is_named(tiny_llama: Path, tmp_path: Path):
@@ -141,3 +171,12 @@ def test_init_fine_tunes_an_existing_head(tiny_llama: Path, tmp_path: Path):
     (first / "joint_head_config.json").write_text(json.dumps({**config, "hidden_size": 99}))
     with pytest.raises(ReleaseError, match="hidden size 99"):
         train(tiny_llama, examples, tmp_path / "bad", work=tmp_path / "w3", config=still, init=first)
+
+
+def test_train_head_refuses_a_hard_negative_share_outside_0_1(tmp_path: Path, capsys):
+    from clef_local.export.train_head import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--backbone", str(tmp_path), "--out", str(tmp_path / "out"), "--hard-negatives", "50"])
+    assert exit_info.value.code == 2 and "between 0 and 1, got 50" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -14,6 +14,7 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/clef-demo-build}; DEVICE=${DEVICE:-cuda}; WORK=${WORK:-/tmp/clef-demo-work}
 BANKING77=${BANKING77:-2048}; NLUPP=${NLUPP:-1024}; TWINS=${TWINS:-512}; EPOCHS=${EPOCHS:-20}; LIMIT=${LIMIT:-}
 # TRAIN_ARGS: extra train-head options for both recipes, e.g. TRAIN_ARGS="--width 512 --feedforward 1024 --lr 5e-4"
+# (train-head's default data has half of the BANKING77 choices built from hard negatives; --hard-negatives 0: none)
 mkdir -p "$OUT" "$WORK"
 exec > >(tee -a "$OUT/log.txt") 2>&1  # the log comes back even when the call is stopped at its time limit
 if [ -d .gpu/wheels ] && [ -z "${NO_WHEELS:-}" ]; then  # NO_WHEELS=1: a local dry run

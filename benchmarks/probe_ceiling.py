@@ -13,6 +13,9 @@ and values are computed once and reused, so only the state tokens cost anything)
 
 Features are cached in ``--features`` (npz) so the classifiers can be rerun without the backbone.
 
+``--curve`` adds the probe's learning curve (random subsets of the training rows, C = 0.1): how many labelled rows a
+77-way decision on these features needs, to compare with a head trained on as many records.
+
 ``--candidate NAME=DIR`` (repeatable; a quantized variant of the same release) feeds the candidate's test features
 to the probe trained on the reference's: accuracy, flips of its decision and mean KL(reference‖candidate) show how
 much of the decision information a quantized backbone keeps, independently of any trained head.
@@ -101,6 +104,7 @@ def main() -> None:
     parser.add_argument("--features", type=Path, default=None, help="npz cache of the features")
     parser.add_argument("--candidate", action="append", default=[], metavar="NAME=DIR",
                         help="a variant whose test features go through the reference's probe (repeatable)")
+    parser.add_argument("--curve", action="store_true", help="also print the probe's learning curve")
     args = parser.parse_args()
 
     from sklearn.linear_model import LogisticRegression
@@ -137,10 +141,29 @@ def main() -> None:
               f"| {report['ece']:.3f} |")
     # one-hot decisions: no confidence, so no ECE
     print(f"| nearest centroid (cosine) | {nearest['accuracy']:.3f} | {nearest['macro_f1']:.3f} | — |")
+    if args.curve:
+        learning_curve(x_train, y_train, x_test, y_test, len(intents))
     if args.candidate:
         best = max(reports, key=lambda c: reports[c]["accuracy"])
         compare_candidates(args.candidate, probes[best], scaler, probs[best], x_test, test, y_test,
                            args.batch_size, f"C={best}")
+
+
+def learning_curve(x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray, y_test: np.ndarray, classes: int,
+                   sizes: tuple[int, ...] = (260, 520, 1000, 2000, 5000), seed: int = 0) -> None:
+    """Logistic regression (C = 0.1) on random subsets of the training rows, scored on all test rows."""
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.preprocessing import StandardScaler
+
+    rng = np.random.default_rng(seed)
+    print("\n| training rows (random subset) | rows per intent | accuracy | macro-F1 |")
+    print("|---:|---:|---:|---:|")
+    for size in (*[s for s in sizes if s < len(x_train)], len(x_train)):
+        rows = rng.choice(len(x_train), size, replace=False)
+        scaler = StandardScaler().fit(x_train[rows])
+        probe = LogisticRegression(C=0.1, max_iter=3000).fit(scaler.transform(x_train[rows]), y_train[rows])
+        report = classification_report(probe_probs(probe, scaler.transform(x_test), classes), y_test)
+        print(f"| {size:,} | {size / 77:.0f} | {report['accuracy']:.3f} | {report['macro_f1']:.3f} |")
 
 
 def probe_probs(probe, x: np.ndarray, classes: int) -> np.ndarray:

@@ -67,12 +67,13 @@ def _qid(rng: random.Random, readable: str, used: set[str]) -> str:
 def intent_neighbours(rows: Sequence[tuple[str, str]], k: int = NEIGHBOURS) -> dict[str, list[str]]:
     """Each intent's ``k`` nearest intents: cosine of TF-IDF word profiles of its training texts (data only)."""
     intents = sorted({gold for _, gold in rows})
-    words = sorted({w for text, _ in rows for w in re.findall(r"[a-z']+", text.lower())})
-    index = {w: n for n, w in enumerate(words)}
-    counts = np.zeros((len(intents), len(words)))
-    for text, gold in rows:
-        for word in re.findall(r"[a-z']+", text.lower()):
-            counts[intents.index(gold), index[word]] += 1
+    row_of = {intent: n for n, intent in enumerate(intents)}
+    texts = [(re.findall(r"[a-z']+", text.lower()), gold) for text, gold in rows]  # each text tokenized once
+    index = {w: n for n, w in enumerate(sorted({w for words, _ in texts for w in words}))}
+    counts = np.zeros((len(intents), len(index)))
+    for words, gold in texts:
+        for word in words:
+            counts[row_of[gold], index[word]] += 1
     profile = np.log1p(counts) * np.log(len(intents) / np.maximum((counts > 0).sum(0), 1))
     profile /= np.maximum(np.linalg.norm(profile, axis=1, keepdims=True), 1e-12)
     similarity = profile @ profile.T

@@ -219,13 +219,14 @@ class Int4Linear(QuantizedLinear):
         self._set_kernel(kernel)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel == "torch_int4pack_cpu":
-            repacked = int4.TorchInt4(self.int4pack, self.group_size, self.scales_and_zeros)
-            return int4.int4_matmul(x, repacked).to(x.dtype)
-        if self.kernel == "tinygemm_cuda":
-            repacked = int4.TorchInt4(self.int4pack, self.group_size, self.scales_and_zeros)
-            return int4.tinygemm_matmul(x, repacked).to(x.dtype)
+        if (matmul := INT4_MATMULS.get(self.kernel)) is not None:
+            return matmul(x, int4.TorchInt4(self.int4pack, self.group_size, self.scales_and_zeros)).to(x.dtype)
         return super()._matmul(x)
+
+
+# the repacked int4 kernels by the name Int4Linear records
+INT4_MATMULS: dict[str, Callable[[torch.Tensor, int4.TorchInt4], torch.Tensor]] = {
+    "torch_int4pack_cpu": int4.int4_matmul, "tinygemm_cuda": int4.tinygemm_matmul}
 
 
 def bnb_int8_matmul(x: torch.Tensor, weight: torch.Tensor, scb: torch.Tensor) -> torch.Tensor:

@@ -54,6 +54,7 @@ class EncodedRecord:
     questions: tuple[EncodedQuestion, ...]
     state_tokens: int  # state tokens kept
     truncated_tokens: int = 0  # state tokens dropped (only with truncate_state=True)
+    state_start: int = 0  # position of the first state token (after the prefix and any media ids)
 
 
 def render(value: Any) -> str:
@@ -178,7 +179,8 @@ def encode_request(
         )
         for qid, qtype, qpiece, options in layout
     )
-    return EncodedRecord(tuple(input_ids), questions, state_tokens=len(state_ids), truncated_tokens=truncated)
+    return EncodedRecord(tuple(input_ids), questions, state_tokens=len(state_ids), truncated_tokens=truncated,
+                         state_start=len(prefix_ids))
 
 
 def media_placeholder(images: int, videos: int) -> str:

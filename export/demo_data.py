@@ -18,7 +18,8 @@ from __future__ import annotations
 import random
 import re
 import string
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -52,6 +53,45 @@ NEIGHBOURS = 16  # the closest intents by training-text words: the distractors a
 COUNT_LEVELS = ["none of them", "exactly one of them", "exactly two of them", "all three of them"]
 
 
+@dataclass(frozen=True)
+class Rule:
+    """How a question's label follows from a state's gold, so that the question can be asked of another state.
+
+    ``intent``: the gold intent when it is one of ``intents`` (the choice's options), else no label; ``is``: the
+    gold intent is ``intents[0]`` (BANKING77 noul); ``has``: ``intents[0]`` is among the gold intents (NLU++ noul);
+    ``count``: how many of ``intents`` are among the gold intents (NLU++ score).
+    """
+
+    kind: str
+    intents: tuple[str, ...]
+
+    def label(self, gold: Any) -> Any:
+        if self.kind == "intent":
+            return gold if gold in self.intents else None
+        if self.kind == "is":
+            return gold == self.intents[0]
+        if self.kind == "has":
+            return self.intents[0] in gold
+        if self.kind == "count":
+            return sum(i in gold for i in self.intents)
+        raise ValueError(f"unknown rule kind {self.kind!r}")
+
+
+@dataclass(frozen=True)
+class DemoExample(Example):
+    """A training request whose labels come from a dataset row: ``source`` names the dataset, ``rules`` say how
+    each labelled question's answer follows from a row's gold (head training asks these questions of other rows'
+    states, see ``clef_local.export.splicing``)."""
+
+    source: str = ""
+    rules: Mapping[str, Rule] = field(default_factory=dict)
+
+    def relabel(self, gold: Any) -> dict[str, Any]:
+        """This request's labels for a state whose gold is ``gold`` (questions it leaves without one are left out)."""
+        labels = {qid: rule.label(gold) for qid, rule in self.rules.items()}
+        return {qid: label for qid, label in labels.items() if label is not None}
+
+
 def _qid(rng: random.Random, readable: str, used: set[str]) -> str:
     """A readable id half the time, a random string otherwise; unique within the record."""
     while True:
@@ -83,10 +123,12 @@ def intent_neighbours(rows: Sequence[tuple[str, str]], k: int = NEIGHBOURS) -> d
 
 
 def _choice(rng: random.Random, gold: str, intents: tuple[str, ...], max_options: int | None = None,
-            neighbours: dict[str, list[str]] | None = None, hard: float = 0.0) -> dict[str, Any]:
-    """A choice over a random subset holding ``gold`` (all intents 15% of the time); with probability ``hard`` the
-    distractors are drawn from ``gold``'s nearest neighbours first, the confusions a full 77-way question holds."""
-    full = max_options is None and rng.random() < FULL_CHOICE
+            neighbours: dict[str, list[str]] | None = None, hard: float = 0.0,
+            full_share: float = FULL_CHOICE) -> dict[str, Any]:
+    """A choice over a random subset holding ``gold`` (all intents with probability ``full_share``); with
+    probability ``hard`` the distractors are drawn from ``gold``'s nearest neighbours first, the confusions a full
+    77-way question holds."""
+    full = max_options is None and rng.random() < full_share
     others = [i for i in intents if i != gold]
     if full:
         chosen = list(intents)
@@ -115,29 +157,35 @@ def _noul(rng: random.Random, text: str) -> dict[str, Any]:
 
 def banking77_record(rng: random.Random, n: int, text: str, gold: str, intents: tuple[str, ...],
                      max_options: int | None = None, neighbours: dict[str, list[str]] | None = None,
-                     hard: float = 0.0) -> Example:
+                     hard: float = 0.0, full_share: float = FULL_CHOICE) -> DemoExample:
     used: set[str] = set()
     questions: dict[str, Any] = {}
     labels: dict[str, Any] = {}
+    rules: dict[str, Rule] = {}
     kinds = ["choice"] + ["noul"] * rng.randint(0, 3)
     rng.shuffle(kinds)
     for kind in kinds:
         if kind == "choice":
             qid = _qid(rng, "intent", used)
-            questions[qid], labels[qid] = _choice(rng, gold, intents, max_options, neighbours, hard), gold
+            questions[qid], labels[qid] = _choice(rng, gold, intents, max_options, neighbours, hard, full_share), gold
+            rules[qid] = Rule("intent", tuple(questions[qid]["criteria"]))
         else:
             positive = rng.random() < 0.5
             intent = gold if positive else rng.choice([i for i in intents if i != gold])
             qid = _qid(rng, intent, used)
             questions[qid] = _noul(rng, rng.choice(NOUL_TEMPLATES).format(intent=intent_description(intent)))
             labels[qid] = positive
-    return Example(f"train-banking77-{n}", {"model": "clef-demo", "state": text, "questions": questions}, labels)
+            rules[qid] = Rule("is", (intent,))
+    return DemoExample(f"train-banking77-{n}", {"model": "clef-demo", "state": text, "questions": questions}, labels,
+                       source="banking77", rules=rules)
 
 
-def nlupp_record(rng: random.Random, n: int, text: str, gold: frozenset[str], intents: dict[str, str]) -> Example:
+def nlupp_record(rng: random.Random, n: int, text: str, gold: frozenset[str], intents: dict[str, str]
+                 ) -> DemoExample:
     used: set[str] = set()
     questions: dict[str, Any] = {}
     labels: dict[str, Any] = {}
+    rules: dict[str, Rule] = {}
     names = list(intents)
     positives = [i for i in names if i in gold]
     negatives = [i for i in names if i not in gold]
@@ -150,6 +198,7 @@ def nlupp_record(rng: random.Random, n: int, text: str, gold: frozenset[str], in
         qid = _qid(rng, intent, used)
         questions[qid] = _noul(rng, intents[intent])
         labels[qid] = intent in gold
+        rules[qid] = Rule("has", (intent,))
     if rng.random() < 0.4:
         listed = rng.sample(names, 3)
         if positives and rng.random() < 0.5:
@@ -161,18 +210,21 @@ def nlupp_record(rng: random.Random, n: int, text: str, gold: frozenset[str], in
             "instructions": "How many of these intents does the message carry: "
                             + "; ".join(intent_description(i) for i in listed) + "?"}
         labels[qid] = sum(i in gold for i in listed)
+        rules[qid] = Rule("count", tuple(listed))
     keys = list(questions)
     rng.shuffle(keys)
-    return Example(f"train-nlupp-{n}", {"model": "clef-demo", "state": text,
-                                        "questions": {k: questions[k] for k in keys}}, {k: labels[k] for k in keys})
+    return DemoExample(f"train-nlupp-{n}", {"model": "clef-demo", "state": text,
+                                            "questions": {k: questions[k] for k in keys}}, {k: labels[k] for k in keys},
+                       source="nlupp", rules=rules)
 
 
 def training_examples(banking77: int = 2000, nlupp: int = 1660, seed: int = 0, *, hard: float = 0.0,
-                      max_options: int | None = None) -> list[Example]:
+                      max_options: int | None = None, full_share: float = FULL_CHOICE) -> list[Example]:
     """``banking77`` records from BANKING77 train rows, then ``nlupp`` from NLU++ folds 0–15.
 
     ``hard``: the share of BANKING77 choice questions whose distractors are the gold intent's nearest neighbours
-    (:func:`intent_neighbours`); ``max_options`` caps a choice's size (and drops the full 77-way records).
+    (:func:`intent_neighbours`); ``max_options`` caps a choice's size (and drops the full 77-way records);
+    ``full_share`` is the share of BANKING77 choices over all 77 intents (the evaluation's question).
     Each source draws from its own random stream, so a larger request yields the smaller one's records as its
     prefix (per source): a bigger training run reuses every cached block of a smaller one. Training shuffles.
     """
@@ -182,7 +234,7 @@ def training_examples(banking77: int = 2000, nlupp: int = 1660, seed: int = 0, *
     neighbours = intent_neighbours(rows) if hard > 0 else None
     rng.shuffle(rows)
     rows = (rows * (1 + banking77 // len(rows)))[:banking77]  # past 10,003 rows: the same texts, new schemas
-    examples = [banking77_record(rng, n, text, gold, intents, max_options, neighbours, hard)
+    examples = [banking77_record(rng, n, text, gold, intents, max_options, neighbours, hard, full_share)
                 for n, (text, gold) in enumerate(rows)]
     nlu_rng = random.Random(seed + 1_000_003)
     nlu_intents = nlupp_intents()
@@ -191,6 +243,12 @@ def training_examples(banking77: int = 2000, nlupp: int = 1660, seed: int = 0, *
     examples += [nlupp_record(nlu_rng, n, text, gold, nlu_intents)
                  for n, (text, gold) in enumerate((nlu_rows * (1 + nlupp // len(nlu_rows)))[:nlupp])]
     return examples
+
+
+def splice_states() -> dict[str, list[tuple[str, Any]]]:
+    """The rows spliced records draw their states from, by source: all BANKING77 training rows (gold intent) and
+    NLU++ banking folds 0–15 (gold intent set); never a test fold."""
+    return {"banking77": banking77_rows("train"), "nlupp": nlupp_rows(range(16))}
 
 
 # Generic questions with no label in the data: twins teach the head to answer them the same whatever surrounds them.

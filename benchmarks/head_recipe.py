@@ -26,14 +26,16 @@ from safetensors.torch import load_file
 import clef_local
 from clef_local.datasets import Example, banking77_examples, banking77_intents, evenly, nlupp_examples
 from clef_local.export.demo_data import training_examples, twin_records
-from clef_local.export.train_head import TrainConfig, _batch, _max_length, cache_hidden_states, encode_examples, train
+from clef_local.export.hidden_cache import cache_hidden_states
+from clef_local.export.train_head import TrainConfig, _batch, _max_length, encode_examples, train
 from clef_local.head import JointSchemaHead
 from clef_local.metrics import classification_report, macro_f1
 from clef_local.release import read_head_config, read_json
 from clef_local.tokenizer import ReleaseTokenizer
 
 DATA_KEYS = {"banking77": 1024, "nlupp": 1024, "twins": 512,  # defaults: what the CPU cache holds first
-             "hard": 0, "max_options": 0}  # % of hard-negative choices; choice size cap (0: none, full 77s kept)
+             "hard": 0, "max_options": 0,  # % of hard-negative choices; choice size cap (0: none, full 77s kept)
+             "full": 15}  # % of BANKING77 choices over all 77 intents
 
 
 def parse_recipe(text: str) -> tuple[str, TrainConfig, dict[str, int]]:
@@ -149,7 +151,7 @@ def main() -> None:
     for text in args.recipe:
         name, config, data = parse_recipe(text)
         examples = training_examples(data["banking77"], data["nlupp"], hard=data["hard"] / 100,
-                                     max_options=data["max_options"] or None)
+                                     max_options=data["max_options"] or None, full_share=data["full"] / 100)
         log = train(backbone, examples, args.out / name, work=args.out / name, config=config,
                     twins=twin_records(data["twins"]), cache=args.cache, init=args.init)
         results[name] = {**data, **log["history"][-1], **held_out.score(_load_head(args.out / name), embedding)}

@@ -14,27 +14,29 @@ The output is the head part of a release: ``joint_head.safetensors`` (float32), 
 from __future__ import annotations
 
 import argparse
-import hashlib
+import contextlib
 import json
 import logging
 import math
 import os
 import random
-import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from clef_local.datasets import Example, Twin
 from clef_local.encoding import EncodedRecord, encode_request
 from clef_local.errors import ReleaseError
+from clef_local.export.demo_data import FULL_CHOICE
+from clef_local.export.head_losses import StateAttention, question_loss, state_mask, twin_loss
+from clef_local.export.hidden_cache import cache_hidden_states
+from clef_local.export.splicing import EpochHidden, Splicer, cache_state_bank
 from clef_local.head import HeadConfig, JointSchemaHead
 from clef_local.layout import build_layout
 from clef_local.release import read_head_config, read_json
@@ -58,6 +60,13 @@ class TrainConfig:
     label_smoothing: float = 0.05  # as Clef was trained
     brier_weight: float = 1.0  # Brier term keeps the probabilities calibrated, not just the argmax
     consistency_weight: float = 1.0  # symmetric KL between twins: ids, order and company must not move answers
+    # A cosine scorer needs a temperature to say anything with confidence (CLIP starts at 1/0.07); from the
+    # module's 0 (scale 1, logits within ±1) the trained scale stayed at ~1.03 and only the residual MLP scored.
+    joint_scale_init: float = 0.0
+    spliced: int = 0  # spliced records per epoch (export/splicing.py): new state/schema pairs for a state-only pass
+    # The evidence is in the state, ~1% of a 77-option prompt's tokens; left alone, trained heads put 0.5-1.5% of
+    # their cross-attention there. This weight x -log(attention mass on the state) speeds finding it (training only).
+    state_attention_weight: float = 0.0
     seed: int = 0
 
 
@@ -83,125 +92,9 @@ def encode_examples(tokenizer: ReleaseTokenizer, examples: Sequence[Example], ma
     return out
 
 
-BLOCK_RECORDS = 256  # cache unit: a larger training set reuses every block it shares with a smaller one
-
-
-def _block_name(block: Sequence[EncodedRecord]) -> str:
-    """A block's cache directory is named by its token ids, so a stale cache cannot be picked up by mistake."""
-    digest = hashlib.sha256()
-    for record in block:
-        digest.update(np.asarray(record.input_ids, dtype=np.int64).tobytes())
-        digest.update(b"|")
-    return f"block-{digest.hexdigest()[:16]}"
-
-
-def cache_hidden_states(backbone_dir: Path, encoded: Sequence[EncodedRecord], cache: Path, *,
-                        device: str = "cpu", block_records: int = BLOCK_RECORDS) -> list[torch.Tensor]:
-    """Hidden states ``[T, hidden]`` (stored BF16) of every record, computed once and kept in ``cache``.
-
-    Records are cached in blocks of ``block_records`` consecutive records, each in a directory named by the hash of
-    its token ids: growing the training set (or resuming a killed run) computes only the blocks not yet there. The
-    backbone computes in float32 on CPU (faster than BF16 on CPUs without AMX, and exact) and in BF16 on an
-    accelerator.
-    """
-    from clef_local.backends.torch_backend import TorchBackbone
-
-    blocks = [list(range(s, min(s + block_records, len(encoded)))) for s in range(0, len(encoded), block_records)]
-    names = [_block_name([encoded[i] for i in block]) for block in blocks]
-    todo = [b for b, name in enumerate(names) if not (cache / name / "done").is_file()]
-    backbone = None
-    if todo:
-        config = read_json(backbone_dir / "config.json")
-        dtype = torch.float32 if device == "cpu" else torch.bfloat16
-        backbone = TorchBackbone(backbone_dir, config, device=device, dtype=dtype)
-        tokens = sum(len(encoded[i].input_ids) for b in todo for i in blocks[b])
-        log.info("caching hidden states: %d of %d blocks to compute (%d tokens)", len(todo), len(blocks), tokens)
-    started = time.perf_counter()
-    for b in tqdm(todo, desc="caching hidden states", unit="block"):
-        _cache_block(backbone, [encoded[i] for i in blocks[b]], cache / names[b],
-                     batch_tokens=4096 if device == "cpu" else 16384)
-    if todo:
-        log.info("cached %d blocks in %.0f s", len(todo), time.perf_counter() - started)
-    hidden: list[torch.Tensor] = []
-    for block, name in zip(blocks, names, strict=True):
-        hidden += _load_block(cache / name, len(block))
-    return hidden
-
-
-def _cache_block(backbone, records: Sequence[EncodedRecord], directory: Path, *, batch_tokens: int,
-                 chunk_tokens: int = 65536) -> None:
-    """One block: chunks of similar-length records written atomically, then a ``done`` marker."""
-    from clef_local.backends.torch_backend import collate
-
-    directory.mkdir(parents=True, exist_ok=True)
-    order = sorted(range(len(records)), key=lambda i: len(records[i].input_ids))
-    chunks: list[list[int]] = [[]]
-    for i in order:  # chunks of similar lengths, about chunk_tokens each
-        if chunks[-1] and sum(len(records[j].input_ids) for j in chunks[-1]) >= chunk_tokens:
-            chunks.append([])
-        chunks[-1].append(i)
-    for c, members in enumerate(chunks):
-        path = directory / f"chunk-{c:05d}.safetensors"
-        if path.is_file():
-            continue
-        tensors = {}
-        start = 0
-        while start < len(members):  # members grow in length, so the last of a batch is its longest
-            size = 1
-            while (start + size < len(members)
-                   and (size + 1) * len(records[members[start + size]].input_ids) <= batch_tokens):
-                size += 1
-            batch = members[start : start + size]
-            ids, mask = collate([records[i] for i in batch], 0, backbone.device)
-            hidden = backbone.hidden_states(ids, mask).to(torch.bfloat16).cpu()
-            for row, i in enumerate(batch):
-                tensors[str(i)] = hidden[row, : len(records[i].input_ids)].contiguous()
-            start += len(batch)
-        tmp = directory / f".{path.name}.tmp"
-        save_file(tensors, str(tmp))
-        os.replace(tmp, path)  # atomic: a killed run leaves no half chunk
-    (directory / "done").write_text(f"{len(records)}\n")
-
-
-def _load_block(directory: Path, size: int) -> list[torch.Tensor]:
-    hidden: list[torch.Tensor | None] = [None] * size
-    for path in sorted(directory.glob("chunk-*.safetensors")):
-        try:
-            tensors = load_file(str(path))
-        except (SafetensorError, OSError) as error:
-            raise RuntimeError(f"{path}: unreadable cache chunk ({error}); delete it and run again") from error
-        for key, value in tensors.items():
-            hidden[int(key)] = value
-    if any(h is None for h in hidden):
-        raise RuntimeError(f"{directory}: cache block is incomplete; delete it and run again")
-    return hidden  # type: ignore[return-value]
-
-
 def _max_length(backbone_dir: Path) -> int:
     config = read_json(backbone_dir / "config.json")
     return int((config.get("text_config") or config).get("max_position_embeddings", 16384))
-
-
-def question_loss(logits: torch.Tensor, gold: torch.Tensor, smoothing: float, brier_weight: float
-                  ) -> torch.Tensor:
-    """Mean over questions of label-smoothed CE + Brier; ``logits`` ``[Q, K]`` with ``-inf`` padding.
-
-    Questions whose gold index is ``-1`` (no label) are left out; with none labelled the loss is 0.
-    """
-    labelled = gold >= 0
-    if not bool(labelled.all()):
-        if not bool(labelled.any()):
-            return logits.new_zeros(())
-        logits, gold = logits[labelled], gold[labelled]
-    valid = torch.isfinite(logits)
-    log_p = torch.log_softmax(logits, dim=-1).masked_fill(~valid, 0.0)
-    count = valid.sum(-1)
-    nll = -log_p.gather(1, gold[:, None]).squeeze(1)
-    uniform = -log_p.sum(-1) / count
-    ce = (1 - smoothing) * nll + smoothing * uniform
-    target = F.one_hot(gold, logits.shape[1]).to(logits.dtype)
-    brier = ((log_p.exp() * valid - target) ** 2).sum(-1)
-    return (ce + brier_weight * brier).mean()
 
 
 def _batch(items: Sequence[int], encoded, hidden, gold, embedding: torch.Tensor):
@@ -217,18 +110,6 @@ def _batch(items: Sequence[int], encoded, hidden, gold, embedding: torch.Tensor)
     lexical = embedding.index_select(0, layout.option_token_ids)
     target = torch.tensor([g for i in items for g in gold[i]], device=device)
     return states.to(device), mask.to(device), lexical, layout, target
-
-
-def twin_loss(logits: torch.Tensor, rows: Sequence[tuple[int, int]]) -> torch.Tensor:
-    """Mean symmetric KL between the option distributions of twin question rows (``-inf`` padding ignored)."""
-    if not rows:
-        return logits.new_zeros(())
-    first = logits[[a for a, _ in rows]]
-    second = logits[[b for _, b in rows]]
-    valid = torch.isfinite(first)
-    log_p = torch.log_softmax(first, -1).masked_fill(~valid, 0.0)
-    log_q = torch.log_softmax(second, -1).masked_fill(~valid, 0.0)
-    return (0.5 * (log_p.exp() - log_q.exp()) * (log_p - log_q)).sum(-1).mean()
 
 
 def _twin_rows(items: Sequence[int], encoded, twins_of: dict[int, tuple[int, dict[str, str]]]
@@ -271,6 +152,44 @@ def _units_to_batches(units: Sequence[tuple[int, ...]], batch_records: int,
     return batches
 
 
+@contextlib.contextmanager
+def flush_denormals():
+    """Denormal floats flushed to zero while the block runs (CPU). Denormals are below 1.2e-38, so no result
+    changes, but x86 handles them in microcode: a step of the packaged head took 3.9 s instead of 1.3 s."""
+    torch.set_flush_denormal(True)
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(False)
+
+
+def _splicer(backbone_dir: Path, tokenizer: ReleaseTokenizer, examples: Sequence[Example], encoded, hidden,
+             states: Mapping[str, Sequence[tuple[str, Any]]] | None, val: Sequence[tuple[int, ...]], cache: Path,
+             device: str, config: TrainConfig) -> Splicer | None:
+    """The epoch's source of spliced records: donors are the training (not validation) records with label rules;
+    the rows of validation records are taken out of ``states``, so no validation state is trained on."""
+    if not config.spliced:
+        return None
+    if not states:
+        raise ValueError(f"spliced={config.spliced} needs the rows to draw states from (states={{source: rows}})")
+    held_out = {i for unit in val for i in unit}
+    held_texts = {examples[i].request["state"] for i in held_out if i < len(examples)}
+    bank = cache_state_bank(backbone_dir, tokenizer, states, cache, device)  # all rows: one cache for every split
+    keep = {source: [n for n, row in enumerate(rows) if row[0] not in held_texts] for source, rows in states.items()}
+    pools = {source: [states[source][n] for n in kept] for source, kept in keep.items()}
+    bank = {source: [bank[source][n] for n in kept] for source, kept in keep.items()}
+    donors = [(i, e) for i, e in enumerate(examples) if i not in held_out and getattr(e, "rules", None)]
+    return Splicer(tokenizer, _max_length(backbone_dir), donors, encoded, hidden, pools, bank, _gold_index)
+
+
+def _parameter_groups(head: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices only: decaying norms, biases and the logit scales pulls them towards 0 for no
+    regularising gain (the scales at 0 mean logits within ±1)."""
+    matrices = [p for p in head.parameters() if p.ndim >= 2]
+    others = [p for p in head.parameters() if p.ndim < 2]
+    return [{"params": matrices, "weight_decay": weight_decay}, {"params": others, "weight_decay": 0.0}]
+
+
 def _warmup_cosine(total: int, warmup_fraction: float = 0.05):
     """Linear warm-up over the first 5% of steps, then cosine decay to zero."""
     warmup = max(1, int(total * warmup_fraction))
@@ -285,7 +204,8 @@ def _warmup_cosine(total: int, warmup_fraction: float = 0.05):
 
 def train(backbone_dir: Path, examples: Sequence[Example], out: Path, *, work: Path,
           config: TrainConfig = TrainConfig(), validation: float = 0.05, device: str = "cpu",
-          twins: Sequence[Twin] = (), cache: Path | None = None, init: Path | None = None) -> dict:
+          twins: Sequence[Twin] = (), cache: Path | None = None, init: Path | None = None,
+          states: Mapping[str, Sequence[tuple[str, Any]]] | None = None) -> dict:
     """Cache hidden states, train the head, write it to ``out``; returns the training log.
 
     ``init`` fine-tunes an existing head (a directory with ``joint_head.*``, e.g. the packaged demo head): its
@@ -295,6 +215,10 @@ def train(backbone_dir: Path, examples: Sequence[Example], out: Path, *, work: P
 
     ``twins`` add a consistency term (``config.consistency_weight`` × symmetric KL between twin questions) on top
     of the supervised loss of their labelled questions.
+
+    With ``config.spliced``, every epoch also draws that many spliced records (:mod:`.splicing`): the questions of
+    an exact record that carries label rules, asked of the state of another row of its source in ``states``
+    (``{source: [(text, gold), ...]}``; the rows of validation records are left out).
     """
     from clef_local.backends.torch_backend import TorchBackbone
 
@@ -306,7 +230,8 @@ def train(backbone_dir: Path, examples: Sequence[Example], out: Path, *, work: P
     pairs = encode_examples(tokenizer, records, _max_length(backbone_dir))
     encoded = [e for e, _ in pairs]
     gold = [g for _, g in pairs]
-    hidden = cache_hidden_states(backbone_dir, encoded, cache or work / "hidden", device=device)
+    cache = cache or work / "hidden"
+    hidden = cache_hidden_states(backbone_dir, encoded, cache, device=device)
     embedding = TorchBackbone(backbone_dir, backbone_config, device=device,
                               dtype=torch.float32).output_embedding.detach()
     twins_of = {len(examples) + 2 * t: (len(examples) + 2 * t + 1, twin.same) for t, twin in enumerate(twins)}
@@ -323,14 +248,19 @@ def train(backbone_dir: Path, examples: Sequence[Example], out: Path, *, work: P
     head = JointSchemaHead(head_config).to(device)
     if init is not None:
         head.load_state_dict(load_file(str(init / "joint_head.safetensors"), device=str(device)))
-    optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    else:
+        with torch.no_grad():
+            head.joint_logit_scale.fill_(config.joint_scale_init)
+    optimizer = torch.optim.AdamW(_parameter_groups(head, config.weight_decay), lr=config.lr)
     rng = random.Random(config.seed)
     units: list[tuple[int, ...]] = [(i,) for i in range(len(examples))] + [(i, j) for i, (j, _) in twins_of.items()]
     rng.shuffle(units)
     n_val = int(len(units) * validation)
     val, fit = units[:n_val], units[n_val:]
     lengths = [len(e.input_ids) for e in encoded]
-    steps_per_epoch = len(_units_to_batches(fit, config.batch_records, lengths))
+    splicer = _splicer(backbone_dir, tokenizer, examples, encoded, hidden, states, val, cache, device, config)
+    steps_per_epoch = (len(_units_to_batches(fit, config.batch_records, lengths))
+                       + math.ceil(config.spliced / config.batch_records))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_cosine(config.epochs * steps_per_epoch))
     work.mkdir(parents=True, exist_ok=True)
     checkpoint = work / "checkpoint.pt"
@@ -343,32 +273,45 @@ def train(backbone_dir: Path, examples: Sequence[Example], out: Path, *, work: P
         scheduler.load_state_dict(state["scheduler"])
         first_epoch, history = state["epoch"], state["history"]
         log.info("resuming at epoch %d", first_epoch + 1)
-    for epoch in range(first_epoch, config.epochs):
-        head.train()
-        order = fit[:]
-        random.Random(config.seed * 1000 + epoch).shuffle(order)
-        total = 0.0
-        batches = _units_to_batches(order, config.batch_records, lengths)
-        for items in tqdm(batches, desc=f"epoch {epoch + 1}/{config.epochs}"):
-            states, mask, lexical, layout, target = _batch(items, encoded, hidden, gold, embedding)
-            logits = head(states, mask, lexical, layout)
-            loss = question_loss(logits, target, config.label_smoothing, config.brier_weight)
-            if twins_of:
-                loss = loss + config.consistency_weight * twin_loss(logits, _twin_rows(items, encoded, twins_of))
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-            optimizer.step()
-            scheduler.step()
-            total += loss.item()
-        metrics = {"epoch": epoch + 1, "train_loss": total / len(batches),
-                   **evaluate(head, val, encoded, hidden, gold, embedding, config, twins_of)}
-        history.append(metrics)
-        log.info("epoch %d: %s", epoch + 1, metrics)
-        tmp = work / "checkpoint.pt.tmp"
-        torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(), "epoch": epoch + 1, "history": history}, tmp)
-        os.replace(tmp, checkpoint)
+    evidence = StateAttention(head) if config.state_attention_weight > 0 else None
+    with flush_denormals():  # trained heads and Adam's moments hold denormals: 1.1-2.9x slower steps
+        for epoch in range(first_epoch, config.epochs):
+            head.train()
+            spliced = splicer.draw(config.spliced, random.Random(config.seed * 1000 + epoch + 1)) if splicer else None
+            epoch_encoded = [*encoded, *(spliced.encoded if spliced else ())]
+            epoch_gold = [*gold, *(spliced.gold if spliced else ())]
+            epoch_hidden = EpochHidden(hidden, splicer, spliced)
+            order = fit + [(i,) for i in range(len(encoded), len(epoch_encoded))]
+            random.Random(config.seed * 1000 + epoch).shuffle(order)
+            total = 0.0
+            batches = _units_to_batches(order, config.batch_records, [len(e.input_ids) for e in epoch_encoded])
+            for items in tqdm(batches, desc=f"epoch {epoch + 1}/{config.epochs}"):
+                states, mask, lexical, layout, target = _batch(items, epoch_encoded, epoch_hidden, epoch_gold,
+                                                               embedding)
+                if evidence is not None:
+                    evidence.state_mask = state_mask([epoch_encoded[i] for i in items], states.shape[1]).to(device)
+                logits = head(states, mask, lexical, layout)
+                loss = question_loss(logits, target, config.label_smoothing, config.brier_weight)
+                if evidence is not None:
+                    loss = loss + config.state_attention_weight * evidence.loss()
+                if twins_of:
+                    loss = loss + config.consistency_weight * twin_loss(logits, _twin_rows(items, encoded, twins_of))
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+                optimizer.step()
+                scheduler.step()
+                total += loss.item()
+            metrics = {"epoch": epoch + 1, "train_loss": total / len(batches),
+                       **evaluate(head, val, encoded, hidden, gold, embedding, config, twins_of)}
+            history.append(metrics)
+            log.info("epoch %d: %s", epoch + 1, metrics)
+            tmp = work / "checkpoint.pt.tmp"
+            torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(),
+                        "scheduler": scheduler.state_dict(), "epoch": epoch + 1, "history": history}, tmp)
+            os.replace(tmp, checkpoint)
+    if evidence is not None:
+        evidence.remove()
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()},
               str(out / "joint_head.safetensors"))
@@ -433,33 +376,50 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hard-negatives", type=float, default=0.5, metavar="SHARE",
                         help="share of BANKING77 choice questions whose distractors are the gold intent's nearest "
                              "intents (demo data; default 0.5; 0 = random subsets, as the shipped head was trained)")
+    parser.add_argument("--spliced", type=int, default=TrainConfig.spliced, metavar="N",
+                        help="spliced records per epoch: a training record's questions asked of another row's state, "
+                             "for the cost of a state-only pass (demo data; default %(default)s)")
+    parser.add_argument("--state-attention-weight", type=float, default=TrainConfig.state_attention_weight,
+                        help="weight of -log(cross-attention mass on the state's tokens) (default %(default)s)")
+    parser.add_argument("--full-choice", type=float, default=FULL_CHOICE, metavar="SHARE",
+                        help="share of BANKING77 choice questions over all 77 intents, the evaluation's question "
+                             f"(demo data; default {FULL_CHOICE})")
     parser.add_argument("--init", type=Path, metavar="HEAD_DIR",
                         help="fine-tune this head (joint_head.* in HEAD_DIR, e.g. clef_local/demo_model) instead of "
                              "a fresh one; its architecture overrides --width and the layer counts")
     args = parser.parse_args(argv)
     twins: list[Twin] = []
+    states = None
     if args.data == "demo":
-        from clef_local.export.demo_data import training_examples, twin_records
+        from clef_local.export.demo_data import splice_states, training_examples, twin_records
 
-        if not 0 <= args.hard_negatives <= 1:
-            parser.error(f"--hard-negatives is a share between 0 and 1, got {args.hard_negatives}")
-        examples = training_examples(args.banking77, args.nlupp, hard=args.hard_negatives)
+        for flag, share in (("--hard-negatives", args.hard_negatives), ("--full-choice", args.full_choice)):
+            if not 0 <= share <= 1:
+                parser.error(f"{flag} is a share between 0 and 1, got {share}")
+        examples = training_examples(args.banking77, args.nlupp, hard=args.hard_negatives,
+                                     full_share=args.full_choice)
         twins = twin_records(args.twins)
+        states = splice_states() if args.spliced else None
     else:
         examples = [Example(str(n), row["request"], row["labels"]) for n, row in
                     enumerate(json.loads(line) for line in Path(args.data).read_text().splitlines() if line.strip())]
     work = args.work or args.out.with_name(args.out.name + ".work")
     config = TrainConfig(epochs=args.epochs, lr=args.lr, width=args.width, routing_layers=args.routing_layers,
                          layers=args.layers, heads=args.heads, feedforward=args.feedforward,
-                         batch_records=args.batch_records, consistency_weight=args.consistency_weight)
+                         batch_records=args.batch_records, consistency_weight=args.consistency_weight,
+                         spliced=args.spliced, state_attention_weight=args.state_attention_weight)
     if args.cache_only:
         tokenizer = ReleaseTokenizer(args.backbone)
         records = [*examples, *(e for twin in twins for e in (twin.first, twin.second))]
         encoded = [e for e, _ in encode_examples(tokenizer, records, _max_length(args.backbone))]
         cache_hidden_states(args.backbone, encoded, work / "hidden", device=args.device)
+        if states:
+            cache_state_bank(args.backbone, tokenizer, states, work / "hidden", args.device)
         print(f"cached {len(encoded)} records under {work / 'hidden'}")
         return 0
+    if args.spliced and states is None:
+        parser.error("--spliced needs the demo data (--data demo): a JSONL file carries no label rules")
     result = train(args.backbone, examples, args.out, work=work, config=config, device=args.device, twins=twins,
-                   init=args.init)
+                   init=args.init, states=states)
     print(json.dumps(result["history"][-1] if result["history"] else {}, indent=2))
     return 0

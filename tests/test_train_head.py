@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,15 +13,10 @@ import torch
 
 import clef_local
 from clef_local.export.demo_data import intent_neighbours, training_examples, twin_records
-from clef_local.export.train_head import (
-    TrainConfig,
-    _twin_rows,
-    cache_hidden_states,
-    encode_examples,
-    question_loss,
-    train,
-    twin_loss,
-)
+from clef_local.export.head_losses import StateAttention, question_loss, state_mask, twin_loss
+from clef_local.export.hidden_cache import _block_name, cache_dtype, cache_hidden_states
+from clef_local.export.train_head import TrainConfig, _batch, _twin_rows, encode_examples, train
+from clef_local.head import HeadConfig, JointSchemaHead
 from clef_local.tokenizer import ReleaseTokenizer
 
 SMALL = TrainConfig(width=32, heads=4, feedforward=64, epochs=2, batch_records=8)
@@ -107,6 +103,60 @@ def test_cache_blocks_are_reused_and_a_bad_chunk_is_named(tiny_llama: Path, tmp_
     bad.write_bytes(bad.read_bytes()[:20])
     with pytest.raises(RuntimeError, match=bad.name):
         cache_hidden_states(tiny_llama, encoded, cache, block_records=2)
+
+
+def test_cache_computes_in_bf16_where_it_is_fast_and_names_blocks_by_dtype(tiny_llama: Path, monkeypatch):
+    from clef_local import hardware
+
+    assert cache_dtype("cuda") == torch.bfloat16
+    for fast, expected in ((True, torch.bfloat16), (False, torch.float32)):
+        cpu = hardware.detect_cpu()
+        monkeypatch.setattr(hardware, "detect_cpu", lambda cpu=cpu, fast=fast: replace(cpu, fast_bf16=fast))
+        assert cache_dtype("cpu") == expected
+    tokenizer = ReleaseTokenizer(tiny_llama)
+    block = [e for e, _ in encode_examples(tokenizer, training_examples(banking77=2, nlupp=0, seed=2), 4096)]
+    # float32 keeps the names older caches were written under; BF16 states are never mistaken for them
+    assert _block_name(block) == _block_name(block, torch.float32) != _block_name(block, torch.bfloat16)
+
+
+def test_state_attention_is_the_modules_own_attention_mass_on_the_state(tiny_llama: Path):
+    tokenizer = ReleaseTokenizer(tiny_llama)
+    pairs = encode_examples(tokenizer, training_examples(banking77=3, nlupp=1, seed=4), 4096)
+    encoded, gold = [e for e, _ in pairs], [g for _, g in pairs]
+    for record, example in zip(encoded, training_examples(banking77=3, nlupp=1, seed=4), strict=True):
+        state = tokenizer.encode_pieces([example.request["state"]])[0]
+        assert list(record.input_ids[record.state_start : record.state_start + record.state_tokens]) == state
+    torch.manual_seed(0)
+    hidden = [torch.randn(len(e.input_ids), 64) for e in encoded]
+    embedding = torch.randn(tokenizer.vocab_size, 64)
+    head = JointSchemaHead(HeadConfig(
+        hidden_size=64, width=32, routing_layers=1, layers=2, heads=4, feedforward=64)).train()
+    states, mask, lexical, layout, _ = _batch(list(range(4)), encoded, hidden, gold, embedding)
+    masses = []  # what each cross-attention module itself computes, averaged over heads, per query
+
+    def own_weights(module, args, kwargs, output):
+        if kwargs.get("need_weights"):
+            return  # the call below, re-entering the hooks
+        _, weights = module(args[0], args[1], args[2], key_padding_mask=kwargs.get("key_padding_mask"),
+                            need_weights=True, average_attn_weights=True)
+        masses.append(weights)
+
+    modules = [head.evidence_layers[0].attention, head.layers[0].multihead_attn, head.layers[1].multihead_attn]
+    evidence = StateAttention(head)
+    handles = [m.register_forward_hook(own_weights, with_kwargs=True) for m in modules]
+    evidence.state_mask = state_mask(encoded, states.shape[1])
+    head(states, mask, lexical, layout)
+    for handle in handles:
+        handle.remove()
+    evidence.terms = evidence.terms[0::2]  # the first of each pair: the head's own call (then the re-entry)
+    expected = torch.stack([-torch.log((w * evidence.state_mask[:, None, :]).sum(-1)).mean() for w in masses]).mean()
+    assert float(evidence.loss().detach()) == pytest.approx(float(expected.detach()), rel=1e-5)
+    evidence.state_mask = mask.bool()  # every real token counts as state: all mass is there, the term is 0
+    head(states, mask, lexical, layout)
+    assert float(evidence.loss().detach()) == pytest.approx(0.0, abs=1e-5)
+    evidence.remove()
+    head(states, mask, lexical, layout)
+    assert evidence.terms == []
 
 
 def test_unlabelled_questions_are_left_out_of_the_loss():

@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 
 import clef_local
 from clef_local.datasets import Example, banking77_examples, banking77_intents, evenly, nlupp_examples
-from clef_local.export.demo_data import training_examples, twin_records
+from clef_local.export.demo_data import splice_states, training_examples, twin_records
 from clef_local.export.hidden_cache import cache_hidden_states
 from clef_local.export.train_head import TrainConfig, _batch, _max_length, encode_examples, train
 from clef_local.head import JointSchemaHead
@@ -153,7 +153,8 @@ def main() -> None:
         examples = training_examples(data["banking77"], data["nlupp"], hard=data["hard"] / 100,
                                      max_options=data["max_options"] or None, full_share=data["full"] / 100)
         log = train(backbone, examples, args.out / name, work=args.out / name, config=config,
-                    twins=twin_records(data["twins"]), cache=args.cache, init=args.init)
+                    twins=twin_records(data["twins"]), cache=args.cache, init=args.init,
+                    states=splice_states() if config.spliced else None)
         results[name] = {**data, **log["history"][-1], **held_out.score(_load_head(args.out / name), embedding)}
         print(json.dumps({name: results[name]}, indent=1), flush=True)
     columns = ["b77_accuracy", "b77_macro_f1", "b77_ece", "nlupp_macro_f1", "rename ids mean", "reorder questions mean",

@@ -379,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spliced", type=int, default=TrainConfig.spliced, metavar="N",
                         help="spliced records per epoch: a training record's questions asked of another row's state, "
                              "for the cost of a state-only pass (demo data; default %(default)s)")
+    parser.add_argument("--joint-scale-init", type=float, default=TrainConfig.joint_scale_init,
+                        help="a fresh head's log cosine temperature (default %(default)s; 2.3 = x10, see TrainConfig)")
     parser.add_argument("--state-attention-weight", type=float, default=TrainConfig.state_attention_weight,
                         help="weight of -log(cross-attention mass on the state's tokens) (default %(default)s)")
     parser.add_argument("--full-choice", type=float, default=FULL_CHOICE, metavar="SHARE",
@@ -407,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     config = TrainConfig(epochs=args.epochs, lr=args.lr, width=args.width, routing_layers=args.routing_layers,
                          layers=args.layers, heads=args.heads, feedforward=args.feedforward,
                          batch_records=args.batch_records, consistency_weight=args.consistency_weight,
-                         spliced=args.spliced, state_attention_weight=args.state_attention_weight)
+                         spliced=args.spliced, state_attention_weight=args.state_attention_weight,
+                         joint_scale_init=args.joint_scale_init)
     if args.cache_only:
         tokenizer = ReleaseTokenizer(args.backbone)
         records = [*examples, *(e for twin in twins for e in (twin.first, twin.second))]

@@ -230,3 +230,45 @@ def test_train_head_refuses_a_hard_negative_share_outside_0_1(tmp_path: Path, ca
         main(["--backbone", str(tmp_path), "--out", str(tmp_path / "out"), "--hard-negatives", "50"])
     assert exit_info.value.code == 2 and "between 0 and 1, got 50" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_weight_decay_shrinks_matrices_only():
+    from clef_local.export.train_head import _parameter_groups
+
+    head = JointSchemaHead(HeadConfig(hidden_size=16, width=16, routing_layers=1, layers=1, heads=2, feedforward=32))
+    with torch.no_grad():
+        for p in head.parameters():
+            p.fill_(1.0)
+    optimizer = torch.optim.AdamW(_parameter_groups(head, 0.1), lr=0.5)
+    for p in head.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()  # zero gradients: only decoupled weight decay moves a parameter, by lr·wd
+    for name, p in head.named_parameters():
+        want = 1.0 - 0.5 * 0.1 if p.ndim >= 2 else 1.0
+        assert torch.allclose(p, torch.full_like(p, want)), name
+    assert head.joint_logit_scale.ndim < 2
+
+
+def test_a_fresh_head_starts_at_the_configured_cosine_temperature(tiny_llama: Path, tmp_path: Path):
+    from safetensors.torch import load_file
+
+    examples = training_examples(banking77=8, nlupp=4, seed=1)
+    still = replace(SMALL, epochs=1, lr=0.0, joint_scale_init=2.3)  # lr 0: the saved head is the initial one
+    train(tiny_llama, examples, tmp_path / "head", work=tmp_path / "work", config=still)
+    saved = load_file(str(tmp_path / "head" / "joint_head.safetensors"))
+    assert float(saved["joint_logit_scale"]) == pytest.approx(2.3)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--full-choice", "1.5"], "--full-choice is a share between 0 and 1, got 1.5"),
+    (["--data", "requests.jsonl", "--spliced", "8"], "--spliced needs the demo data"),
+])
+def test_train_head_refuses_options_it_cannot_honour(tmp_path: Path, capsys, argv: list[str], message: str):
+    from clef_local.export.train_head import main
+
+    (tmp_path / "requests.jsonl").write_text(json.dumps({"request": {"state": "x", "questions": {}}, "labels": {}}))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--backbone", str(tmp_path), "--out", str(tmp_path / "out"),
+              *[str(tmp_path / a) if a.endswith(".jsonl") else a for a in argv]])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

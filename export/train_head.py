@@ -295,7 +295,8 @@ def train(backbone_dir: Path, examples: Sequence[Example], out: Path, *, work: P
                 if evidence is not None:
                     loss = loss + config.state_attention_weight * evidence.loss()
                 if twins_of:
-                    loss = loss + config.consistency_weight * twin_loss(logits, _twin_rows(items, encoded, twins_of))
+                    pairs = _twin_rows(items, epoch_encoded, twins_of)  # spliced records have no twins
+                    loss = loss + config.consistency_weight * twin_loss(logits, pairs)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from clef_local.export import hidden_cache
-from clef_local.export.demo_data import Rule, splice_states, training_examples
+from clef_local.export.demo_data import Rule, splice_states, training_examples, twin_records
 from clef_local.export.hidden_cache import cache_hidden_states
 from clef_local.export.splicing import EpochHidden, Splicer, cache_state_bank, state_records
 from clef_local.export.train_head import TrainConfig, _gold_index, encode_examples, train
@@ -104,3 +104,15 @@ def test_training_with_spliced_records_keeps_validation_states_out(tiny_llama: P
     val_states = {examples[i].request["state"] for i in range(len(examples))} - {
         text for rows in seen.values() for text, _ in rows}
     assert len(val_states) == log["validation"]  # exactly the validation records' states were left out
+
+
+def test_spliced_records_train_beside_twins(tiny_llama: Path, tmp_path: Path, float32_cache):
+    # Spliced records sit after the exact ones and twins in an epoch's index space; the twin term must look them
+    # up there (it once indexed the exact records only and failed on the first mixed batch).
+    examples = training_examples(banking77=12, nlupp=6, seed=5)
+    states = {source: rows[:40] for source, rows in splice_states().items()}
+    config = TrainConfig(width=32, heads=4, feedforward=64, epochs=1, batch_records=16, spliced=24)
+    log = train(tiny_llama, examples, tmp_path / "head", work=tmp_path / "work", config=config, states=states,
+                twins=twin_records(16, seed=2), validation=0.3)
+    last = log["history"][-1]
+    assert log["twins"] == 16 and 0.0 <= last["val_twin_mean_dp"] <= last["val_twin_max_dp"] <= 1.0

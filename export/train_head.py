@@ -404,6 +404,8 @@ def main(argv: list[str] | None = None) -> int:
         twins = twin_records(args.twins)
         states = splice_states() if args.spliced else None
     else:
+        if args.spliced:
+            parser.error("--spliced needs the demo data (--data demo): a JSONL file carries no label rules")
         examples = [Example(str(n), row["request"], row["labels"]) for n, row in
                     enumerate(json.loads(line) for line in Path(args.data).read_text().splitlines() if line.strip())]
     work = args.work or args.out.with_name(args.out.name + ".work")
@@ -421,8 +423,6 @@ def main(argv: list[str] | None = None) -> int:
             cache_state_bank(args.backbone, tokenizer, states, work / "hidden", args.device)
         print(f"cached {len(encoded)} records under {work / 'hidden'}")
         return 0
-    if args.spliced and states is None:
-        parser.error("--spliced needs the demo data (--data demo): a JSONL file carries no label rules")
     result = train(args.backbone, examples, args.out, work=work, config=config, device=args.device, twins=twins,
                    init=args.init, states=states)
     print(json.dumps(result["history"][-1] if result["history"] else {}, indent=2))

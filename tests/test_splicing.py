@@ -29,10 +29,11 @@ def test_rules_relabel_a_question_for_another_state():
     assert Rule("is", ("card_arrival",)).label("top_up_failed") is False
     assert Rule("has", ("refund",)).label(frozenset({"refund", "card"})) is True
     assert Rule("count", ("a", "b", "c")).label(frozenset({"a", "c", "z"})) == 2
+    states = splice_states()
     for example in training_examples(banking77=30, nlupp=30, seed=5):
         # every labelled question has a rule, and the rule gives back the example's own label from its own gold
         assert set(example.rules) == set(example.labels)
-        row = next(r for r in splice_states()[example.source] if r[0] == example.request["state"])
+        row = next(r for r in states[example.source] if r[0] == example.request["state"])
         assert example.relabel(row[1]) == example.labels
 
 

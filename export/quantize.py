@@ -57,6 +57,20 @@ INDEX = "model.safetensors.index.json"
 VALIDATION = "validation.json"
 
 
+def _check_options(scheme: Scheme, int4_grid: str | None) -> dict[str, Any]:
+    """The scheme's options: int4's grid rule (default ``mse``); refused for the other schemes."""
+    from clef_local.quant import int4
+
+    if scheme.name != "int4":
+        if int4_grid is not None:
+            raise ExportError(f"--int4-grid applies to int4 only, not {scheme.name}; drop it")
+        return {}
+    grid = int4_grid or int4.DEFAULT_GRID
+    if grid not in int4.GRIDS:
+        raise ExportError(f"--int4-grid must be one of {', '.join(int4.GRIDS)}, not {grid!r}")
+    return {"grid": grid}
+
+
 def _check_group(scheme: Scheme, group_size: int | None) -> int | None:
     from clef_local.quant import int4
 
@@ -99,16 +113,17 @@ def _linear_modules(source: Path, names: list[str], config: dict[str, Any]) -> l
     return linear
 
 
-def quantize_tensor(scheme: Scheme, weight: torch.Tensor, group: int | None) -> dict[str, torch.Tensor]:
-    """``scheme.quantize(weight, group)``, in row blocks of ~:data:`CHUNK_ELEMENTS` for the per-row schemes
+def quantize_tensor(scheme: Scheme, weight: torch.Tensor, group: int | None, **options: Any
+                    ) -> dict[str, torch.Tensor]:
+    """``scheme.quantize(weight, group, **options)``, in row blocks of ~:data:`CHUNK_ELEMENTS` for the per-row schemes
     (int4 groups run along a row, int8/fp8 scale each row: the blocks' outputs concatenate to the same tensors);
     nf4 (blocks over the flattened weight, one serialized state) in one call."""
     import torch
 
     rows = max(1, CHUNK_ELEMENTS // max(1, weight.shape[-1]))
     if scheme.name not in ROW_WISE or weight.dim() != 2 or weight.shape[0] <= rows:
-        return scheme.quantize(weight, group)
-    parts = [scheme.quantize(weight[i : i + rows], group) for i in range(0, weight.shape[0], rows)]
+        return scheme.quantize(weight, group, **options)
+    parts = [scheme.quantize(weight[i : i + rows], group, **options) for i in range(0, weight.shape[0], rows)]
     return {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
 
 
@@ -137,7 +152,7 @@ def release_memory() -> None:
 
 
 def _quantize_shards(source: Path, tmp: Path, shards: list[str], scheme: Scheme,
-                     group: int | None) -> dict[str, Any]:
+                     group: int | None, options: dict[str, Any]) -> dict[str, Any]:
     """Stream every source shard into the same-named output shard; return what was quantized and the sizes."""
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -166,7 +181,7 @@ def _quantize_shards(source: Path, tmp: Path, shards: list[str], scheme: Scheme,
                     if ok:
                         prefix = name.removesuffix(".weight")
                         packed = {f"{prefix}.{k}": v.contiguous()
-                                  for k, v in quantize_tensor(scheme, tensor, group).items()}
+                                  for k, v in quantize_tensor(scheme, tensor, group, **options).items()}
                         quantized.append(name)
                         params += tensor.numel()
                         sizes["linear_before"] += nbytes
@@ -196,15 +211,15 @@ def _quantize_shards(source: Path, tmp: Path, shards: list[str], scheme: Scheme,
 
 
 def _write_config(source: Path, tmp: Path, config: dict[str, Any], scheme: Scheme, group: int | None,
-                  result: dict[str, Any]) -> dict[str, Any]:
+                  result: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
     if scheme.name == "nf4":
         done = {n.removesuffix(".weight") for n in result["quantized"]}
         linear = _linear_modules(source, list(result["skipped"]), config)
         qconfig = scheme.quantization_config(group, skip_modules=[m for m in linear if m not in done])
     else:
-        qconfig = scheme.quantization_config(group)
-    qconfig["clef_local"] = {"scheme": scheme.name, "group_size": group, "quantized": len(result["quantized"]),
-                             "skipped": result["skipped"]}
+        qconfig = scheme.quantization_config(group, **options)
+    qconfig["clef_local"] = {"scheme": scheme.name, "group_size": group, **options,
+                             "quantized": len(result["quantized"]), "skipped": result["skipped"]}
     (tmp / CONFIG).write_text(json.dumps({**config, "quantization_config": qconfig}, indent=2, ensure_ascii=False)
                               + "\n", encoding="utf-8")
     return qconfig
@@ -218,7 +233,8 @@ def _write_index(source: Path, tmp: Path, result: dict[str, Any]) -> None:
 
 
 def quantize_release(source: Path, out: Path, scheme: str, group_size: int | None = None, force: bool = False,
-                     validate: bool = True, *, log_summary: bool = True) -> dict[str, Any]:
+                     validate: bool = True, *, int4_grid: str | None = None, log_summary: bool = True
+                     ) -> dict[str, Any]:
     """Write the ``scheme`` variant of the release at ``source`` to ``out``; return the summary.
 
     ``group_size``: int4 group (32/64/128, default 64) or nf4 block (default 64); none for int8/fp8. ``force``
@@ -240,6 +256,7 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
     except ValueError as exc:
         raise ExportError(str(exc)) from None
     group = _check_group(spec, group_size)
+    options = _check_options(spec, int4_grid)
     release = read_release(source)
     if release.quantization:
         raise ExportError(f"{source} is already quantized ({release.quantization.get('quant_method')}); quantize "
@@ -248,10 +265,10 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
         log.info("exporting %s → %s (%s%s) via %s", source, out, spec.name, f", group {group}" if group else "", tmp)
         source_files = file_entries(source)
         shards = [f.name for f in release.weight_files]
-        result = _quantize_shards(source, tmp, shards, spec, group)
+        result = _quantize_shards(source, tmp, shards, spec, group, options)
         if (source / INDEX).is_file():
             _write_index(source, tmp, result)
-        _write_config(source, tmp, release.config, spec, group, result)
+        _write_config(source, tmp, release.config, spec, group, result, options)
         weights = {*shards, INDEX, CONFIG, MANIFEST, VALIDATION}
         for name in list_files(source):
             if name not in weights:
@@ -274,7 +291,7 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
                        quantized=result["quantized"], skipped=result["skipped"], bytes=nbytes)
         if problems := check_files(tmp):
             raise ExportError("the written variant does not check: " + "; ".join(problems))
-    summary = {"out": str(out), "source": str(source), "scheme": spec.name, "group_size": group,
+    summary = {"out": str(out), "source": str(source), "scheme": spec.name, "group_size": group, **options,
                "bits_per_weight": bits, "quantized": len(result["quantized"]), "kept": len(result["skipped"]),
                "skipped": result["skipped"], "skipped_by_reason": dict(Counter(result["skipped"].values())),
                "bytes": nbytes, "validation": validation, "seconds": time.perf_counter() - started}
@@ -293,7 +310,8 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
     b = summary["bytes"]
     lin = b["linear_after"] / b["linear_before"] if b["linear_before"] else float("nan")
     lines = [
-        f"{summary['scheme']}{' g' + str(summary['group_size']) if summary['group_size'] else ''} → {summary['out']} "
+        f"{summary['scheme']}{' g' + str(summary['group_size']) if summary['group_size'] else ''}"
+        f"{' (' + summary['grid'] + ' grid)' if summary.get('grid') else ''} → {summary['out']} "
         f"in {summary['seconds']:.1f} s",
         f"quantized linear weights: {_mb(b['linear_before'])} → {_mb(b['linear_after'])} ({lin:.3f}×), "
         f"{summary['bits_per_weight']:.2f} bits per weight",
@@ -316,6 +334,9 @@ def build_parser() -> argparse.ArgumentParser:
     kind.add_argument("--bits", type=int, choices=sorted(BITS_TO_SCHEME), help="4 = int4, 8 = int8")
     kind.add_argument("--format", choices=["int4", "int8", "nf4", "fp8"], help="the scheme, by name")
     parser.add_argument("--group-size", type=int, help="int4 group (32, 64, 128; default 64) or nf4 block (64)")
+    parser.add_argument("--int4-grid", choices=["mse", "mlx"],
+                        help="how int4 picks each group's scale and bias: mse (default: least squared error) or mlx "
+                             "(bit-identical to mlx_lm.convert)")
     parser.add_argument("--out", type=Path, required=True, help="the variant directory to write")
     parser.add_argument("--force", action="store_true", help="replace an existing --out (once the new one is done)")
     parser.add_argument("--no-validate", action="store_true", help="skip comparing the variant with the source")
@@ -349,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     scheme = args.format or BITS_TO_SCHEME[args.bits]
     try:
         summary = quantize_release(args.model, args.out, scheme, args.group_size, force=args.force,
-                                   validate=not args.no_validate, log_summary=False)
+                                   validate=not args.no_validate, int4_grid=args.int4_grid, log_summary=False)
     except ClefError as exc:  # refusals and bad sources: 2; a variant that fails validation: 1
         print(f"error: {exc}", file=sys.stderr)
         return 1 if isinstance(exc, ValidationFailed) else 2

@@ -15,8 +15,9 @@ from . import fp8, int4, int8, nf4
 class Scheme:
     """One quantization scheme with a uniform signature.
 
-    ``quantize(weight, group_size)`` -> tensors; ``dequantize(tensors, group_size, dtype)`` -> weight;
-    ``bits_per_weight(group_size)``; ``quantization_config(group_size, **options)`` -> the config.json dict.
+    ``quantize(weight, group_size, **options)`` -> tensors (int4's option: ``grid``, see :mod:`.int4`);
+    ``dequantize(tensors, group_size, dtype)`` -> weight; ``bits_per_weight(group_size)``;
+    ``quantization_config(group_size, **options)`` -> the config.json dict (the same options).
     ``default_group_size`` is None where the scheme has no groups (int8, fp8: one scale per row); for nf4 it is the
     bitsandbytes block size, over the flattened weight. ``needs_divisible_input`` says whether the predicate must
     check ``in % group_size`` (only int4 groups run along the input dimension).
@@ -36,8 +37,9 @@ class Scheme:
         return (group_size or self.default_group_size) if self.needs_divisible_input else None
 
 
-def _int4_quantize(weight: torch.Tensor, group_size: int | None = None) -> dict[str, torch.Tensor]:
-    return int4.quantize(weight, group_size or int4.DEFAULT_GROUP_SIZE)
+def _int4_quantize(weight: torch.Tensor, group_size: int | None = None, grid: str = int4.DEFAULT_GRID
+                   ) -> dict[str, torch.Tensor]:
+    return int4.quantize(weight, group_size or int4.DEFAULT_GROUP_SIZE, grid)
 
 
 def _int4_dequantize(
@@ -81,7 +83,8 @@ SCHEMES: dict[str, Scheme] = {
         quantize=_int4_quantize,
         dequantize=_int4_dequantize,
         bits_per_weight=lambda group_size=None: int4.bits_per_weight(group_size or int4.DEFAULT_GROUP_SIZE),
-        quantization_config=lambda group_size=None: int4.quantization_config(group_size or int4.DEFAULT_GROUP_SIZE),
+        quantization_config=lambda group_size=None, grid=int4.DEFAULT_GRID: int4.quantization_config(
+            group_size or int4.DEFAULT_GROUP_SIZE, grid),
     ),
     "int8": Scheme(
         name="int8",

@@ -39,7 +39,9 @@ def test_config_dicts_and_group_sizes() -> None:
         "bits": 4,
         "mode": "affine",
         "layout": "mlx",
+        "grid": "mse",
     }
+    assert int4.quantization_config(64, grid="mlx")["grid"] == "mlx"
     assert quant.int4.mlx_quantization(64) == {"group_size": 64, "bits": 4, "mode": "affine"}
     assert int4.predicate_group_size() == 64 and int4.predicate_group_size(128) == 128
     assert quant.get("nf4").predicate_group_size(64) is None and quant.get("int8").predicate_group_size() is None

@@ -116,10 +116,11 @@ def test_variant_layout_and_exactness(sources, variants, backbone: str, scheme: 
         w = weight.float()
         err = (deq - w).abs()
         assert deq.shape == w.shape
-        if scheme == "int4":
-            scale = packed["scales"].float().abs().repeat_interleave(g, dim=1)
-            bias = packed["biases"].float().abs().repeat_interleave(g, dim=1)
-            assert (err <= scale * 1.00001 + 2**-8 * (bias + 15 * scale) + 1e-7).all(), name
+        if scheme == "int4":  # the mse grid (the default): per group never above MLX's own grid
+            assert qconfig["grid"] == qconfig["clef_local"]["grid"] == "mse"
+            mlx = spec.dequantize(spec.quantize(weight, g, grid="mlx"), g, torch.float32)
+            ours_sse, mlx_sse = ((r - w).square().reshape(w.shape[0], -1, g).sum(-1) for r in (deq, mlx))
+            assert (ours_sse <= mlx_sse).all(), name
         elif scheme == "int8":
             assert (err <= packed["weight_scale"] / 2 * 1.00001 + 1e-8).all(), name
         elif scheme == "fp8":
@@ -211,6 +212,10 @@ def test_refusals_force_and_source_untouched(sources, tmp_path: Path) -> None:
         quantize_release(source, tmp_path / "g", "int8", 64, validate=False)
     with pytest.raises(ExportError, match="already quantized"):
         quantize_release(out, tmp_path / "again", "int4", validate=False)
+    with pytest.raises(ExportError, match="int4-grid applies to int4 only"):
+        quantize_release(source, tmp_path / "g", "nf4", int4_grid="mlx", validate=False)
+    with pytest.raises(ExportError, match="int4-grid must be one of"):
+        quantize_release(source, tmp_path / "g", "int4", int4_grid="gptq", validate=False)
     assert hashes(source) == before and not (tmp_path / "g").exists()
 
 
@@ -222,6 +227,19 @@ def test_cli_quantize_bits_and_summary(sources, tmp_path: Path, capsys) -> None:
     assert read_manifest(out)["scheme"]["name"] == "int4"
     assert main(["--model", str(sources["llama"]), "--bits", "8", "--out", str(out), "--no-validate"]) == 2
     assert "exists" in capsys.readouterr().err
+
+
+def test_cli_int4_grid_mlx_writes_what_mx_quantize_writes(sources, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "mlx-grid"
+    assert main(["--model", str(sources["llama"]), "--bits", "4", "--int4-grid", "mlx", "--out", str(out),
+                 "--no-validate"]) == 0
+    assert "int4 g64 (mlx grid)" in capsys.readouterr().out
+    qconfig = read_release(out).quantization
+    assert qconfig["grid"] == qconfig["clef_local"]["grid"] == "mlx"
+    src, written = tensors(sources["llama"]), tensors(out)
+    for name in read_manifest(out)["quantized"]:
+        expected = quant.int4.quantize(src[name], 64, grid="mlx")
+        assert all(torch.equal(written[f"{name.removesuffix('.weight')}.{k}"], v) for k, v in expected.items())
 
 
 def test_sigkill_at_random_points_leaves_nothing_half_written(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from clef_local import quant
 from clef_local.errors import ReleaseError
-from clef_local.export.quantize import DELAY_ENV, ExportError, main, quantize_release
+from clef_local.export.quantize import DELAY_ENV, ExportError, main, quantize_release, summary_lines
 from clef_local.manifest import MANIFEST, check_files, read_manifest, verify
 from clef_local.manifest import main as verify_main
 from clef_local.quant.predicate import NOT_DIVISIBLE
@@ -340,3 +340,27 @@ def test_streaming_export_peak_rss_is_bounded_by_a_shard() -> None:
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert "ok: 9 shards" in proc.stdout or "ok: 8 shards" in proc.stdout
+
+
+def test_a_source_already_on_a_4_bit_grid_gets_the_hint(sources, tmp_path: Path) -> None:
+    """A dequantized GGUF Q4 model (the demo backbone) round-trips through int4 g32: the export says so."""
+    from safetensors.torch import save_file
+
+    from clef_local.export.quantize import already_4bit
+    from clef_local.quant.predicate import should_quantize
+
+    source = tmp_path / "q4-source"
+    shutil.copytree(sources["llama"], source)
+    for shard in source.glob("model*.safetensors"):
+        state = load_file(shard)
+        for name, tensor in state.items():
+            if should_quantize(name, tuple(tensor.shape), 32)[0]:
+                state[name] = quant.int4.dequantize(quant.int4.quantize(tensor, 32, grid="mlx"), 32)
+        save_file(state, str(shard), metadata={"format": "pt"})
+    on_grid = next(t for n, t in tensors(source).items() if should_quantize(n, tuple(t.shape), 32)[0])
+    assert already_4bit(on_grid) and not already_4bit(torch.randn(64, 256).to(torch.bfloat16))
+    summary = quantize_release(source, tmp_path / "int8", "int8", validate=False)
+    assert summary["source_4bit"] and any(line.startswith("note: ") and "--group-size 32" in line
+                                          for line in summary_lines(summary))
+    assert not quantize_release(source, tmp_path / "g32", "int4", 32, validate=False)["source_4bit"]
+    assert not quantize_release(sources["llama"], tmp_path / "plain", "int8", validate=False)["source_4bit"]

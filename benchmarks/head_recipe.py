@@ -48,7 +48,9 @@ def parse_recipe(text: str) -> tuple[str, TrainConfig, dict[str, int]]:
         if key in DATA_KEYS:
             data[key] = int(value)
         elif key in fields:
-            config[key] = float(value) if fields[key] in ("float", float) else int(value)
+            kind = fields[key]
+            config[key] = (float(value) if kind in ("float", float) else value if kind in ("str", str)
+                           else int(value))
         else:
             raise SystemExit(f"recipe {name}: unknown key {key!r}; use {sorted([*fields, *DATA_KEYS])}")
     return name, TrainConfig(**config), data

@@ -226,7 +226,8 @@ def _span_mean(values: torch.Tensor, index: torch.Tensor, offsets: torch.Tensor)
     weights = (1.0 / lengths.to(values.dtype)).repeat_interleave(lengths)
     matrix = torch.sparse_csr_tensor(offsets, index, weights, size=(lengths.shape[0], values.shape[0]),
                                      check_invariants=False)
-    return matrix @ values
+    with torch.autocast(values.device.type, enabled=False):  # no bf16 sparse matmul on CPU; means stay exact
+        return matrix @ values
 
 
 def _scatter_padded(

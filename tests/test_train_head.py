@@ -265,3 +265,52 @@ def test_train_head_refuses_options_it_cannot_honour(tmp_path: Path, capsys, arg
               *[str(tmp_path / a) if a.endswith(".jsonl") else a for a in argv]])
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_autocast_is_bf16_where_the_cache_is_and_never_for_span_means_or_gradients(tiny_llama: Path, monkeypatch):
+    from clef_local import hardware
+    from clef_local.export.train_head import autocast_dtype
+    from clef_local.head import _span_mean
+
+    assert autocast_dtype("off", "cuda") is None and autocast_dtype("bf16", "cpu") == torch.bfloat16
+    assert autocast_dtype("auto", "cuda") == torch.bfloat16
+    for fast, expected in ((True, torch.bfloat16), (False, None)):
+        cpu = hardware.detect_cpu()
+        monkeypatch.setattr(hardware, "detect_cpu", lambda cpu=cpu, fast=fast: replace(cpu, fast_bf16=fast))
+        assert autocast_dtype("auto", "cpu") == expected
+    with pytest.raises(ValueError, match="autocast must be one of"):
+        autocast_dtype("fp16", "cpu")
+
+    tokenizer = ReleaseTokenizer(tiny_llama)
+    pairs = encode_examples(tokenizer, training_examples(banking77=4, nlupp=2, seed=5), 4096)
+    encoded, gold = [e for e, _ in pairs], [g for _, g in pairs]
+    torch.manual_seed(1)
+    hidden = [torch.randn(len(e.input_ids), 64) for e in encoded]
+    states, mask, lexical, layout, target = _batch(list(range(6)), encoded, hidden, gold,
+                                                   torch.randn(tokenizer.vocab_size, 64))
+    values = torch.randn(50, 8)
+    index, offsets = torch.tensor([0, 3, 7, 9, 49]), torch.tensor([0, 2, 5])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        means = _span_mean(values, index, offsets)
+    assert means.dtype == torch.float32 and torch.equal(means, _span_mean(values, index, offsets))
+    head = JointSchemaHead(HeadConfig(hidden_size=64, width=32, routing_layers=1, layers=2, heads=4,
+                                      feedforward=64)).eval()
+    with torch.no_grad():
+        reference = torch.softmax(head(states, mask, lexical, layout), -1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = head(states, mask, lexical, layout).float()
+    assert float((torch.softmax(logits.detach(), -1) - reference).abs().max()) < 0.02
+    question_loss(logits, target, 0.05, 1.0).backward()
+    assert all(p.grad is None or p.grad.dtype == torch.float32 for p in head.parameters())
+
+
+def test_training_under_bf16_autocast_tracks_float32(tiny_llama: Path, tmp_path: Path):
+    examples = training_examples(banking77=24, nlupp=16, seed=3)
+    losses = {}
+    for setting in ("off", "bf16"):
+        result = train(tiny_llama, examples, tmp_path / setting, work=tmp_path / f"work-{setting}",
+                       config=replace(SMALL, autocast=setting), cache=tmp_path / "hidden")
+        assert result["config"]["autocast"] == setting
+        losses[setting] = [h["train_loss"] for h in result["history"]]
+    assert losses["bf16"][-1] < losses["bf16"][0]
+    assert losses["bf16"] == pytest.approx(losses["off"], rel=0.05)

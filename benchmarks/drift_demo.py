@@ -1,4 +1,4 @@
-"""Drift of the demo model's int8, fp8, int4 and nf4 variants against its BF16 reference, one HTML report.
+"""Drift of the demo model's int8, fp8, int4 (groups 64 and 32) and nf4 variants against its BF16 reference, one report.
 
     python benchmarks/drift_demo.py --out /tmp/drift-demo                         # full: 500 rows, folds 16-19
     python benchmarks/drift_demo.py --b77-rows 40 --nlupp-rows 12 --out /tmp/drift-demo   # reduced (a 2-core CPU)
@@ -19,19 +19,23 @@ from pathlib import Path
 from clef_local.data import load_dataset, parse_folds, write_jsonl
 from clef_local.defaults import default_model_path
 
-SCHEMES = ("int8", "fp8", "int4", "nf4")
+SCHEMES = ("int8", "fp8", "int4", "int4-g32", "nf4")
 
 
 def ensure_variants(reference: Path, directory: Path, schemes: list[str]) -> list[Path]:
-    """``directory/demo-<scheme>`` for each scheme, exported with ``clef-local quantize`` when missing."""
+    """``directory/demo-<scheme>`` for each scheme (``int4-g32``: int4 with ``--group-size 32``), exported with
+    ``clef-local quantize`` when missing."""
     from clef_local.export.quantize import main as quantize_main
 
     paths = []
-    for scheme in schemes:
-        out = directory / f"demo-{scheme}"
+    for spec in schemes:
+        scheme, _, group = spec.partition("-g")
+        out = directory / f"demo-{spec}"
         if not out.is_dir():
             directory.mkdir(parents=True, exist_ok=True)
-            code = quantize_main(["--model", str(reference), "--format", scheme, "--out", str(out), "--no-validate"])
+            sized = ["--group-size", group] if group else []
+            code = quantize_main(["--model", str(reference), "--format", scheme, *sized, "--out", str(out),
+                                  "--no-validate"])
             if code:
                 raise SystemExit(f"quantize {scheme} failed with exit code {code}")
         paths.append(out)
@@ -43,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reference", type=Path, help="BF16 reference (default: the demo model)")
     parser.add_argument("--variants", type=Path, default=Path.home() / ".cache" / "clef-local" / "variants",
                         help="where the demo-<scheme> variants are (made when missing)")
-    parser.add_argument("--schemes", default=",".join(SCHEMES))
+    parser.add_argument("--schemes", default=",".join(SCHEMES), help="comma-separated; int4-g32 = int4 group 32")
     parser.add_argument("--b77-rows", type=int, default=500, help="BANKING77 test rows from 0 (default 500)")
     parser.add_argument("--folds", default="16-19", help="NLU++ banking folds (default 16-19)")
     parser.add_argument("--nlupp-rows", type=int, help="first N utterances of those folds (default: all)")

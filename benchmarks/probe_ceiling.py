@@ -1,6 +1,6 @@
 """How much BANKING77 intent the frozen backbone's state features carry: a linear probe, the head's ceiling estimate.
 
-    python benchmarks/probe_ceiling.py                                   # the demo backbone, every row (CPU ~15 min)
+    python benchmarks/probe_ceiling.py                     # the demo backbone, every row (~3 min of features here)
     python benchmarks/probe_ceiling.py --train-rows 2000 --features /tmp/b77-features.npz
 
 The joint schema head sees the state only through the backbone's hidden states (its memory and the option spans

@@ -215,3 +215,23 @@ def test_tinygemm_inner_k_tiles(in_features: int, tiles: int | None) -> None:
 
 def test_tinygemm_says_why_it_does_not_apply() -> None:
     assert "CUDA" in int4.tinygemm_unsupported(torch.device("cpu"), torch.bfloat16, 64, 64, 64)
+
+
+@pytest.mark.slow
+def test_the_demo_backbone_is_already_4_bit_and_g32_gives_it_back(demo_release) -> None:
+    """The demo backbone was dequantized from GGUF Q4_1: its linear weights hold <= 16 values per 32 columns, the
+    mse grid at g32 returns them up to bf16 rounding, MLX's zero-exact grid does not (README, Quantized variants)."""
+    from safetensors import safe_open
+
+    from clef_local.export.quantize import already_4bit
+
+    with safe_open(str(demo_release / "model.safetensors"), framework="pt") as f:
+        names = [n for n in f.keys() if n.endswith(("q_proj.weight", "down_proj.weight"))][:4]  # noqa: SIM118
+        for name in names:
+            w = f.get_tensor(name)
+            groups = w.reshape(w.shape[0], -1, 32)[:64]
+            assert max(len(torch.unique(g)) for row in groups for g in row) <= 16, name
+            mse, mlx = (float((int4.dequantize(int4.quantize(w, 32, grid), 32, torch.float32) - w.float()).norm()
+                              / w.float().norm()) for grid in ("mse", "mlx"))
+            assert mse < 0.006 and mlx > 0.05, name
+            assert already_4bit(w)

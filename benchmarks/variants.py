@@ -2,6 +2,7 @@
 
     python benchmarks/variants.py --model DIR --rows 500               # exports int8, fp8, int4, nf4 beside DIR
     python benchmarks/variants.py --model DIR --variants int4=DIR-int4 # or measure existing variants
+    python benchmarks/variants.py --variants int4-g32=DIR --schemes int8 --rows 500 --dtype bfloat16
 
 BANKING77 test rows (77-way choice) through the reference and each variant: mean KL(ref‖var), flip rate, accuracy
 and ECE (15 bins) of both; then a 3-question request: median latency (of 10) and the peak RSS of a fresh process
@@ -67,11 +68,16 @@ def main() -> None:
     parser.add_argument("--variants", nargs="*", default=[], metavar="SCHEME=DIR", help="existing variants")
     parser.add_argument("--rows", type=int, default=500, help="BANKING77 test rows (issue 4: the first 500)")
     parser.add_argument("--dtype", default="auto", help="compute dtype for every model (auto: as stored)")
+    parser.add_argument("--schemes", default=",".join(SCHEMES),
+                        help="schemes exported beside the release when not given in --variants (default: all four; "
+                             "'' for none)")
     parser.add_argument("--json", type=Path, help="also write the table here")
     args = parser.parse_args()
     reference_dir = args.model or clef_local.default_model_path()
     variants = dict(v.split("=", 1) for v in args.variants)
-    for scheme in SCHEMES:
+    for scheme in filter(None, args.schemes.split(",")):
+        if scheme not in SCHEMES:
+            raise SystemExit(f"--schemes: unknown scheme {scheme!r}; use {', '.join(SCHEMES)}")
         if scheme not in variants:
             out = reference_dir.with_name(f"{reference_dir.name}-{scheme}")
             if not out.exists():

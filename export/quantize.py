@@ -1,13 +1,14 @@
 """``clef-local quantize``: write a quantized variant of a release, streaming, atomically (DESIGN §5).
 
     clef-local quantize [--model DIR] (--bits 4|8 | --format int4|int8|nf4|fp8) [--group-size N] --out DIR
-                        [--force] [--no-validate]
+                        [--int4-grid mse|mlx] [--force] [--no-validate]
 
 The variant is a release directory: every non-weight file (tokenizer, processor configs, LICENSE/NOTICE, the joint
 head, ``joint_schema_model.py``) copied byte for byte; one output shard per source shard, same names; each tensor
 that :func:`clef_local.quant.predicate.should_quantize` selects replaced by the scheme's packed tensors
 (``P.weight`` → ``P.<key>`` for each key the scheme returns), every other tensor copied unchanged; ``config.json``
-gains ``quantization_config`` (with a ``clef_local`` member: scheme, group size, counts, what was skipped and why);
+gains ``quantization_config`` (with a ``clef_local`` member: scheme, group size, int4's grid rule, counts, what was
+skipped and why);
 ``clef_local_manifest.json`` records every file's size and SHA-256, the source's hashes, the scheme and byte counts.
 
 Safety (:mod:`clef_local.export.staging`): everything is written into a temporary sibling of ``out`` that is
@@ -259,8 +260,9 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
                      ) -> dict[str, Any]:
     """Write the ``scheme`` variant of the release at ``source`` to ``out``; return the summary.
 
-    ``group_size``: int4 group (32/64/128, default 64) or nf4 block (default 64); none for int8/fp8. ``force``
-    replaces an existing ``out`` once the new variant is complete. ``validate`` compares the variant with the
+    ``group_size``: int4 group (32/64/128, default 64) or nf4 block (default 64); none for int8/fp8. ``int4_grid``:
+    how int4 picks each group's scale and bias (``mse``, the default, or ``mlx``; :mod:`clef_local.quant.int4`).
+    ``force`` replaces an existing ``out`` once the new variant is complete. ``validate`` compares the variant with the
     source on the probe set (:mod:`clef_local.export.validate`) and fails the export when a threshold is exceeded.
     ``log_summary`` logs :func:`summary_lines` at INFO (the CLI prints them instead).
     """

@@ -229,8 +229,11 @@ def already_4bit(weight: torch.Tensor) -> bool:
     if weight.dim() != 2 or weight.shape[1] % 32 or not weight.is_floating_point():
         return False
     sample = weight[:256]  # rows are independent; a few hundred decide it
+    norm = float(sample.float().norm())
+    if norm == 0:  # an all-zero block says nothing about the model
+        return False
     back = int4.dequantize(int4.quantize(sample, 32), 32, torch.float32)
-    return float((back - sample.float()).norm()) <= FOUR_BIT_TOLERANCE * float(sample.float().norm())
+    return float((back - sample.float()).norm()) <= FOUR_BIT_TOLERANCE * norm
 
 
 def _write_config(source: Path, tmp: Path, config: dict[str, Any], scheme: Scheme, group: int | None,

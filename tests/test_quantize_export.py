@@ -359,6 +359,7 @@ def test_a_source_already_on_a_4_bit_grid_gets_the_hint(sources, tmp_path: Path)
         save_file(state, str(shard), metadata={"format": "pt"})
     on_grid = next(t for n, t in tensors(source).items() if should_quantize(n, tuple(t.shape), 32)[0])
     assert already_4bit(on_grid) and not already_4bit(torch.randn(64, 256).to(torch.bfloat16))
+    assert not already_4bit(torch.zeros(8, 64)) and not already_4bit(torch.ones(8, 48))
     summary = quantize_release(source, tmp_path / "int8", "int8", validate=False)
     assert summary["source_4bit"] and any(line.startswith("note: ") and "--group-size 32" in line
                                           for line in summary_lines(summary))

@@ -239,6 +239,7 @@ def train(backbone_dir: Path, examples: Sequence[Example], out: Path, *, work: P
     """
     from clef_local.backends.torch_backend import TorchBackbone
 
+    amp = autocast_dtype(config.autocast, device)  # a bad setting fails before minutes of caching, not after
     torch.manual_seed(config.seed)
     tokenizer = ReleaseTokenizer(backbone_dir)
     backbone_config = read_json(backbone_dir / "config.json")
@@ -291,8 +292,8 @@ def train(backbone_dir: Path, examples: Sequence[Example], out: Path, *, work: P
         first_epoch, history = state["epoch"], state["history"]
         log.info("resuming at epoch %d", first_epoch + 1)
     evidence = StateAttention(head) if config.state_attention_weight > 0 else None
-    amp = autocast_dtype(config.autocast, device)
     log.info("training in %s", f"{amp} autocast (float32 weights and losses)" if amp else "float32")
+    device_type = torch.device(device).type
     with flush_denormals():  # trained heads and Adam's moments hold denormals: 1.1-2.9x slower steps
         for epoch in range(first_epoch, config.epochs):
             head.train()
@@ -309,7 +310,7 @@ def train(backbone_dir: Path, examples: Sequence[Example], out: Path, *, work: P
                                                                embedding)
                 if evidence is not None:
                     evidence.state_mask = state_mask([epoch_encoded[i] for i in items], states.shape[1]).to(device)
-                with torch.autocast(torch.device(device).type, dtype=amp or torch.float32, enabled=amp is not None):
+                with torch.autocast(device_type, dtype=amp) if amp else contextlib.nullcontext():
                     logits = head(states, mask, lexical, layout).float()
                 loss = question_loss(logits, target, config.label_smoothing, config.brier_weight)
                 if evidence is not None:

@@ -37,7 +37,7 @@ def ensure_variants(reference: Path, directory: Path, schemes: list[str]) -> lis
             code = quantize_main(["--model", str(reference), "--format", scheme, *sized, "--out", str(out),
                                   "--no-validate"])
             if code:
-                raise SystemExit(f"quantize {scheme} failed with exit code {code}")
+                raise SystemExit(f"quantize {spec} failed with exit code {code}")
         paths.append(out)
     return paths
 

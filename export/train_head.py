@@ -46,6 +46,13 @@ from clef_local.tokenizer import ReleaseTokenizer
 log = logging.getLogger(__name__)
 
 AUTOCAST = ("auto", "bf16", "off")
+# Per method, the settings a flag left unset takes. The question path reads ~90 tokens per 77-way question instead
+# of 1,670, so it can afford every BANKING77 row, twice the NLU++ rows and twins (~5.4 M tokens, ~35 min here).
+METHOD_DEFAULTS: dict[str, dict[str, Any]] = {
+    "full": {"epochs": 8, "banking77": 2000, "nlupp": 1660, "twins": 0, "max_options": None, "joint_scale_init": 0.0},
+    "question-path": {"epochs": 30, "banking77": 10003, "nlupp": 3316, "twins": 1500, "max_options": 12,
+                      "joint_scale_init": 2.3},
+}
 
 
 @dataclass(frozen=True)
@@ -334,15 +341,20 @@ def train(backbone_dir: Path, examples: Sequence[Example], out: Path, *, work: P
             os.replace(tmp, checkpoint)
     if evidence is not None:
         evidence.remove()
+    log_dict = {"config": asdict(config), "init": str(init) if init else None, "examples": len(examples),
+                "twins": len(twins), "validation": len(val), "history": history}
+    save_head(head, head_config, out, log_dict)
+    return log_dict
+
+
+def save_head(head: JointSchemaHead, head_config: HeadConfig, out: Path, log_dict: dict) -> None:
+    """The head part of a release: ``joint_head.safetensors`` (float32), its config, ``training_log.json``."""
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()},
               str(out / "joint_head.safetensors"))
     config_dict = {k: v for k, v in head_config.to_json_dict().items() if k != "dropout"}
     (out / "joint_head_config.json").write_text(json.dumps(config_dict, indent=2) + "\n")
-    log_dict = {"config": asdict(config), "init": str(init) if init else None, "examples": len(examples),
-                "twins": len(twins), "validation": len(val), "history": history}
     (out / "training_log.json").write_text(json.dumps(log_dict, indent=2) + "\n")
-    return log_dict
 
 
 @torch.no_grad()
@@ -380,7 +392,11 @@ def main(argv: list[str] | None = None) -> int:
                                                       '{"request": ..., "labels": {qid: answer}} lines')
     parser.add_argument("--out", required=True, type=Path, help="where to write joint_head.safetensors + config")
     parser.add_argument("--work", type=Path, help="cache and checkpoints (default: OUT.work); resumable")
-    parser.add_argument("--epochs", type=int, default=TrainConfig.epochs, help="passes over the training records")
+    parser.add_argument("--method", choices=("full", "question-path"), default="full",
+                        help="full: every branch on cached whole-prompt hidden states; question-path: the head's "
+                             "question and option-lexical path on question-span means only (export/question_path.py: "
+                             "~5x fewer backbone tokens, every BANKING77 row on a CPU)")
+    parser.add_argument("--epochs", type=int, help="passes over the training data (default: 8 full, 30 question-path)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (caching and training)")
     parser.add_argument("--cache-only", action="store_true",
                         help="compute the hidden-state cache under --work and stop (e.g. on a GPU machine)")
@@ -390,10 +406,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=TrainConfig.lr, help=f"peak learning rate ({TrainConfig.lr})")
     parser.add_argument("--consistency-weight", type=float, default=TrainConfig.consistency_weight,
                         help=f"weight of the twin consistency term ({TrainConfig.consistency_weight})")
-    parser.add_argument("--banking77", type=int, default=2000, help="BANKING77 training records (demo data)")
-    parser.add_argument("--nlupp", type=int, default=1660, help="NLU++ training records (demo data)")
-    parser.add_argument("--twins", type=int, default=0,
-                        help="twin requests for the consistency term (demo data; e.g. 512)")
+    parser.add_argument("--banking77", type=int, help="BANKING77 training records (demo data; default: 2000 full, "
+                                                      "10003 question-path)")
+    parser.add_argument("--nlupp", type=int, help="NLU++ training records (demo data; default: 1660, 3316)")
+    parser.add_argument("--twins", type=int, help="twin requests for the consistency term (demo data; default: 0, "
+                                                  "1500)")
+    parser.add_argument("--max-options", type=int, metavar="N",
+                        help="cap a choice's options (demo data; default: none full, 12 question-path, whose "
+                             "choices are also asked over all 77 intents for free)")
     # 0.5: at 1,024 records, 77-way top-1 0.136 -> 0.195 and ECE 0.186 -> 0.082 (benchmarks/head_recipe.py, README)
     parser.add_argument("--hard-negatives", type=float, default=0.5, metavar="SHARE",
                         help="share of BANKING77 choice questions whose distractors are the gold intent's nearest "
@@ -401,8 +421,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spliced", type=int, default=TrainConfig.spliced, metavar="N",
                         help="spliced records per epoch: a training record's questions asked of another row's state, "
                              "for the cost of a state-only pass (demo data; default %(default)s)")
-    parser.add_argument("--joint-scale-init", type=float, default=TrainConfig.joint_scale_init,
-                        help="a fresh head's log cosine temperature (default %(default)s; 2.3 = x10, see TrainConfig)")
+    parser.add_argument("--joint-scale-init", type=float,
+                        help="a fresh head's log cosine temperature (default: 0 full, 2.3 = x10 question-path; see "
+                             "TrainConfig)")
     parser.add_argument("--state-attention-weight", type=float, default=TrainConfig.state_attention_weight,
                         help="weight of -log(cross-attention mass on the state's tokens) (default %(default)s)")
     parser.add_argument("--full-choice", type=float, default=FULL_CHOICE, metavar="SHARE",
@@ -415,6 +436,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="fine-tune this head (joint_head.* in HEAD_DIR, e.g. clef_local/demo_model) instead of "
                              "a fresh one; its architecture overrides --width and the layer counts")
     args = parser.parse_args(argv)
+    for name, value in METHOD_DEFAULTS[args.method].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.method == "question-path":
+        from clef_local.export.question_path_train import refuse_full_options
+
+        refuse_full_options(parser, args)
     twins: list[Twin] = []
     states = None
     if args.data == "demo":
@@ -424,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
             if not 0 <= share <= 1:
                 parser.error(f"{flag} is a share between 0 and 1, got {share}")
         examples = training_examples(args.banking77, args.nlupp, hard=args.hard_negatives,
-                                     full_share=args.full_choice)
+                                     max_options=args.max_options, full_share=args.full_choice)
         twins = twin_records(args.twins)
         states = splice_states() if args.spliced else None
     else:
@@ -433,6 +461,10 @@ def main(argv: list[str] | None = None) -> int:
         examples = [Example(str(n), row["request"], row["labels"]) for n, row in
                     enumerate(json.loads(line) for line in Path(args.data).read_text().splitlines() if line.strip())]
     work = args.work or args.out.with_name(args.out.name + ".work")
+    if args.method == "question-path":
+        from clef_local.export.question_path_train import run_from_cli
+
+        return run_from_cli(parser, args, examples, twins, work)
     config = TrainConfig(epochs=args.epochs, lr=args.lr, width=args.width, routing_layers=args.routing_layers,
                          layers=args.layers, heads=args.heads, feedforward=args.feedforward,
                          batch_records=args.batch_records, consistency_weight=args.consistency_weight,

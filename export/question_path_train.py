@@ -1,0 +1,285 @@
+"""The training loop of the question-path method (:mod:`.question_path`): questions, not records, are the unit.
+
+A question-path head treats every question on its own (its field layers are zero), so a batch is a set of
+questions, and twins (the same question renamed, reordered or in other company) are kept in the same batch for the
+consistency term. Because a question's span precedes its own options, one cached span mean answers any option set:
+``views`` re-asks the choice questions whose gold is in a given option universe over all of it (the demo data: every
+BANKING77 choice also as the full 77-way question the evaluation asks), for no backbone cost.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from clef_local.datasets import Example, Twin
+from clef_local.encoding import QUESTION_TYPES, option_semantics
+from clef_local.export.head_losses import question_loss, twin_loss
+from clef_local.export.question_path import (
+    LexicalTable,
+    QuestionBatch,
+    question_means,
+    question_path_head,
+    question_path_logits,
+)
+from clef_local.head import HeadConfig, JointSchemaHead
+from clef_local.release import read_json
+from clef_local.tokenizer import ReleaseTokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PathConfig:
+    width: int = 256  # as the full method: the head ships inside the repository
+    routing_layers: int = 1  # zero here, but present so that --init can train them later
+    layers: int = 2
+    heads: int = 4
+    feedforward: int = 512
+    epochs: int = 30  # an epoch is seconds (questions, not records): the validation loss decides, not the budget
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    batch_questions: int = 256
+    label_smoothing: float = 0.05  # as Clef was trained
+    brier_weight: float = 1.0
+    consistency_weight: float = 1.0
+    joint_scale_init: float = 2.3  # cosine temperature x10 from the start (the full method's finding)
+    seed: int = 0
+
+
+@dataclass
+class Questions:
+    """Every training question (and view) as arrays: span mean, type, gold, padded lexical-option ids."""
+
+    means: torch.Tensor  # [N, hidden]
+    types: torch.Tensor  # [N]
+    gold: torch.Tensor  # [N], -1 without a label
+    options: torch.Tensor  # [N, K] ids into the lexical table, -1 padding
+    full_view: torch.Tensor  # [N] bool: a view over the whole universe
+
+    def batch(self, rows: torch.Tensor, lexical: torch.Tensor) -> tuple[QuestionBatch, torch.Tensor]:
+        options = self.options[rows]
+        width = int((options >= 0).sum(-1).max())
+        options = options[:, :width]
+        question, slot = (options >= 0).nonzero(as_tuple=True)
+        batch = QuestionBatch(self.means[rows], self.types[rows], question, slot, lexical[options[question, slot]],
+                              width)
+        return batch, self.gold[rows]
+
+
+def build_questions(tokenizer: ReleaseTokenizer, encoded, gold, means, table: LexicalTable,
+                    universe: Sequence[str] = ()) -> tuple[Questions, list[list[int]]]:
+    """The question table and, per record, the rows of its questions (views are extra rows, not listed)."""
+    universe_ids: list[int] = []
+    if universe:
+        pieces = tokenizer.encode_pieces([option_semantics(u, None) for u in sorted(universe)])
+        for ids in pieces:
+            key = tuple(ids)
+            if key not in table.index:
+                table.index[key] = len(table.rows)
+                table.rows.append(table.embedding[list(key)].float().mean(0))
+            universe_ids.append(table.index[key])
+    order = sorted(universe)
+    rows_of: list[list[int]] = []
+    vecs, types, golds, options, views = [], [], [], [], []
+    for record, labels, record_means in zip(encoded, gold, means, strict=True):
+        rows_of.append([])
+        for j, question in enumerate(record.questions):
+            rows_of[-1].append(len(vecs))
+            vecs.append(record_means[j])
+            types.append(question.question_type)
+            golds.append(labels[j])
+            options.append(table.lookup(record, j))
+            views.append(False)
+            gold_id = question.option_ids[labels[j]] if labels[j] >= 0 else None
+            if (universe and question.question_type == QUESTION_TYPES["choice"] and gold_id in universe
+                    and set(question.option_ids) <= set(universe) and len(question.option_ids) < len(universe)):
+                vecs.append(record_means[j])
+                types.append(question.question_type)
+                golds.append(order.index(gold_id))
+                options.append(universe_ids)
+                views.append(True)
+    width = max(len(o) for o in options)
+    padded = torch.full((len(options), width), -1, dtype=torch.long)
+    for n, o in enumerate(options):
+        padded[n, : len(o)] = torch.tensor(o)
+    return Questions(torch.from_numpy(np.stack(vecs)), torch.tensor(types), torch.tensor(golds), padded,
+                     torch.tensor(views)), rows_of
+
+
+def _units(rows_of: list[list[int]], n_examples: int, encoded, twins: Sequence[Twin], total_rows: int
+           ) -> tuple[list[list[int]], list[tuple[int, int]]]:
+    """Units of rows that train together (a question and its views; a twin's two records) and the twin row pairs."""
+    starts = [rows[0] for rows in rows_of] + [total_rows]  # a record's rows (questions, views) are contiguous
+    units = [list(range(a, b)) for a, b in itertools.pairwise(starts)]
+    pairs: list[tuple[int, int]] = []
+    merged: list[list[int]] = units[:n_examples]
+    for t, twin in enumerate(twins):
+        i, j = n_examples + 2 * t, n_examples + 2 * t + 1
+        where = {q.question_id: k for k, q in enumerate(encoded[j].questions)}
+        pairs += [(rows_of[i][k], rows_of[j][where[twin.same[q.question_id]]])
+                  for k, q in enumerate(encoded[i].questions) if q.question_id in twin.same]
+        merged.append(units[i] + units[j])
+    return merged, pairs
+
+
+def train_question_path(backbone_dir: Path, examples: Sequence[Example], out: Path, *, work: Path,
+                        config: PathConfig = PathConfig(), twins: Sequence[Twin] = (), device: str = "cpu",
+                        universe: Sequence[str] = (), validation: float = 0.05) -> dict:
+    """Question-span means (cached under ``work``), then a question-path head trained on them, written to ``out``."""
+    from clef_local.backends.torch_backend import TorchBackbone
+    from clef_local.export.train_head import _max_length, _parameter_groups, _warmup_cosine, encode_examples, save_head
+
+    torch.manual_seed(config.seed)
+    tokenizer = ReleaseTokenizer(backbone_dir)
+    backbone_config = read_json(backbone_dir / "config.json")
+    text_config = backbone_config.get("text_config") or backbone_config
+    records = [*examples, *(e for twin in twins for e in (twin.first, twin.second))]
+    pairs_ = encode_examples(tokenizer, records, _max_length(backbone_dir))
+    encoded, gold = [e for e, _ in pairs_], [g for _, g in pairs_]
+    means = question_means(backbone_dir, encoded, work / "question-means", device=device)
+    embedding = TorchBackbone(backbone_dir, backbone_config, device="cpu",
+                              dtype=torch.float32).output_embedding.detach()
+    table = LexicalTable(embedding)
+    questions, rows_of = build_questions(tokenizer, encoded, gold, means, table, universe)
+    lexical = table.tensor().to(device)
+    units, twin_pairs = _units(rows_of, len(examples), encoded, twins, len(questions.gold))
+    rng = random.Random(config.seed)
+    rng.shuffle(units)
+    n_val = int(len(units) * validation)
+    val, fit = units[:n_val], units[n_val:]
+    partner = dict(twin_pairs)
+
+    head_config = HeadConfig(hidden_size=int(text_config["hidden_size"]), width=config.width,
+                             routing_layers=config.routing_layers, layers=config.layers, heads=config.heads,
+                             feedforward=config.feedforward)
+    head = JointSchemaHead(head_config).to(device)
+    trainable = {id(p) for p in question_path_head(head, config.joint_scale_init)}
+    groups = [{**g, "params": [p for p in g["params"] if id(p) in trainable]}
+              for g in _parameter_groups(head, config.weight_decay)]
+    optimizer = torch.optim.AdamW(groups, lr=config.lr)
+    steps = config.epochs * math.ceil(sum(map(len, fit)) / config.batch_questions)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_cosine(steps))
+    questions = Questions(*(t.to(device) for t in (questions.means, questions.types, questions.gold,
+                                                  questions.options, questions.full_view)))
+    log.info("question path: %d questions (%d full views), %d units, %d for validation",
+             len(questions.gold), int(questions.full_view.sum()), len(units), len(val))
+    history: list[dict] = []
+    for epoch in range(config.epochs):
+        head.train()
+        rng.shuffle(fit)
+        total, batches = 0.0, _pack(fit, config.batch_questions)
+        for rows in tqdm(batches, desc=f"epoch {epoch + 1}/{config.epochs}", leave=False):
+            loss = _loss(head, questions, rows, lexical, partner, config)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_([p for p in head.parameters() if p.requires_grad], 1.0)
+            optimizer.step()
+            scheduler.step()
+            total += loss.item()
+        metrics = {"epoch": epoch + 1, "train_loss": total / len(batches),
+                   **evaluate(head, questions, val, lexical, partner, config)}
+        history.append(metrics)
+        log.info("epoch %d: %s", epoch + 1, metrics)
+    log_dict = {"method": "question-path", "config": asdict(config), "examples": len(examples),
+                "twins": len(twins), "questions": len(questions.gold), "validation_units": len(val),
+                "history": history}
+    save_head(head, head_config, out, log_dict)
+    (work / "question-path-log.json").write_text(json.dumps(log_dict, indent=2) + "\n")
+    return log_dict
+
+
+def _pack(units: Sequence[list[int]], size: int) -> list[list[int]]:
+    batches: list[list[int]] = [[]]
+    for unit in units:
+        if batches[-1] and len(batches[-1]) + len(unit) > size:
+            batches.append([])
+        batches[-1].extend(unit)
+    return [b for b in batches if b]
+
+
+def _loss(head, questions: Questions, rows: list[int], lexical, partner: dict[int, int], config: PathConfig):
+    batch, target = questions.batch(torch.tensor(rows, device=lexical.device), lexical)
+    logits = question_path_logits(head, batch)
+    loss = question_loss(logits, target, config.label_smoothing, config.brier_weight)
+    at = {r: n for n, r in enumerate(rows)}
+    pairs = [(at[a], at[b]) for a, b in partner.items() if a in at and b in at]
+    if pairs:
+        loss = loss + config.consistency_weight * twin_loss(logits, pairs)
+    return loss
+
+
+@torch.no_grad()
+def evaluate(head, questions: Questions, units: Sequence[list[int]], lexical, partner: dict[int, int],
+             config: PathConfig) -> dict:
+    """Validation loss, accuracy (all labelled rows; the full views alone) and twin |Δp|."""
+    head.eval()
+    rows = [r for unit in units for r in unit]
+    if not rows:
+        return {}
+    losses, hits, full_hits, moved = [], [], [], []
+    for chunk in _pack(units, 1024):
+        index = torch.tensor(chunk, device=lexical.device)
+        batch, target = questions.batch(index, lexical)
+        logits = question_path_logits(head, batch)
+        labelled = target >= 0
+        if bool(labelled.any()):
+            losses.append(float(question_loss(logits, target, config.label_smoothing, config.brier_weight)))
+        right = (logits.argmax(-1) == target)[labelled]
+        hits += right.tolist()
+        full_hits += right[questions.full_view[index][labelled]].tolist()
+        at = {r: n for n, r in enumerate(chunk)}
+        probs = torch.softmax(logits, -1).nan_to_num(0.0)
+        moved += [float((probs[at[a]] - probs[at[b]]).abs().max()) for a, b in partner.items()
+                  if a in at and b in at]
+    metrics = {"val_loss": float(np.mean(losses)), "val_accuracy": float(np.mean(hits))}
+    if full_hits:
+        metrics["val_accuracy_full_views"] = float(np.mean(full_hits))
+    if moved:
+        metrics |= {"val_twin_mean_dp": float(np.mean(moved)), "val_twin_max_dp": float(np.max(moved))}
+    return metrics
+
+
+def refuse_full_options(parser, args) -> None:
+    """Fail before any work on the full method's options, which a question-path run would silently ignore."""
+    refused = [flag for flag, unset in (("--spliced", args.spliced == 0), ("--init", args.init is None),
+                                         ("--state-attention-weight", args.state_attention_weight == 0),
+                                         ("--autocast", args.autocast == "auto")) if not unset]
+    if refused:
+        parser.error(f"{', '.join(refused)}: not used by --method question-path (it trains on question-span means "
+                     "only); drop them or use --method full")
+
+
+def run_from_cli(parser, args, examples: Sequence[Example], twins: Sequence[Twin], work: Path) -> int:
+    """``clef-local train-head --method question-path``."""
+    universe: Sequence[str] = ()
+    if args.data == "demo":
+        from clef_local.datasets import banking77_intents
+
+        universe = banking77_intents()
+    config = PathConfig(width=args.width, routing_layers=args.routing_layers, layers=args.layers, heads=args.heads,
+                        feedforward=args.feedforward, epochs=args.epochs, lr=args.lr,
+                        consistency_weight=args.consistency_weight, joint_scale_init=args.joint_scale_init)
+    if args.cache_only:
+        from clef_local.export.train_head import _max_length, encode_examples
+
+        records = [*examples, *(e for twin in twins for e in (twin.first, twin.second))]
+        encoded = [e for e, _ in encode_examples(ReleaseTokenizer(args.backbone), records,
+                                                 _max_length(args.backbone))]
+        question_means(args.backbone, encoded, work / "question-means", device=args.device)
+        print(f"cached the question-span means of {len(encoded)} records under {work / 'question-means'}")
+        return 0
+    result = train_question_path(args.backbone, examples, args.out, work=work, config=config, twins=twins,
+                                 device=args.device, universe=universe)
+    print(json.dumps(result["history"][-1] if result["history"] else {}, indent=2))
+    return 0

@@ -78,13 +78,14 @@ def question_path_head(head: JointSchemaHead, joint_scale_init: float) -> list[t
 @dataclass
 class QuestionBatch:
     """Questions of a question-path batch: ``means`` ``[Q, hidden]`` (span means of the *un-affine* layer norm of the
-    hidden states), ``types`` ``[Q]``, and per option its question, slot and lexical vector."""
+    hidden states), ``types`` ``[Q]``, and per option its question, slot and lexical row."""
 
     means: torch.Tensor
     types: torch.Tensor
     option_question: torch.Tensor
     option_slot: torch.Tensor
-    lexical: torch.Tensor  # [O, hidden]: mean output-embedding row of each option span
+    lexical: torch.Tensor  # [U, hidden]: mean output-embedding rows of the distinct option spans
+    option_lexical: torch.Tensor  # [O]: each option's row of ``lexical`` (projected once per distinct option)
     max_options: int
 
 
@@ -93,7 +94,7 @@ def question_path_logits(head: JointSchemaHead, batch: QuestionBatch) -> torch.T
     norm = head.hidden_norm
     question = batch.means * norm.weight + norm.bias  # the mean of an affine map is the map of the mean
     fields = head.field_norm(head.question_projection(question) + head.type_embedding(batch.types))
-    options = head.option_norm(head.option_lexical_projection(batch.lexical)
+    options = head.option_norm(head.option_lexical_projection(batch.lexical)[batch.option_lexical]
                                + head.option_question_projection(question)[batch.option_question])
     field_of_option = fields[batch.option_question]
     cosine = F.cosine_similarity(field_of_option, options, dim=-1)
@@ -207,3 +208,16 @@ def random_units(count: int, seed: int) -> list[int]:
     order = list(range(count))
     random.Random(seed).shuffle(order)
     return order
+
+
+def apply_temperature(head: JointSchemaHead, temperature: float) -> None:
+    """Multiply every logit of ``head`` by ``temperature``, in its own weights: the cosine temperature and the residual
+    scorer's output layer both scale (the prior is off in a question-path head), so the release format is unchanged."""
+    scale = float(head.joint_logit_scale) + math.log(temperature)
+    if scale > math.log(100.0):
+        raise ValueError(f"temperature {temperature:.3f} would take the cosine scale past its clamp of 100 "
+                         f"(exp({scale:.2f})); the head is too far from calibrated to fix this way")
+    with torch.no_grad():
+        head.joint_logit_scale.fill_(scale)
+        head.residual_scorer[3].weight.mul_(temperature)
+        head.residual_scorer[3].bias.mul_(temperature)

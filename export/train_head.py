@@ -49,8 +49,9 @@ AUTOCAST = ("auto", "bf16", "off")
 # Per method, the settings a flag left unset takes. The question path reads ~90 tokens per 77-way question instead
 # of 1,670, so it can afford every BANKING77 row, twice the NLU++ rows and twins (~5.4 M tokens, ~35 min here).
 METHOD_DEFAULTS: dict[str, dict[str, Any]] = {
-    "full": {"epochs": 8, "banking77": 2000, "nlupp": 1660, "twins": 0, "max_options": None, "joint_scale_init": 0.0},
-    "question-path": {"epochs": 30, "banking77": 10003, "nlupp": 3316, "twins": 1500, "max_options": 12,
+    "full": {"epochs": 8, "lr": 1e-3, "banking77": 2000, "nlupp": 1660, "twins": 0, "max_options": None,
+             "joint_scale_init": 0.0},
+    "question-path": {"epochs": 12, "lr": 2e-3, "banking77": 10003, "nlupp": 3316, "twins": 1500, "max_options": 12,
                       "joint_scale_init": 2.3},
 }
 
@@ -396,14 +397,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="full: every branch on cached whole-prompt hidden states; question-path: the head's "
                              "question and option-lexical path on question-span means only (export/question_path.py: "
                              "~5x fewer backbone tokens, every BANKING77 row on a CPU)")
-    parser.add_argument("--epochs", type=int, help="passes over the training data (default: 8 full, 30 question-path)")
+    parser.add_argument("--epochs", type=int, help="passes over the training data (default: 8 full, 12 question-path)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (caching and training)")
     parser.add_argument("--cache-only", action="store_true",
                         help="compute the hidden-state cache under --work and stop (e.g. on a GPU machine)")
     for name in ("width", "routing_layers", "layers", "heads", "feedforward", "batch_records"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(TrainConfig, name),
                             help=f"head/training setting (default {getattr(TrainConfig, name)})")
-    parser.add_argument("--lr", type=float, default=TrainConfig.lr, help=f"peak learning rate ({TrainConfig.lr})")
+    parser.add_argument("--lr", type=float, help="peak learning rate (default: 1e-3 full, 2e-3 question-path)")
     parser.add_argument("--consistency-weight", type=float, default=TrainConfig.consistency_weight,
                         help=f"weight of the twin consistency term ({TrainConfig.consistency_weight})")
     parser.add_argument("--banking77", type=int, help="BANKING77 training records (demo data; default: 2000 full, "

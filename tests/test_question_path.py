@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from clef_local.datasets import banking77_intents, banking77_request
+from clef_local.datasets import banking77_examples, banking77_intents, banking77_request
 from clef_local.encoding import encode_request
 from clef_local.export.demo_data import training_examples, twin_records
 from clef_local.export.hidden_cache import cache_dtype
@@ -118,7 +118,8 @@ def test_train_question_path_writes_a_release_head_with_its_other_branches_zero(
     examples = training_examples(banking77=24, nlupp=12, seed=3, max_options=6)
     out = tmp_path / "head"
     result = train_question_path(tiny_llama, examples, out, work=tmp_path / "work", config=SMALL,
-                                 twins=twin_records(6), universe=banking77_intents(), validation=0.25)
+                                 twins=twin_records(6), universe=banking77_intents(), validation=0.25,
+                                 canonical=banking77_examples("train", limit=4))
     history = result["history"]
     assert [h["epoch"] for h in history] == [1, 2, 3]
     assert history[-1]["train_loss"] < history[0]["train_loss"]
@@ -128,7 +129,9 @@ def test_train_question_path_writes_a_release_head_with_its_other_branches_zero(
         JointSchemaHead(HeadConfig(hidden_size=64, width=32, routing_layers=1, layers=2, heads=4, feedforward=64))))
     assert float(weights["prior_logit_scale"]) == PRIOR_OFF
     assert float(weights["question_projection.weight"].abs().max()) > 0
-    assert json.loads((out / "training_log.json").read_text())["method"] == "question-path"
+    logged = json.loads((out / "training_log.json").read_text())
+    assert logged["method"] == "question-path" and logged["canonical"] == 4
+    assert logged["units"] == 36 + 6 + 4  # a record, a twin's two records, a canonical record: one unit each
 
     release = tmp_path / "release"  # the head drops into a release and loads strictly
     release.mkdir()
@@ -153,3 +156,27 @@ def test_question_path_refuses_the_full_methods_options(tmp_path: Path, capsys, 
         main(["--backbone", str(tmp_path), "--out", str(tmp_path / "out"), "--method", "question-path", *argv])
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_fitted_temperature_is_recovered_and_folded_into_the_heads_weights():
+    from clef_local.export.question_path import apply_temperature
+    from clef_local.export.question_path_train import Questions, fit_temperature
+
+    torch.manual_seed(1)
+    head = JointSchemaHead(HeadConfig(hidden_size=16, width=8, routing_layers=1, layers=1, heads=2, feedforward=16))
+    question_path_head(head, 1.0)
+    n, k = 4000, 5
+    lexical = torch.randn(k, 16)
+    questions = Questions(torch.randn(n, 16), torch.ones(n, dtype=torch.long), torch.zeros(n, dtype=torch.long),
+                          torch.arange(k).repeat(n, 1), torch.zeros(n, dtype=torch.bool))
+    rows = torch.arange(n)
+    with torch.no_grad():
+        logits = question_path_logits(head, questions.batch(rows, lexical)[0])
+    questions.gold = torch.distributions.Categorical(logits=2.5 * logits).sample()  # labels drawn at temperature 2.5
+    assert fit_temperature(head, questions, [[r] for r in range(n)], lexical) == pytest.approx(2.5, rel=0.1)
+    apply_temperature(head, 2.5)
+    with torch.no_grad():
+        scaled = question_path_logits(head, questions.batch(rows, lexical)[0])
+    assert torch.allclose(scaled, 2.5 * logits, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="clamp of 100"):
+        apply_temperature(head, 1e3)

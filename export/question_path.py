@@ -213,7 +213,7 @@ def random_units(count: int, seed: int) -> list[int]:
 def apply_temperature(head: JointSchemaHead, temperature: float) -> None:
     """Multiply every logit of ``head`` by ``temperature``, in its own weights: the cosine temperature and the residual
     scorer's output layer both scale (the prior is off in a question-path head), so the release format is unchanged."""
-    scale = float(head.joint_logit_scale) + math.log(temperature)
+    scale = float(head.joint_logit_scale.detach()) + math.log(temperature)
     if scale > math.log(100.0):
         raise ValueError(f"temperature {temperature:.3f} would take the cosine scale past its clamp of 100 "
                          f"(exp({scale:.2f})); the head is too far from calibrated to fix this way")

@@ -206,18 +206,19 @@ def train_question_path(backbone_dir: Path, examples: Sequence[Example], out: Pa
                    **evaluate(head, questions, val, lexical, partner, config)}
         history.append(metrics)
         log.info("epoch %d: %s", epoch + 1, metrics)
+    calibration: dict = {}
     if config.calibrate and val:
         temperature = fit_temperature(head, questions, val, lexical)
         before = evaluate(head, questions, val, lexical, partner, config)
         apply_temperature(head, temperature)
         after = evaluate(head, questions, val, lexical, partner, config)
-        history.append({"temperature": temperature, "val_nll_before": before["val_nll"], "val_nll": after["val_nll"],
-                        "val_ece_before": before["val_ece"], "val_ece": after["val_ece"]})
+        calibration = {"temperature": temperature, "val_nll_before": before["val_nll"], "val_nll": after["val_nll"],
+                       "val_ece_before": before["val_ece"], "val_ece": after["val_ece"]}
         log.info("temperature %.3f: validation NLL %.4f -> %.4f, ECE %.4f -> %.4f", temperature, before["val_nll"],
                  after["val_nll"], before["val_ece"], after["val_ece"])
     log_dict = {"method": "question-path", "config": asdict(config), "examples": len(examples),
                 "twins": len(twins), "canonical": len(canonical), "questions": len(questions.gold),
-                "units": len(units), "validation_units": len(val), "history": history}
+                "units": len(units), "validation_units": len(val), "history": history, "calibration": calibration}
     save_head(head, head_config, out, log_dict)
     (work / "question-path-log.json").write_text(json.dumps(log_dict, indent=2) + "\n")
     return log_dict

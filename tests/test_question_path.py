@@ -131,6 +131,7 @@ def test_train_question_path_writes_a_release_head_with_its_other_branches_zero(
     assert float(weights["question_projection.weight"].abs().max()) > 0
     logged = json.loads((out / "training_log.json").read_text())
     assert logged["method"] == "question-path" and logged["canonical"] == 4
+    assert 0.25 <= logged["calibration"]["temperature"] <= 4  # fitted on the validation questions, folded in
     assert logged["units"] == 36 + 6 + 4  # a record, a twin's two records, a canonical record: one unit each
 
     release = tmp_path / "release"  # the head drops into a release and loads strictly

@@ -25,7 +25,6 @@ import hashlib
 import logging
 import math
 import os
-import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -202,12 +201,6 @@ class LexicalTable:
 
     def tensor(self) -> torch.Tensor:
         return torch.stack(self.rows)
-
-
-def random_units(count: int, seed: int) -> list[int]:
-    order = list(range(count))
-    random.Random(seed).shuffle(order)
-    return order
 
 
 def apply_temperature(head: JointSchemaHead, temperature: float) -> None:

@@ -189,15 +189,17 @@ class LexicalTable:
         self.index: dict[tuple[int, ...], int] = {}
         self.rows: list[torch.Tensor] = []
 
+    def row(self, token_ids: Sequence[int]) -> int:
+        """The table row of the option span ``token_ids`` (added on first sight)."""
+        key = tuple(token_ids)
+        if key not in self.index:
+            self.index[key] = len(self.rows)
+            self.rows.append(self.embedding[list(key)].float().mean(0))
+        return self.index[key]
+
     def lookup(self, record: EncodedRecord, question: int) -> list[int]:
-        ids = []
-        for a, b in record.questions[question].option_spans:
-            key = tuple(record.input_ids[a:b])
-            if key not in self.index:
-                self.index[key] = len(self.rows)
-                self.rows.append(self.embedding[list(key)].float().mean(0))
-            ids.append(self.index[key])
-        return ids
+        """The rows of question ``question``'s options in ``record``."""
+        return [self.row(record.input_ids[a:b]) for a, b in record.questions[question].option_spans]
 
     def tensor(self) -> torch.Tensor:
         return torch.stack(self.rows)

@@ -88,15 +88,8 @@ class Questions:
 def build_questions(tokenizer: ReleaseTokenizer, encoded, gold, means, table: LexicalTable,
                     universe: Sequence[str] = ()) -> tuple[Questions, list[list[int]]]:
     """The question table and, per record, the rows of its questions (views are extra rows, not listed)."""
-    universe_ids: list[int] = []
-    if universe:
-        pieces = tokenizer.encode_pieces([option_semantics(u, None) for u in sorted(universe)])
-        for ids in pieces:
-            key = tuple(ids)
-            if key not in table.index:
-                table.index[key] = len(table.rows)
-                table.rows.append(table.embedding[list(key)].float().mean(0))
-            universe_ids.append(table.index[key])
+    universe_ids = [table.row(ids) for ids in tokenizer.encode_pieces([option_semantics(u, None)
+                                                                       for u in sorted(universe)])] if universe else []
     order = sorted(universe)
     rows_of: list[list[int]] = []
     vecs, types, golds, options, views = [], [], [], [], []

@@ -12,7 +12,7 @@ import hashlib
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -102,22 +102,28 @@ def _cache_block(backbone, records: Sequence[EncodedRecord], directory: Path, *,
         if path.is_file():
             continue
         tensors = {}
-        start = 0
-        while start < len(members):  # members grow in length, so the last of a batch is its longest
-            size = 1
-            while (start + size < len(members)
-                   and (size + 1) * len(records[members[start + size]].input_ids) <= batch_tokens):
-                size += 1
-            batch = members[start : start + size]
+        for batch in token_batches(members, records, batch_tokens):
             ids, mask = collate([records[i] for i in batch], 0, backbone.device)
             hidden = backbone.hidden_states(ids, mask).to(torch.bfloat16).cpu()
             for row, i in enumerate(batch):
                 tensors[str(i)] = hidden[row, : len(records[i].input_ids)].contiguous()
-            start += len(batch)
         tmp = directory / f".{path.name}.tmp"
         save_file(tensors, str(tmp))
         os.replace(tmp, path)  # atomic: a killed run leaves no half chunk
     (directory / "done").write_text(f"{len(records)}\n")
+
+
+def token_batches(order: Sequence[int], records: Sequence[EncodedRecord], batch_tokens: int) -> Iterator[list[int]]:
+    """Consecutive runs of ``order`` (indices of ``records`` by growing length) whose padded size — the run's count
+    times its last, longest record — stays within ``batch_tokens``; a record longer than that goes alone."""
+    start = 0
+    while start < len(order):
+        size = 1
+        while (start + size < len(order)
+               and (size + 1) * len(records[order[start + size]].input_ids) <= batch_tokens):
+            size += 1
+        yield list(order[start : start + size])
+        start += size
 
 
 def _load_block(directory: Path, size: int) -> list[torch.Tensor]:

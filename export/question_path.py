@@ -38,6 +38,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from clef_local.encoding import EncodedRecord
+from clef_local.export.hidden_cache import cache_dtype, token_batches
 from clef_local.head import JointSchemaHead
 from clef_local.release import read_json
 
@@ -118,7 +119,6 @@ def question_means(backbone_dir: Path, encoded: Sequence[EncodedRecord], cache: 
     states, computed on the records cut after their last question span and cached in blocks named by their token
     ids and dtype (written atomically: a killed run resumes at the first missing block)."""
     from clef_local.backends.torch_backend import TorchBackbone
-    from clef_local.export.hidden_cache import cache_dtype
 
     dtype = cache_dtype(device)
     cut = [truncate_to_questions(r) for r in encoded]
@@ -165,19 +165,13 @@ def _block_means(backbone, records: Sequence[EncodedRecord], batch_tokens: int) 
 
     means: list[torch.Tensor | None] = [None] * len(records)
     order = sorted(range(len(records)), key=lambda i: len(records[i].input_ids))
-    start = 0
-    while start < len(order):  # lengths grow along order, so a batch's last record is its longest
-        size = 1
-        while start + size < len(order) and (size + 1) * len(records[order[start + size]].input_ids) <= batch_tokens:
-            size += 1
-        batch = order[start : start + size]
+    for batch in token_batches(order, records, batch_tokens):
         ids, mask = collate([records[i] for i in batch], 0, backbone.device)
         hidden = backbone.hidden_states(ids, mask).float()
         normed = F.layer_norm(hidden, hidden.shape[-1:])
         for row, i in enumerate(batch):
             means[i] = torch.stack([normed[row, a:b].mean(0) for a, b in
                                     (q.question_span for q in records[i].questions)]).cpu().contiguous()
-        start += size
     return means  # type: ignore[return-value]
 
 

@@ -34,6 +34,15 @@ from clef_local.export.question_path import (
     question_path_head,
     question_path_logits,
 )
+from clef_local.export.train_head import (
+    _max_length,
+    _parameter_groups,
+    _units_to_batches,
+    _warmup_cosine,
+    encode_examples,
+    optimizer_step,
+    save_head,
+)
 from clef_local.head import HeadConfig, JointSchemaHead
 from clef_local.metrics import ece
 from clef_local.release import read_json
@@ -63,6 +72,13 @@ class PathConfig:
     # and questions asked in varied company leave the head underconfident on a plain prompt (ECE 0.10 -> 0.02).
     calibrate: bool = True
     seed: int = 0
+
+
+# The settings a flag left unset takes with --method question-path. It reads ~90 tokens per 77-way question instead
+# of 1,670, so it can afford every BANKING77 row, twice the NLU++ rows and twins (~6.5 M tokens, ~50 min here).
+CLI_DEFAULTS: dict[str, object] = {"epochs": PathConfig.epochs, "lr": PathConfig.lr, "banking77": 10003, "nlupp": 3316,
+                                   "twins": 1500, "max_options": 12, "joint_scale_init": PathConfig.joint_scale_init,
+                                   "consistency_weight": PathConfig.consistency_weight}
 
 
 @dataclass
@@ -146,7 +162,6 @@ def train_question_path(backbone_dir: Path, examples: Sequence[Example], out: Pa
     on the varied ones; they come after the twins, so the caches of runs without them are reused.
     """
     from clef_local.backends.torch_backend import TorchBackbone
-    from clef_local.export.train_head import _max_length, _parameter_groups, _warmup_cosine, encode_examples, save_head
 
     torch.manual_seed(config.seed)
     tokenizer = ReleaseTokenizer(backbone_dir)
@@ -186,15 +201,10 @@ def train_question_path(backbone_dir: Path, examples: Sequence[Example], out: Pa
     for epoch in range(config.epochs):
         head.train()
         rng.shuffle(fit)
-        total, batches = 0.0, _pack(fit, config.batch_questions)
+        total, batches = 0.0, _units_to_batches(fit, config.batch_questions)
         for rows in tqdm(batches, desc=f"epoch {epoch + 1}/{config.epochs}", leave=False):
-            loss = _loss(head, questions, rows, lexical, partner, config)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_([p for p in head.parameters() if p.requires_grad], 1.0)
-            optimizer.step()
-            scheduler.step()
-            total += loss.item()
+            total += optimizer_step(_loss(head, questions, rows, lexical, partner, config), optimizer, scheduler,
+                                    [p for p in head.parameters() if p.requires_grad])
         metrics = {"epoch": epoch + 1, "train_loss": total / len(batches),
                    **evaluate(head, questions, val, lexical, partner, config)}
         history.append(metrics)
@@ -217,15 +227,6 @@ def train_question_path(backbone_dir: Path, examples: Sequence[Example], out: Pa
     return log_dict
 
 
-def _pack(units: Sequence[list[int]], size: int) -> list[list[int]]:
-    batches: list[list[int]] = [[]]
-    for unit in units:
-        if batches[-1] and len(batches[-1]) + len(unit) > size:
-            batches.append([])
-        batches[-1].extend(unit)
-    return [b for b in batches if b]
-
-
 def _loss(head, questions: Questions, rows: list[int], lexical, partner: dict[int, int], config: PathConfig):
     batch, target = questions.batch(torch.tensor(rows, device=lexical.device), lexical)
     logits = question_path_logits(head, batch)
@@ -246,7 +247,7 @@ def evaluate(head, questions: Questions, units: Sequence[list[int]], lexical, pa
     if not rows:
         return {}
     losses, hits, full_hits, moved, nll, confidence = [], [], [], [], [], []
-    for chunk in _pack(units, 1024):
+    for chunk in _units_to_batches(units, 1024):
         index = torch.tensor(chunk, device=lexical.device)
         batch, target = questions.batch(index, lexical)
         logits = question_path_logits(head, batch)
@@ -295,8 +296,6 @@ def run_from_cli(parser, args, examples: Sequence[Example], twins: Sequence[Twin
                         feedforward=args.feedforward, epochs=args.epochs, lr=args.lr,
                         consistency_weight=args.consistency_weight, joint_scale_init=args.joint_scale_init)
     if args.cache_only:
-        from clef_local.export.train_head import _max_length, encode_examples
-
         records = [*examples, *(e for twin in twins for e in (twin.first, twin.second))]
         encoded = [e for e, _ in encode_examples(ReleaseTokenizer(args.backbone), records,
                                                  _max_length(args.backbone))]

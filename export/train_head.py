@@ -46,15 +46,6 @@ from clef_local.tokenizer import ReleaseTokenizer
 log = logging.getLogger(__name__)
 
 AUTOCAST = ("auto", "bf16", "off")
-# Per method, the settings a flag left unset takes. The question path reads ~90 tokens per 77-way question instead
-# of 1,670, so it can afford every BANKING77 row, twice the NLU++ rows and twins (~6.5 M tokens, ~50 min here);
-# consistency 5 instead of 1: 77-way ECE 0.083 -> 0.057 but NLU++ noul macro-F1 0.32 -> 0.16 (README).
-METHOD_DEFAULTS: dict[str, dict[str, Any]] = {
-    "full": {"epochs": 8, "lr": 1e-3, "banking77": 2000, "nlupp": 1660, "twins": 0, "max_options": None,
-             "joint_scale_init": 0.0, "consistency_weight": 1.0},
-    "question-path": {"epochs": 12, "lr": 2e-3, "banking77": 10003, "nlupp": 3316, "twins": 1500, "max_options": 12,
-                      "joint_scale_init": 2.3, "consistency_weight": 1.0},
-}
 
 
 @dataclass(frozen=True)
@@ -83,6 +74,12 @@ class TrainConfig:
     # the span means and the losses stay float32 either way.
     autocast: str = "auto"
     seed: int = 0
+
+
+# The settings a flag left unset takes with --method full (question_path_train.CLI_DEFAULTS for the other).
+CLI_DEFAULTS: dict[str, Any] = {"epochs": TrainConfig.epochs, "lr": TrainConfig.lr, "banking77": 2000, "nlupp": 1660,
+                                "twins": 0, "max_options": None, "joint_scale_init": TrainConfig.joint_scale_init,
+                                "consistency_weight": TrainConfig.consistency_weight}
 
 
 def _gold_index(question_type: int, option_ids: Sequence[str], label: object) -> int:
@@ -208,6 +205,16 @@ def autocast_dtype(setting: str, device: str) -> torch.dtype | None:
     return torch.bfloat16 if torch.device(device).type != "cpu" else None
 
 
+def optimizer_step(loss: torch.Tensor, optimizer, scheduler, parameters) -> float:
+    """One step of head training: gradients clipped to norm 1, the schedule advanced; returns the loss."""
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(parameters, 1.0)
+    optimizer.step()
+    scheduler.step()
+    return loss.item()
+
+
 def _parameter_groups(head: torch.nn.Module, weight_decay: float) -> list[dict]:
     """Weight decay on matrices only: decaying norms, biases and the logit scales pulls them towards 0 for no
     regularising gain (the scales at 0 mean logits within ±1)."""
@@ -327,12 +334,7 @@ def train(backbone_dir: Path, examples: Sequence[Example], out: Path, *, work: P
                 if twins_of:
                     pairs = _twin_rows(items, epoch_encoded, twins_of)  # spliced records have no twins
                     loss = loss + config.consistency_weight * twin_loss(logits, pairs)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-                optimizer.step()
-                scheduler.step()
-                total += loss.item()
+                total += optimizer_step(loss, optimizer, scheduler, head.parameters())
             metrics = {"epoch": epoch + 1, "train_loss": total / len(batches),
                        **evaluate(head, val, encoded, hidden, gold, embedding, config, twins_of)}
             history.append(metrics)
@@ -438,13 +440,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="fine-tune this head (joint_head.* in HEAD_DIR, e.g. clef_local/demo_model) instead of "
                              "a fresh one; its architecture overrides --width and the layer counts")
     args = parser.parse_args(argv)
-    for name, value in METHOD_DEFAULTS[args.method].items():
+    defaults = CLI_DEFAULTS
+    if args.method == "question-path":
+        from clef_local.export import question_path_train
+
+        question_path_train.refuse_full_options(parser, args)
+        defaults = question_path_train.CLI_DEFAULTS
+    for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    if args.method == "question-path":
-        from clef_local.export.question_path_train import refuse_full_options
-
-        refuse_full_options(parser, args)
     twins: list[Twin] = []
     states = None
     if args.data == "demo":

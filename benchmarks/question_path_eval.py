@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 import clef_local
+from clef_local.backends.torch_backend import TorchBackbone
 from clef_local.datasets import banking77_examples, banking77_intents, evenly
 from clef_local.export.question_path import (
     LexicalTable,
@@ -29,10 +30,10 @@ from clef_local.export.question_path import (
     question_path_logits,
     zeroed_parameters,
 )
-from clef_local.export.train_head import encode_examples
+from clef_local.export.train_head import _max_length, encode_examples
 from clef_local.head import JointSchemaHead
 from clef_local.metrics import classification_report
-from clef_local.release import read_head_config
+from clef_local.release import read_head_config, read_json
 from clef_local.tokenizer import ReleaseTokenizer
 
 
@@ -57,10 +58,10 @@ def main() -> None:
     started = time.perf_counter()
     tokenizer = ReleaseTokenizer(backbone)
     examples = evenly(banking77_examples("test"), args.limit)
-    encoded = [e for e, _ in encode_examples(tokenizer, examples, 16384)]
+    encoded = [e for e, _ in encode_examples(tokenizer, examples, _max_length(backbone))]
     means = question_means(backbone, encoded, args.cache)
-    weights = load_file(str(backbone / "model.safetensors"))
-    embedding = weights.get("lm_head.weight", weights["model.embed_tokens.weight"]).float()
+    embedding = TorchBackbone(backbone, read_json(backbone / "config.json"), device="cpu",
+                              dtype=torch.float32).output_embedding.detach()  # as train-head reads it
     table = LexicalTable(embedding)
     options = torch.tensor(table.lookup(encoded[0], 0))  # every row asks the same 77 options, sorted by id
     n = len(examples)

@@ -15,8 +15,9 @@ from clef_local.answers import CONFIDENCE_MODES, Confidence, build_response, sof
 from clef_local.batching import device_pad_waste, split_by_length
 from clef_local.encoding import REFERENCE_MAX_LENGTH, EncodedRecord, encode_request
 from clef_local.errors import ApiUsageError, ReleaseError
+from clef_local.head_reach import batch_reach, head_reads_question_spans_only, question_reach
 from clef_local.layout import build_layout
-from clef_local.release import Release, read_release
+from clef_local.release import HEAD_WEIGHTS, Release, read_release
 from clef_local.schema import DEFAULT_LIMITS, Limits, request_to_record, validate_request
 from clef_local.tokenizer import ReleaseTokenizer
 
@@ -71,6 +72,9 @@ class ClefModel:
         self.temperatures = read_temperatures(release.config, str(release.path / "config.json"))
         # how much padding a batch may carry on this device (clef_local.batching): tight on a CPU
         self.pad_waste = device_pad_waste(getattr(backend, "device", "cpu"))
+        # a head that reads question spans only lets the backbone stop after the last one (clef_local.head_reach);
+        # set it to False to run every record in full (the same numbers, for comparisons)
+        self.stop_after_questions = head_reads_question_spans_only(release.path / HEAD_WEIGHTS)
 
     @property
     def path(self) -> Path:
@@ -113,7 +117,8 @@ class ClefModel:
         if batch_size < 1:
             raise ValueError(f"batch_size must be ≥ 1, got {batch_size}")
         encoded = [self.encode(r, truncate_state=truncate_state) for r in requests]
-        chunks = split_by_length([len(e[1].input_ids) for e in encoded], self.pad_waste, max_size=batch_size)
+        chunks = split_by_length([self._backbone_positions(e[1]) for e in encoded], self.pad_waste,
+                                 max_size=batch_size)
 
         def run() -> Iterator[tuple[list[int], list[Prediction]]]:
             for chunk in chunks:
@@ -122,10 +127,14 @@ class ClefModel:
 
         return run()
 
+    def _backbone_positions(self, record: EncodedRecord) -> int:
+        return question_reach(record) if self.stop_after_questions else len(record.input_ids)
+
     def _probabilities(self, records: list[EncodedRecord]) -> list[list[np.ndarray]]:
         layout = build_layout(records, max(len(r.input_ids) for r in records))
         started = time.perf_counter()
-        logits = self.backend.logits(records, layout, self.tokenizer.pad_token_id)
+        reach = batch_reach(records) if self.stop_after_questions else None
+        logits = self.backend.logits(records, layout, self.tokenizer.pad_token_id, reach=reach)
         if self.temperatures:
             temps = [self.temperatures.get(_TYPE_NAMES[q.question_type], 1.0) for r in records for q in r.questions]
             logits = logits / np.asarray(temps, dtype=np.float32)[:, None]
@@ -168,6 +177,7 @@ class ClefModel:
             "head_config": release.head_config.to_json_dict(),
             "tokenizer_vocab": self.tokenizer.vocab_size,
             "confidence": self.confidence,
+            "backbone_pass": "to the last question span" if self.stop_after_questions else "whole record",
             **self.backend.describe(),
             **({"loader": decision.to_json()} if (decision := getattr(self.backend, "load_decision", None)) else {}),
         }

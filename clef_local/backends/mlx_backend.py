@@ -305,14 +305,20 @@ class MLXBackend:
                  _name(self.backbone.dtype), f" ({self.backbone.scheme}, {self.backbone.kernel})"
                  if self.backbone.scheme else "", self.backbone.rope_theta)
 
-    def logits(self, records: list[EncodedRecord], layout: HeadLayout, pad_token_id: int) -> np.ndarray:
-        """Option logits ``[questions, max_options]`` (float32, ``-inf`` padding) for right-padded ``records``."""
+    def logits(self, records: list[EncodedRecord], layout: HeadLayout, pad_token_id: int,
+               reach: int | None = None) -> np.ndarray:
+        """Option logits ``[questions, max_options]`` (float32, ``-inf`` padding) for right-padded ``records``;
+        ``reach`` as in :meth:`clef_local.backends.torch_backend.TorchBackend.logits`."""
         lengths = np.array([len(r.input_ids) for r in records], dtype=np.int64)
-        ids = np.full((len(records), int(lengths.max())), pad_token_id, dtype=np.int32)
+        seq_len = int(lengths.max())
+        ids = np.full((len(records), seq_len), pad_token_id, dtype=np.int32)
         for i, record in enumerate(records):
             ids[i, : lengths[i]] = record.input_ids
+        cut = seq_len if reach is None else min(reach, seq_len)
         with mx.stream(self.device):
-            hidden = self.backbone.hidden_states(mx.array(ids))
+            hidden = self.backbone.hidden_states(mx.array(ids[:, :cut]))
+            if cut < seq_len:
+                hidden = mx.pad(hidden, [(0, 0), (0, seq_len - cut), (0, 0)])
             lexical = self.backbone.output_embedding[mx.array(layout.option_token_ids.astype(np.int32))]
             logits = self.head(hidden, lengths, lexical, layout)
             mx.eval(logits)

@@ -110,10 +110,15 @@ class OnnxBackend:
         rows = np.asarray(self.embedding[token_ids])
         return bf16_to_float32(rows) if self.embedding_dtype == "bfloat16" else rows.astype(np.float32)
 
-    def logits(self, records: list[EncodedRecord], layout: HeadLayout, pad_token_id: int) -> np.ndarray:
-        """Option logits ``[questions, max_options]`` (float32, ``-inf`` padding) for right-padded ``records``."""
+    def logits(self, records: list[EncodedRecord], layout: HeadLayout, pad_token_id: int,
+               reach: int | None = None) -> np.ndarray:
+        """Option logits ``[questions, max_options]`` (float32, ``-inf`` padding) for right-padded ``records``;
+        ``reach`` as in :meth:`clef_local.backends.torch_backend.TorchBackend.logits`."""
         input_ids, attention_mask = pad_batch(records, pad_token_id)
-        hidden = self.hidden_states(input_ids, attention_mask)
+        cut = input_ids.shape[1] if reach is None else min(reach, input_ids.shape[1])
+        hidden = self.hidden_states(np.ascontiguousarray(input_ids[:, :cut]),
+                                    np.ascontiguousarray(attention_mask[:, :cut]))
+        hidden = np.pad(hidden, ((0, 0), (0, input_ids.shape[1] - cut), (0, 0)))
         return self.head.logits(hidden, attention_mask, self.lexical_rows(layout.option_token_ids), layout)
 
     def describe(self) -> dict[str, Any]:

@@ -160,10 +160,17 @@ class TorchBackend:
         return self.backbone.hidden_states(input_ids, attention_mask)
 
     @torch.inference_mode()
-    def logits(self, records: list[EncodedRecord], layout: HeadLayout, pad_token_id: int) -> np.ndarray:
-        """Option logits ``[questions, max_options]`` (float32, ``-inf`` padding) for right-padded ``records``."""
+    def logits(self, records: list[EncodedRecord], layout: HeadLayout, pad_token_id: int,
+               reach: int | None = None) -> np.ndarray:
+        """Option logits ``[questions, max_options]`` (float32, ``-inf`` padding) for right-padded ``records``.
+
+        ``reach``: run the backbone over the first ``reach`` positions only and leave the later hidden states zero,
+        for a head that reads no further (:mod:`clef_local.head_reach`).
+        """
         input_ids, attention_mask = collate(records, pad_token_id, self.device)
-        hidden = self.backbone.hidden_states(input_ids, attention_mask)
+        cut = input_ids.shape[1] if reach is None else min(reach, input_ids.shape[1])
+        hidden = self.backbone.hidden_states(input_ids[:, :cut], attention_mask[:, :cut])
+        hidden = torch.nn.functional.pad(hidden, (0, 0, 0, input_ids.shape[1] - cut))
         device_layout = layout.map(lambda a: torch.from_numpy(a).to(self.device))
         lexical = self.backbone.lexical_rows(device_layout.option_token_ids)
         logits = self.head(hidden, attention_mask, lexical, device_layout)

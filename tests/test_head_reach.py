@@ -1,0 +1,111 @@
+"""A head that reads question spans only: the runtime stops the backbone after the last question span, with the
+same probabilities on every backend, and never for a head whose other branches are live."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import clef_local
+from clef_local.export.question_path import question_path_head
+from clef_local.head import JointSchemaHead
+from clef_local.head_reach import question_reach, reads_question_spans_only
+from clef_local.release import HEAD_WEIGHTS, read_release
+
+OPTIONS = {f"intent_{i}": (f"the customer asks about topic number {i}" if i % 3 else None) for i in range(24)}
+REQUESTS = [
+    {"model": "m", "state": "My card payment was declined twice at the supermarket today.",
+     "questions": {"intent": {"type": "choice", "instructions": "What does the customer want?", "criteria": OPTIONS}}},
+    {"model": "m", "state": {"messages": ["hello", "I was charged twice for one coffee"], "tier": "gold"},
+     "questions": {"refund": {"type": "noul", "instructions": "Does the customer want money back?"},
+                   "topic": {"type": "choice", "criteria": {"cards": None, "fees": "charges and fees",
+                                                            "transfers": None}},
+                   "urgency": {"type": "score", "instructions": "How urgent?", "criteria": ["low", "mid", "high"]}}},
+    {"model": "m", "state": "Where is my new card?",
+     "questions": {"q7": {"type": "noul", "criteria": {"true": "the card has not arrived"}}}},
+]
+
+
+@pytest.fixture(scope="module")
+def question_path_release(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny llama release with a question-path head whose trainable tensors are random (every one matters)."""
+    path = tmp_path_factory.mktemp("reach") / "release"
+    shutil.copytree(tiny_llama, path)
+    head = JointSchemaHead(read_release(path).head_config)
+    head.load_state_dict(load_file(path / HEAD_WEIGHTS))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for param in question_path_head(head, 3.0):
+            param.add_(torch.randn_like(param))
+    save_file({k: v.contiguous() for k, v in head.state_dict().items()}, path / HEAD_WEIGHTS)
+    return path
+
+
+def _tensors(path: Path) -> dict[str, np.ndarray]:
+    return {k: v.numpy() for k, v in load_file(path / HEAD_WEIGHTS).items()}
+
+
+def test_the_predicate_needs_every_far_branch_off(tiny_llama: Path, question_path_release: Path):
+    assert not reads_question_spans_only(_tensors(tiny_llama))  # a random head reads everything
+    tensors = _tensors(question_path_release)
+    assert reads_question_spans_only(tensors)
+    for name in ("option_context_projection.weight", "global_projection.weight",
+                 "evidence_layers.0.attention.out_proj.weight", "layers.1.multihead_attn.out_proj.weight"):
+        live = dict(tensors)
+        live[name] = tensors[name].copy()
+        live[name][0, 0] = 1e-4
+        assert not reads_question_spans_only(live), name
+    assert not reads_question_spans_only({**tensors, "prior_logit_scale": np.array(-10.0, dtype=np.float32)})
+    # the routing layers' feed-forward and the field layers' self-attention read the options, not the backbone
+    assert reads_question_spans_only({**tensors, "layers.0.self_attn.out_proj.weight": np.ones((32, 32))})
+
+
+def _probabilities(model: clef_local.ClefModel) -> list[np.ndarray]:
+    return [p for prediction in model.predict(REQUESTS, batch_size=3) for p in prediction.probabilities]
+
+
+@pytest.mark.parametrize("backend", ["torch", "onnx", "mlx"])
+def test_the_cut_pass_gives_the_whole_records_probabilities(question_path_release: Path, tmp_path: Path,
+                                                           backend: str):
+    path = question_path_release
+    if backend == "onnx":
+        pytest.importorskip("onnxruntime")
+        from clef_local.export.onnx_export import export_onnx
+
+        path = Path(export_onnx(question_path_release, tmp_path / "onnx", "fp32", validate=False)["out"])
+    elif backend == "mlx":
+        pytest.importorskip("mlx.core")
+    model = clef_local.load(path, backend=backend, dtype="float32")
+    assert model.stop_after_questions
+    assert model.describe()["backbone_pass"] == "to the last question span"
+    cut = _probabilities(model)
+    model.stop_after_questions = False
+    whole = _probabilities(model)
+    assert [p.shape for p in cut] == [p.shape for p in whole] == [(24,), (2,), (3,), (3,), (2,)]
+    # float32 noise only: the backbone's matmuls over a shorter sequence round differently (~1e-6 relative)
+    assert max(float(np.abs(a - b).max()) for a, b in zip(cut, whole, strict=True)) < 2e-5
+    assert max(float(p.max() - p.min()) for p in whole) > 0.05  # the head discriminates: not a test of constants
+
+
+def test_the_backbone_runs_to_the_last_question_span_only(question_path_release: Path, tiny_llama: Path):
+    model = clef_local.load(question_path_release, backend="torch", dtype="float32")
+    seen: list[int] = []
+    original = model.backend.backbone.hidden_states
+
+    def spy(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        seen.append(input_ids.shape[1])
+        return original(input_ids, attention_mask)
+
+    model.backend.backbone.hidden_states = spy
+    prediction = model.predict(REQUESTS[:1])[0]
+    assert seen == [question_reach(prediction.encoded)]
+    assert seen[0] < len(prediction.encoded.input_ids) / 3  # the 24 options are after the question span
+
+    full = clef_local.load(tiny_llama, backend="torch", dtype="float32")
+    assert not full.stop_after_questions
+    assert full.describe()["backbone_pass"] == "whole record"

@@ -32,7 +32,7 @@ from clef_local.quant import nf4
 from clef_local.quant.predicate import should_quantize
 
 GROUP = {"int4": 32, "int8": None, "nf4": None, "fp8": None}  # tiny in_features (64, 128): int4 groups of 32
-CPU_KERNEL = {"int4": "torch_int4pack_cpu", "int8": "torch_int8pack_cpu", "nf4": "bnb_matmul_4bit",
+CPU_KERNEL = {"int4": "dequantize", "int8": "torch_int8pack_cpu", "nf4": "bnb_matmul_4bit",
               "fp8": "dequantize"}  # bf16 activations
 # float32 activations: torch's int4/int8 CPU kernels are slower than dequantize-then-matmul, so they are not used
 CPU_KERNEL_FP32 = {**CPU_KERNEL, "int4": "dequantize", "int8": "dequantize"}
@@ -207,8 +207,9 @@ def test_loading_never_dequantizes_and_holds_packed_bytes(variants, tiny_llama, 
             assert held <= bound * 2 * module.in_features * module.out_features, (scheme, name, held)
 
 
-def test_int4_kernel_choice_per_layer_and_one_log_line(caplog):
-    """out_features % 16 != 0 falls back to dequantize-then-matmul: recorded in ``kernel`` and logged once."""
+def test_int4_dequantizes_on_a_cpu_by_choice_without_a_warning(caplog):
+    """Prefills run faster dequantized than through torch's int4 CPU kernel (quantized's docstring): every int4
+    layer on a CPU dequantizes, as a choice (no fallback is logged), whatever its shape, with the right numbers."""
     model = nn.Sequential(nn.Linear(64, 24, bias=True), nn.Linear(64, 32, bias=False))
     weights = {str(i): layer.weight.detach().clone() for i, layer in enumerate(model)}
     state = {f"{i}.{k}": v for i, w in weights.items() for k, v in quant.int4.quantize(w, 32).items()}
@@ -220,15 +221,32 @@ def test_int4_kernel_choice_per_layer_and_one_log_line(caplog):
     model.load_state_dict(state, strict=True, assign=True)
     with caplog.at_level(logging.INFO, logger="clef_local.backends.quantized"):
         layers = ql.prepare_quantized(model)
-    assert layers == {"0": "int4:dequantize", "1": "int4:torch_int4pack_cpu"}
-    assert ql.kernel_counts(layers) == {"int4:dequantize": 1, "int4:torch_int4pack_cpu": 1}
-    [record] = [r for r in caplog.records if r.name == "clef_local.backends.quantized"]
-    assert "out_features % 16 != 0" in record.getMessage() and "kernel=dequantize" in repr(model[0])
+    assert layers == {"0": "int4:dequantize", "1": "int4:dequantize"}
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     x = torch.randn(3, 64).to(torch.bfloat16).float()
     for i, layer in enumerate(model):
         packed = {k.removeprefix(f"{i}."): v for k, v in state.items() if k.startswith(f"{i}.") and k != "0.bias"}
         reference = x @ quant.int4.dequantize(packed, 32, torch.float32).T + (state["0.bias"] if i == 0 else 0)
         torch.testing.assert_close(layer(x.to(torch.bfloat16)).float(), reference, rtol=2e-2, atol=2e-2)
+
+
+def test_int8_takes_its_kernel_for_short_calls_and_dequantizes_prefills(monkeypatch):
+    stored = quant.int8.quantize(torch.randn(128, 64, generator=torch.Generator().manual_seed(7)))
+    headers = {f"0.{k}": (tuple(v.shape), v.dtype) for k, v in stored.items()}
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(64, 128, bias=False))
+    ql.swap_linears(model, ql.quantized_prefixes(headers, "int8"), headers, dtype=torch.bfloat16)
+    model.load_state_dict({f"0.{k}": v for k, v in stored.items()}, assign=True)
+    assert ql.prepare_quantized(model) == {"0": "int8:torch_int8pack_cpu"}
+    calls: list[int] = []
+    kernel = quant.int8.int8_matmul
+    monkeypatch.setattr(quant.int8, "int8_matmul", lambda x, packed: calls.append(x.numel() // 64) or kernel(x, packed))
+    for shape in ((1, 63, 64), (2, 31, 64), (1, 64, 64), (4, 300, 64)):
+        x = torch.randn(*shape, generator=torch.Generator().manual_seed(8))
+        reference = x @ quant.int8.dequantize(stored).T
+        y = model[0](x.to(torch.bfloat16)).float()
+        assert float((y - reference).abs().max() / reference.abs().max()) <= 2e-2, shape
+    assert calls == [63, 62] and ql.INT8_KERNEL_ROWS == 64  # 64 rows and more: dequantize
 
 
 def test_int8_kernel_gets_an_aligned_weight():

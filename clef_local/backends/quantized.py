@@ -12,11 +12,18 @@ activation dtype at each call, never cached in full precision):
 =====  ====================================================  ===================================================
        CPU                                                   CUDA
 =====  ====================================================  ===================================================
-int4   ``torch_int4pack_cpu`` (out % 16 == 0, x bf16/f16)     ``tinygemm_cuda`` (sm_80+, x bf16, out % 8 == 0)
-int8   ``torch_int8pack_cpu`` (x bf16/f16)                    ``bnb_int8`` (bitsandbytes installed)
+int4   ``dequantize`` (see below)                             ``tinygemm_cuda`` (sm_80+, x bf16, out % 8 == 0)
+int8   ``torch_int8pack_cpu`` (x bf16/f16; see below)          ``bnb_int8`` (bitsandbytes installed)
 nf4    ``bnb_matmul_4bit`` (bitsandbytes required)            ``bnb_matmul_4bit``
 fp8    ``dequantize`` (``_scaled_mm`` on CPU: DESIGN §9)       ``scaled_mm_rowwise`` (sm_89+, in, out % 16 == 0)
 =====  ====================================================  ===================================================
+
+Every Clef call is a prefill: a whole record, 90 to thousands of rows per matmul, never one decoded token. torch's
+int4 and int8 CPU kernels are built for decoding: their cost grows with every row, while dequantize-then-matmul pays
+a fixed cost per call and then runs the BF16 GEMM (``python benchmarks/cpu_kernels.py``, 2 cores: the int8 kernel
+wins below ~64 rows, dequantize from there, 4-10x at 256-1,024 rows; the int4 kernel wins below ~192 rows). So an
+int8 layer takes its kernel for calls of fewer than :data:`INT8_KERNEL_ROWS` rows and dequantizes the rest (the same
+buffers); int4 on a CPU dequantizes: a per-call choice would need the kernel's repacked copy *and* the stored one.
 """
 
 from __future__ import annotations
@@ -37,9 +44,11 @@ log = logging.getLogger(__name__)
 
 TensorSpec = tuple[tuple[int, ...], torch.dtype]
 DEQUANTIZE = "dequantize"
-# torch's int4/int8 CPU kernels are fast only with half-precision activations: with float32 ones they were 8x (int4)
-# and 15x (int8) slower than dequantize-then-matmul (256x576 @ 576x1536, 2 cores), so float32 dequantizes per call.
+# torch's int8 CPU kernel is fast only with half-precision activations: with float32 ones it was 15x slower than
+# dequantize-then-matmul (256x576 @ 576x1536, 2 cores), so float32 dequantizes per call.
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+# calls with at least this many rows dequantize instead of running torch's int8 CPU kernel (module docstring)
+INT8_KERNEL_ROWS = 64
 BNB_MISSING = "nf4 variants need bitsandbytes: pip install bitsandbytes"
 REPACK_ROWS_BUDGET = 1 << 18  # weights per block of the int4 repack (a few MiB of transient int64 nibbles)
 # tinygemm vs dequantize-then-matmul at load (bf16 activations, error / max |x @ W.T|): bf16 rounding of the
@@ -145,13 +154,13 @@ def repack_int4(packed: dict[str, torch.Tensor], group_size: int, dtype: torch.d
 class Int4Linear(QuantizedLinear):
     """int4 (MLX affine layout): ``W[r, c] = scales[r, c // g] * q[r, c] + biases[r, c // g]``.
 
-    ``torch_int4pack_cpu``: the stored tensors are repacked exactly (:func:`quant.int4.to_torch_int4pack`:
-    ``w = (q - 8) * s + z`` with ``s = scale``, ``z = bias + 8 * scale``) in the compute dtype, the MLX-layout
-    buffers are then released (one 4-bit copy stays), and ``y = aten._weight_int4pack_mm_for_cpu(x, ...)``.
-    ``tinygemm_cuda``: the same exact repack into the CUDA kernel's tiles (:func:`quant.int4.to_tinygemm`), then
-    ``y = aten._weight_int4pack_mm(x, ...)``; checked once at load against dequantize-then-matmul on a few random
-    rows (a wrong repack would otherwise decide silently wrong), falling back to ``dequantize`` with the error.
-    ``dequantize``: ``y = x @ (scales * q + biases).T`` rebuilt per call.
+    ``tinygemm_cuda``: the stored tensors are repacked exactly into the CUDA kernel's tiles
+    (:func:`quant.int4.to_tinygemm`: ``w = (q - 8) * s + z`` with ``s = scale``, ``z = bias + 8 * scale``), the
+    MLX-layout buffers are then released (one 4-bit copy stays), and ``y = aten._weight_int4pack_mm(x, ...)``;
+    checked once at load against dequantize-then-matmul on a few random rows (a wrong repack would otherwise decide
+    silently wrong), falling back to ``dequantize`` with the error. ``dequantize`` (CPUs: the module docstring says
+    why torch's CPU int4 kernel, :func:`quant.int4.int4_matmul`, is not used for prefills): ``y = x @ (scales * q +
+    biases).T`` rebuilt per call.
     """
 
     scheme = "int4"
@@ -179,13 +188,8 @@ class Int4Linear(QuantizedLinear):
             self._prepare_tinygemm(device)
         elif device.type != "cpu":
             self._set_kernel(DEQUANTIZE, f"no int4 kernel wired for {device.type}")
-        elif self.out_features % 16:
-            self._set_kernel(DEQUANTIZE, "out_features % 16 != 0 (torch's int4 CPU kernel)")
-        elif self.compute_dtype not in KERNEL_DTYPES:
-            self._set_kernel(DEQUANTIZE, f"{self.compute_dtype} activations (torch's int4 CPU kernel is fast in "
-                                         "bf16/fp16 only)")
-        else:
-            self._use_repack(repack_int4(self.packed(), self.group_size, self.compute_dtype), "torch_int4pack_cpu")
+        else:  # a choice, not a fallback: prefills run faster dequantized (module docstring)
+            self._set_kernel(DEQUANTIZE)
 
     def _prepare_tinygemm(self, device: torch.device) -> None:
         if reason := int4.tinygemm_unsupported(device, self.compute_dtype, self.out_features, self.in_features,
@@ -226,7 +230,7 @@ class Int4Linear(QuantizedLinear):
 
 # the repacked int4 kernels by the name Int4Linear records
 INT4_MATMULS: dict[str, Callable[[torch.Tensor, int4.TorchInt4], torch.Tensor]] = {
-    "torch_int4pack_cpu": int4.int4_matmul, "tinygemm_cuda": int4.tinygemm_matmul}
+    "tinygemm_cuda": int4.tinygemm_matmul}
 
 
 def bnb_int8_matmul(x: torch.Tensor, weight: torch.Tensor, scb: torch.Tensor) -> torch.Tensor:
@@ -257,7 +261,8 @@ class Int8Linear(_PerRowLinear):
     """int8 symmetric per row: ``W[r, c] = q[r, c] * weight_scale[r]``.
 
     ``torch_int8pack_cpu``: ``y = aten._weight_int8pack_mm(x, q, scale)`` = ``(x @ q.T) * scale`` (weight-only;
-    the scale is cast to the activation dtype). ``bnb_int8``: :func:`bnb_int8_matmul` (activations quantized too).
+    the scale is cast to the activation dtype) for calls of fewer than :data:`INT8_KERNEL_ROWS` rows, dequantize for
+    longer ones. ``bnb_int8``: :func:`bnb_int8_matmul` (activations quantized too).
     ``dequantize``: ``y = x @ (q * scale).T`` per call.
     """
 
@@ -284,7 +289,7 @@ class Int8Linear(_PerRowLinear):
         self._set_kernel("bnb_int8")
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel == "torch_int8pack_cpu":
+        if self.kernel == "torch_int8pack_cpu" and x.numel() < INT8_KERNEL_ROWS * x.shape[-1]:
             return int8.int8_matmul(x, self.packed())
         if self.kernel == "bnb_int8":
             return bnb_int8_matmul(x, self.weight, self.scb)

@@ -2,6 +2,7 @@
 
     python benchmarks/drift_demo.py --out /tmp/drift-demo                         # full: 500 rows, folds 16-19
     python benchmarks/drift_demo.py --b77-rows 40 --nlupp-rows 12 --out /tmp/drift-demo   # reduced (a 2-core CPU)
+    python benchmarks/drift_demo.py --out /tmp/drift-demo --screenshot-only docs/drift_report.png  # README's PNG
 
 Data: BANKING77 test rows 0…N (one 77-way choice each) and NLU++ banking folds (every ontology intent as a noul
 question, 8 per request) as labelled JSONL, through ``clef-local drift`` with ``--floor`` (the reference in the
@@ -42,6 +43,21 @@ def ensure_variants(reference: Path, directory: Path, schemes: list[str]) -> lis
     return paths
 
 
+def screenshot(report: Path, png: Path, width: int = 1400) -> None:
+    """The top of ``report`` as a PNG, through Debian's chromium driven headless by Playwright (as ui_load.py)."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path="/usr/bin/chromium", headless=True,
+                                             args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": width, "height": 1800})
+        page.goto(report.resolve().as_uri())
+        png.parent.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(png))
+        browser.close()
+    print(f"screenshot of {report}: {png}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reference", type=Path, help="BF16 reference (default: the demo model)")
@@ -53,8 +69,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nlupp-rows", type=int, help="first N utterances of those folds (default: all)")
     parser.add_argument("--dtype", default="float32", help="compute dtype of every model (default float32)")
     parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--no-floor", action="store_true",
+                        help="skip the noise floor (the reference again in float32: the slowest model on a CPU)")
     parser.add_argument("--out", type=Path, required=True, help="output folder (data, report.html/.md/.json)")
+    parser.add_argument("--screenshot-only", type=Path, metavar="PNG",
+                        help="run nothing: screenshot --out's existing report.html into PNG")
     args = parser.parse_args(argv)
+    if args.screenshot_only:
+        screenshot(args.out / "report.html", args.screenshot_only)
+        return 0
     reference = args.reference or default_model_path()
     variants = ensure_variants(reference, args.variants, args.schemes.split(","))
     args.out.mkdir(parents=True, exist_ok=True)
@@ -70,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.perf_counter()
     argv_drift = ["--reference", str(reference), *[a for v in variants for a in ("--candidate", str(v))],
-                  "--data", str(data), "--floor", "--dtype", args.dtype, "--batch-size", str(args.batch_size),
+                  "--data", str(data), *([] if args.no_floor else ["--floor"]),
+                  "--dtype", args.dtype, "--batch-size", str(args.batch_size),
                   "--report", str(args.out / "report.html"), "--json", str(args.out / "report.json"),
                   "--md", str(args.out / "report.md")]
     print("clef-local drift " + " ".join(argv_drift), flush=True)

@@ -12,12 +12,35 @@ takes its thresholds from it. Milliseconds per call, median of 15 after a warm-u
 from __future__ import annotations
 
 import argparse
+import functools
 
 import torch
 import torch.nn.functional as F
 from _timing import median_ms
 
 from clef_local.quant import int4, int8
+
+
+def shape_rows(out_f: int, in_f: int, rows: list[int], group_size: int) -> list[list[float]]:
+    """ms per call of [int8 kernel, int8 dequantize+mm, int4 kernel, int4 dequantize+mm, bf16 mm] for each row count."""
+    weight = torch.randn(out_f, in_f)
+    p8 = int8.quantize(weight)
+    p8["weight"] = int8.aligned(p8["weight"])
+    p4 = int4.quantize(weight, group_size)
+    repacked = int4.to_torch_int4pack(p4, group_size, torch.bfloat16)
+    dense = weight.bfloat16()
+    calls = (
+        lambda x: int8.int8_matmul(x, p8),
+        lambda x: F.linear(x, int8.dequantize(p8, torch.bfloat16)),
+        lambda x: int4.int4_matmul(x, repacked),
+        lambda x: F.linear(x, int4.dequantize(p4, group_size, torch.bfloat16)),
+        lambda x: F.linear(x, dense),
+    )
+    table = []
+    for count in rows:
+        x = torch.randn(count, in_f, dtype=torch.bfloat16)
+        table.append([median_ms(functools.partial(call, x), 15) for call in calls])
+    return table
 
 
 def main() -> None:
@@ -31,21 +54,8 @@ def main() -> None:
           f"{'int4 deq+mm':>12} {'bf16 mm':>9}")
     for shape in args.shapes:
         out_f, in_f = map(int, shape.split("x"))
-        weight = torch.randn(out_f, in_f)
-        p8 = int8.quantize(weight)
-        p8["weight"] = int8.aligned(p8["weight"])
-        p4 = int4.quantize(weight, args.group_size)
-        repacked = int4.to_torch_int4pack(p4, args.group_size, torch.bfloat16)
-        dense = weight.bfloat16()
-        for rows in args.rows:
-            x = torch.randn(rows, in_f, dtype=torch.bfloat16)
-            times = [median_ms(f, 15) for f in (
-                lambda: int8.int8_matmul(x, p8),
-                lambda: F.linear(x, int8.dequantize(p8, torch.bfloat16)),
-                lambda: int4.int4_matmul(x, repacked),
-                lambda: F.linear(x, int4.dequantize(p4, args.group_size, torch.bfloat16)),
-                lambda: F.linear(x, dense))]
-            print(f"{shape:>10} {rows:>5} " + " ".join(f"{t:>12.3f}" for t in times[:4]) + f" {times[4]:>9.3f}")
+        for count, times in zip(args.rows, shape_rows(out_f, in_f, args.rows, args.group_size), strict=True):
+            print(f"{shape:>10} {count:>5} " + " ".join(f"{t:>12.3f}" for t in times[:4]) + f" {times[4]:>9.3f}")
 
 
 if __name__ == "__main__":

@@ -26,9 +26,11 @@ The command line (``clef-local drift``) lives in :mod:`clef_local.drift_cli`; ``
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -37,6 +39,8 @@ from clef_local.metrics import labelled_report
 
 if TYPE_CHECKING:
     from clef_local.model import ClefModel, Prediction
+
+log = logging.getLogger(__name__)
 
 KINDS = ("noul", "choice", "score")
 _EPS = 1e-12
@@ -245,6 +249,23 @@ def drift_from_predictions(ref_preds: Sequence[Prediction], cand_preds: Sequence
                        by_type=by_type, rows=rows, labelled=labelled_metrics(rows), meta=dict(meta or {}))
 
 
+def head_difference(reference: str | Path, candidate: str | Path) -> str | None:
+    """Why the two releases' joint schema heads differ (the names of the head files whose bytes differ), or None.
+
+    A variant copies its source's head byte for byte, so a difference means the candidate was exported from another
+    release (e.g. before the reference's head was retrained): the drift then measures two models, not a scheme.
+    """
+    from clef_local.manifest import sha256
+    from clef_local.release import HEAD_CONFIG, HEAD_WEIGHTS
+
+    differ = [name for name in (HEAD_WEIGHTS, HEAD_CONFIG)
+              if sha256(Path(reference) / name) != sha256(Path(candidate) / name)]
+    if not differ:
+        return None
+    return (f"{candidate}: {' and '.join(differ)} differ from {reference}'s — this compares two different heads, "
+            f"not a quantization; re-export the variant from this reference")
+
+
 def predict_all(model: ClefModel, requests: Sequence[Mapping[str, Any]], *, batch_size: int = 8,
                 progress: Progress | None = None, truncate_state: bool = False) -> list[Prediction]:
     """``model.predict`` with ``progress(done, total)`` (kept for the UI and scripts that import it from here).
@@ -270,6 +291,8 @@ def run_drift(reference: ClefModel, candidate: ClefModel, requests: Sequence[Map
         if progress is not None:
             progress(offset + done, total)
 
+    if (difference := head_difference(reference.path, candidate.path)) is not None:
+        log.warning("%s", difference)
     started = time.perf_counter()
     ref_preds = reference_predictions
     if ref_preds is None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from clef_local.drift import DriftResult, drift_from_predictions, predict_all
+from clef_local.drift import DriftResult, drift_from_predictions, head_difference, predict_all
 from clef_local.metrics import LABEL_DELTAS
 
 _GATE = re.compile(r"^\s*(?:(noul|choice|score|all)\.)?([a-z_0-9]+)\s*(<=|>=|<|>)\s*([-+0-9.eE]+)\s*$")
@@ -174,10 +174,12 @@ def main(argv: list[str] | None = None) -> int:
             ref = _run(args.reference, requests, dtype=dtype, desc="reference", **common)
             results = []
             for candidate in args.candidate:
+                if (difference := head_difference(args.reference, candidate)) is not None:
+                    print(f"warning: {difference}", file=sys.stderr)
                 cand = _run(candidate, requests, dtype=dtype, desc=Path(candidate).name, **common)
                 results.append(drift_from_predictions(ref, cand, requests, labels=labels,
-                                                      reference_name=str(args.reference),
-                                                      candidate_name=str(candidate), meta=meta))
+                                                      reference_name=str(args.reference), candidate_name=str(candidate),
+                                                      meta={**meta, "head": difference or "same as the reference's"}))
             floor = None
             if args.floor:
                 floor_dtype = args.floor_dtype or _floor_dtype(dtype)

@@ -177,6 +177,7 @@ def test_drift_cli_gates_and_outputs(tiny_llama: Path, tempered: Path, tmp_path:
     assert "network: off" in out and "gates passed" in out
     bundle = json.loads((tmp_path / "r.json").read_text())
     assert bundle["network"] == "off" and bundle["drift"][0]["summary"]["flips"] == 0
+    assert bundle["drift"][0]["meta"]["head"] == "same as the reference's"  # a temperature is not a new head
     assert "| llama-t3 |" in (tmp_path / "r.md").read_text()
     assert main([*base, "--gate", "kl_mean<=0"]) == 1
     assert "gate failed: llama-t3: kl_mean<=0" in capsys.readouterr().err
@@ -194,3 +195,30 @@ def test_drift_cli_floor(tiny_llama: Path, tmp_path: Path, capsys):
     assert bundle["floor"]["candidate"].endswith("(bfloat16, auto)")
     assert 0 < bundle["floor"]["summary"]["kl_mean"] < 0.01
     assert "noise floor" in capsys.readouterr().out
+
+
+def test_drift_names_a_candidate_whose_head_is_not_the_references(tiny_llama: Path, tmp_path: Path, capsys, caplog):
+    """A variant copies its source's head byte for byte: a candidate with another head (exported before the
+    reference's head was retrained, say) is named, in the CLI's stderr, the JSON and run_drift's log."""
+    import logging
+
+    from safetensors.torch import load_file, save_file
+
+    import clef_local
+    from clef_local.drift_cli import main
+
+    other = tmp_path / "other-head"
+    shutil.copytree(tiny_llama, other)
+    tensors = load_file(other / "joint_head.safetensors")
+    tensors["residual_gate"] = tensors["residual_gate"] + 1.0
+    save_file(tensors, other / "joint_head.safetensors")
+    data = _write_data(tmp_path / "d.jsonl")
+    assert main(["--reference", str(tiny_llama), "--candidate", str(other), "--data", str(data), "--dtype", "float32",
+                 "--no-progress", "--json", str(tmp_path / "r.json")]) == 0
+    err = capsys.readouterr().err
+    assert "warning:" in err and "joint_head.safetensors differ" in err and "re-export" in err
+    head = json.loads((tmp_path / "r.json").read_text())["drift"][0]["meta"]["head"]
+    assert head.startswith(str(other)) and "joint_head_config.json" not in head
+    with caplog.at_level(logging.WARNING, logger="clef_local.drift"):
+        run_drift(clef_local.load(tiny_llama, dtype="float32"), clef_local.load(other, dtype="float32"), REQUESTS)
+    assert any("two different heads" in r.getMessage() for r in caplog.records)

@@ -44,7 +44,7 @@ def _layer_count(tensors: Mapping[str, Any], prefix: str) -> int:
 def reads_question_spans_only(tensors: Mapping[str, Any]) -> bool:
     """True when a head's state dict (``joint_head.safetensors`` as numpy arrays) reads no hidden state after the
     last question span: every branch listed in the module docstring is zero and the prior's scale is negligible."""
-    names = ["option_context_projection.weight", "global_projection.weight"]
+    names = list(_FAR_PROJECTIONS)
     names += [f"evidence_layers.{n}.attention.out_proj.weight"
               for n in range(_layer_count(tensors, "evidence_layers."))]
     names += [f"layers.{n}.multihead_attn.out_proj.weight" for n in range(_layer_count(tensors, "layers."))]
@@ -54,11 +54,23 @@ def reads_question_spans_only(tensors: Mapping[str, Any]) -> bool:
     return math.exp(log_scale) <= PRIOR_NEGLIGIBLE
 
 
+def _far_branch(name: str) -> bool:
+    return name in _FAR_PROJECTIONS or name.endswith((".attention.out_proj.weight", ".multihead_attn.out_proj.weight"))
+
+
+_FAR_PROJECTIONS = ("option_context_projection.weight", "global_projection.weight")
+
+
 def head_reads_question_spans_only(path: Path) -> bool:
-    """:func:`reads_question_spans_only` of a ``joint_head.safetensors`` file (read with numpy, BF16 widened)."""
+    """:func:`reads_question_spans_only` of a ``joint_head.safetensors`` file, reading only the tensors it needs
+    (numpy, BF16 widened): the prior's scale first, which ends it for every real Clef head."""
     from clef_local.backends.numpy_head import read_safetensors
 
-    return reads_question_spans_only(read_safetensors(path))
+    prior = read_safetensors(path, lambda name: name == "prior_logit_scale")
+    if "prior_logit_scale" not in prior or math.exp(min(float(prior["prior_logit_scale"].reshape(-1)[0]),
+                                                        _MAX_LOG_SCALE)) > PRIOR_NEGLIGIBLE:
+        return False
+    return reads_question_spans_only({**prior, **read_safetensors(path, _far_branch)})
 
 
 def question_reach(record: EncodedRecord) -> int:

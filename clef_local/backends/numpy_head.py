@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +37,12 @@ def bf16_to_float32(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
-def read_safetensors(file: Path) -> dict[str, np.ndarray]:
-    """Every tensor of a safetensors file as a numpy array (BF16 as float32), without torch or ``safetensors``."""
+def read_safetensors(file: Path, select: Callable[[str], bool] | None = None) -> dict[str, np.ndarray]:
+    """Every tensor of a safetensors file as a numpy array (BF16 as float32), without torch or ``safetensors``;
+    with ``select``, only the tensors whose names it accepts (the file is memory-mapped: the rest is never read)."""
     try:
-        raw = file.read_bytes()
+        with file.open("rb") as handle:
+            raw = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
         (header_len,) = np.frombuffer(raw[:8], dtype="<u8")
         header = json.loads(raw[8 : 8 + int(header_len)])
     except (OSError, ValueError) as exc:
@@ -46,7 +50,7 @@ def read_safetensors(file: Path) -> dict[str, np.ndarray]:
     base = 8 + int(header_len)
     out: dict[str, np.ndarray] = {}
     for name, info in header.items():
-        if name == "__metadata__":
+        if name == "__metadata__" or (select is not None and not select(name)):
             continue
         begin, end = (base + int(x) for x in info["data_offsets"])
         dtype = info["dtype"]

@@ -23,6 +23,7 @@ from _timing import median_ms
 
 import clef_local
 from clef_local.datasets import banking77_examples, banking77_intents
+from clef_local.drift import head_difference
 from clef_local.export.quantize import quantize_release
 from clef_local.export.validate import compare
 from clef_local.metrics import classification_report
@@ -86,6 +87,8 @@ def main() -> None:
     reference = measure(reference_dir, args.rows, args.dtype)
     rows = [{"model": f"reference ({args.dtype})", "mean_kl": 0.0, "flip_rate": 0.0, **_public(reference)}]
     for scheme, path in variants.items():
+        if (difference := head_difference(reference_dir, path)) is not None:
+            print(f"warning: {difference}", file=sys.stderr)  # e.g. a DIR-<scheme> left from an older head
         result = measure(Path(path), args.rows, args.dtype)
         drift = compare(reference["probabilities"], result["probabilities"])
         rows.append({"model": scheme, "mean_kl": drift["mean_kl"], "flip_rate": drift["flip_rate"],

@@ -41,6 +41,16 @@ def _layer_count(tensors: Mapping[str, Any], prefix: str) -> int:
     return len({name.split(".")[1] for name in tensors if name.startswith(prefix)})
 
 
+_FAR_PROJECTIONS = ("option_context_projection.weight", "global_projection.weight")
+
+
+def _prior_negligible(tensors: Mapping[str, Any]) -> bool:
+    if "prior_logit_scale" not in tensors:
+        return False
+    log_scale = min(float(np.asarray(tensors["prior_logit_scale"]).reshape(-1)[0]), _MAX_LOG_SCALE)
+    return math.exp(log_scale) <= PRIOR_NEGLIGIBLE
+
+
 def reads_question_spans_only(tensors: Mapping[str, Any]) -> bool:
     """True when a head's state dict (``joint_head.safetensors`` as numpy arrays) reads no hidden state after the
     last question span: every branch listed in the module docstring is zero and the prior's scale is negligible."""
@@ -48,17 +58,11 @@ def reads_question_spans_only(tensors: Mapping[str, Any]) -> bool:
     names += [f"evidence_layers.{n}.attention.out_proj.weight"
               for n in range(_layer_count(tensors, "evidence_layers."))]
     names += [f"layers.{n}.multihead_attn.out_proj.weight" for n in range(_layer_count(tensors, "layers."))]
-    if not all(_zero(tensors, name) for name in names) or "prior_logit_scale" not in tensors:
-        return False
-    log_scale = min(float(np.asarray(tensors["prior_logit_scale"]).reshape(-1)[0]), _MAX_LOG_SCALE)
-    return math.exp(log_scale) <= PRIOR_NEGLIGIBLE
+    return all(_zero(tensors, name) for name in names) and _prior_negligible(tensors)
 
 
 def _far_branch(name: str) -> bool:
     return name in _FAR_PROJECTIONS or name.endswith((".attention.out_proj.weight", ".multihead_attn.out_proj.weight"))
-
-
-_FAR_PROJECTIONS = ("option_context_projection.weight", "global_projection.weight")
 
 
 def head_reads_question_spans_only(path: Path) -> bool:
@@ -67,10 +71,7 @@ def head_reads_question_spans_only(path: Path) -> bool:
     from clef_local.backends.numpy_head import read_safetensors
 
     prior = read_safetensors(path, lambda name: name == "prior_logit_scale")
-    if "prior_logit_scale" not in prior or math.exp(min(float(prior["prior_logit_scale"].reshape(-1)[0]),
-                                                        _MAX_LOG_SCALE)) > PRIOR_NEGLIGIBLE:
-        return False
-    return reads_question_spans_only({**prior, **read_safetensors(path, _far_branch)})
+    return _prior_negligible(prior) and reads_question_spans_only({**prior, **read_safetensors(path, _far_branch)})
 
 
 def question_reach(record: EncodedRecord) -> int:

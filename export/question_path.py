@@ -40,6 +40,7 @@ from tqdm import tqdm
 from clef_local.encoding import EncodedRecord
 from clef_local.export.hidden_cache import cache_dtype, token_batches
 from clef_local.head import JointSchemaHead
+from clef_local.head_reach import question_reach
 from clef_local.release import read_json
 
 log = logging.getLogger(__name__)
@@ -109,8 +110,7 @@ def question_path_logits(head: JointSchemaHead, batch: QuestionBatch) -> torch.T
 
 def truncate_to_questions(record: EncodedRecord) -> EncodedRecord:
     """``record`` cut after its last question span: all a question-path head reads."""
-    end = max(q.question_span[1] for q in record.questions)
-    return replace(record, input_ids=record.input_ids[:end])
+    return replace(record, input_ids=record.input_ids[:question_reach(record)])
 
 
 def question_means(backbone_dir: Path, encoded: Sequence[EncodedRecord], cache: Path, *, device: str = "cpu",

@@ -17,17 +17,19 @@ from clef_local.encoding import EncodedRecord
 from clef_local.head import JointSchemaHead
 
 
-def question_loss(logits: torch.Tensor, gold: torch.Tensor, smoothing: float, brier_weight: float
-                  ) -> torch.Tensor:
+def question_loss(logits: torch.Tensor, gold: torch.Tensor, smoothing: float, brier_weight: float,
+                  weights: torch.Tensor | None = None) -> torch.Tensor:
     """Mean over questions of label-smoothed CE + Brier; ``logits`` ``[Q, K]`` with ``-inf`` padding.
 
-    Questions whose gold index is ``-1`` (no label) are left out; with none labelled the loss is 0.
+    Questions whose gold index is ``-1`` (no label) are left out; with none labelled the loss is 0. ``weights``
+    ``[Q]`` makes it a weighted mean (a question of weight 3 counts as three).
     """
     labelled = gold >= 0
     if not bool(labelled.all()):
         if not bool(labelled.any()):
             return logits.new_zeros(())
         logits, gold = logits[labelled], gold[labelled]
+        weights = None if weights is None else weights[labelled]
     valid = torch.isfinite(logits)
     log_p = torch.log_softmax(logits, dim=-1).masked_fill(~valid, 0.0)
     count = valid.sum(-1)
@@ -36,7 +38,11 @@ def question_loss(logits: torch.Tensor, gold: torch.Tensor, smoothing: float, br
     ce = (1 - smoothing) * nll + smoothing * uniform
     target = F.one_hot(gold, logits.shape[1]).to(logits.dtype)
     brier = ((log_p.exp() * valid - target) ** 2).sum(-1)
-    return (ce + brier_weight * brier).mean()
+    per_question = ce + brier_weight * brier
+    if weights is None:
+        return per_question.mean()
+    weights = weights.to(per_question.dtype)
+    return (per_question * weights).sum() / weights.sum()
 
 
 def twin_loss(logits: torch.Tensor, rows: Sequence[tuple[int, int]]) -> torch.Tensor:

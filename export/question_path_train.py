@@ -9,6 +9,7 @@ BANKING77 choice also as the full 77-way question the evaluation asks), for no b
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import json
 import logging
@@ -21,18 +22,22 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from tqdm import tqdm
 
 from clef_local.datasets import Example, Twin
 from clef_local.encoding import QUESTION_TYPES, option_semantics
+from clef_local.errors import ReleaseError
 from clef_local.export.head_losses import question_loss, twin_loss
 from clef_local.export.question_path import (
+    PRIOR_OFF,
     LexicalTable,
     QuestionBatch,
     apply_temperature,
     question_means,
     question_path_head,
     question_path_logits,
+    zeroed_parameters,
 )
 from clef_local.export.train_head import (
     _max_length,
@@ -45,7 +50,7 @@ from clef_local.export.train_head import (
 )
 from clef_local.head import HeadConfig, JointSchemaHead
 from clef_local.metrics import ece
-from clef_local.release import read_json
+from clef_local.release import read_head_config, read_json
 from clef_local.tokenizer import ReleaseTokenizer
 
 log = logging.getLogger(__name__)
@@ -71,6 +76,12 @@ class PathConfig:
     # One temperature fitted on the validation questions (NLL) and folded into the head's weights: label smoothing
     # and questions asked in varied company leave the head underconfident on a plain prompt (ECE 0.10 -> 0.02).
     calibrate: bool = True
+    # Loss weight of the canonical records (the evaluation's own prompt): the head shares one confidence scale across
+    # wordings, and was left underconfident on that prompt (held-out logit multiplier 1.25; other 77-way wordings 1.00)
+    canonical_weight: float = 1.0
+    # Share of the other training units a run trains on (canonical ones always): a fine-tune (``init``) of an existing
+    # head needs the span means of that share only; 1 for a head trained from scratch
+    share: float = 1.0
     seed: int = 0
 
 
@@ -78,7 +89,8 @@ class PathConfig:
 # of 1,670, so it can afford every BANKING77 row, twice the NLU++ rows and twins (~6.5 M tokens, ~50 min here).
 CLI_DEFAULTS: dict[str, object] = {"epochs": PathConfig.epochs, "lr": PathConfig.lr, "banking77": 10003, "nlupp": 3316,
                                    "twins": 1500, "max_options": 12, "joint_scale_init": PathConfig.joint_scale_init,
-                                   "consistency_weight": PathConfig.consistency_weight}
+                                   "consistency_weight": PathConfig.consistency_weight,
+                                   "canonical_weight": PathConfig.canonical_weight, "share": PathConfig.share}
 
 
 @dataclass
@@ -151,15 +163,50 @@ def _units(rows_of: list[list[int]], n_examples: int, encoded, twins: Sequence[T
     return merged + units[n_examples + 2 * len(twins):], pairs  # records after the twins train on their own
 
 
+def _record_of_row(rows_of: list[list[int]]):
+    """Row → record index (a record's rows, its questions then their views, are contiguous)."""
+    starts = [rows[0] for rows in rows_of]
+    return lambda row: bisect.bisect_right(starts, row) - 1
+
+
+def _initial_head(init: Path | None, hidden_size: int, config: PathConfig, device: str
+                  ) -> tuple[JointSchemaHead, HeadConfig]:
+    """A fresh question-path head, or ``init``'s (which must be one), with only the path's parameters trainable."""
+    if init is None:
+        head_config = HeadConfig(hidden_size=hidden_size, width=config.width, routing_layers=config.routing_layers,
+                                 layers=config.layers, heads=config.heads, feedforward=config.feedforward)
+        head = JointSchemaHead(head_config).to(device)
+        question_path_head(head, config.joint_scale_init)
+        return head, head_config
+    head_config = read_head_config(init / "joint_head_config.json")
+    if head_config.hidden_size != hidden_size:
+        raise ReleaseError(f"--init {init}: the head reads hidden size {head_config.hidden_size}, the backbone "
+                           f"gives {hidden_size}")
+    head = JointSchemaHead(head_config).to(device)
+    head.load_state_dict(load_file(str(init / "joint_head.safetensors"), device=str(device)))
+    state = head.state_dict()
+    live = [name for name in zeroed_parameters(head) if bool(state[name].any())]
+    if live or float(head.prior_logit_scale.detach()) > PRIOR_OFF / 2:
+        raise ReleaseError(f"--init {init}: not a question-path head ({(live or ['prior_logit_scale'])[0]} is not "
+                           "off); fine-tune it with --method full")
+    frozen = set(zeroed_parameters(head)) | {"prior_logit_scale"}
+    for name, param in head.named_parameters():
+        param.requires_grad_(name not in frozen)
+    return head, head_config
+
+
 def train_question_path(backbone_dir: Path, examples: Sequence[Example], out: Path, *, work: Path,
                         config: PathConfig = PathConfig(), twins: Sequence[Twin] = (), device: str = "cpu",
                         universe: Sequence[str] = (), canonical: Sequence[Example] = (),
-                        validation: float = 0.05) -> dict:
+                        validation: float = 0.05, init: Path | None = None) -> dict:
     """Question-span means (cached under ``work``), then a question-path head trained on them, written to ``out``.
 
     ``canonical``: records asked exactly as an evaluation asks them (the demo data: BANKING77's 77-way question
     with its fixed instruction, once per training row), so that the head is calibrated on that prompt and not only
     on the varied ones; they come after the twins, so the caches of runs without them are reused.
+    ``init``: fine-tune this question-path head (a directory with ``joint_head.*``) instead of a fresh one; the
+    validation split is the same as a fresh run's on the same records, so its temperature is fitted on questions
+    the head never trained on.
     """
     from clef_local.backends.torch_backend import TorchBackbone
 
@@ -170,24 +217,40 @@ def train_question_path(backbone_dir: Path, examples: Sequence[Example], out: Pa
     records = [*examples, *(e for twin in twins for e in (twin.first, twin.second)), *canonical]
     pairs_ = encode_examples(tokenizer, records, _max_length(backbone_dir))
     encoded, gold = [e for e, _ in pairs_], [g for _, g in pairs_]
-    means = question_means(backbone_dir, encoded, work / "question-means", device=device)
     embedding = TorchBackbone(backbone_dir, backbone_config, device="cpu",
                               dtype=torch.float32).output_embedding.detach()
     table = LexicalTable(embedding)
-    questions, rows_of = build_questions(tokenizer, encoded, gold, means, table, universe)
-    lexical = table.tensor().to(device)
-    units, twin_pairs = _units(rows_of, len(examples), encoded, twins, len(questions.gold))
+    # the split needs only each record's row count: lay the rows out first, compute the means a run needs, then fill
+    placeholder = [np.zeros((len(r.questions), 1), dtype=np.float32) for r in encoded]
+    laid_out, rows_of = build_questions(tokenizer, encoded, gold, placeholder, table, universe)
+    units, twin_pairs = _units(rows_of, len(examples), encoded, twins, len(laid_out.gold))
     rng = random.Random(config.seed)
     rng.shuffle(units)
     n_val = int(len(units) * validation)
     val, fit = units[:n_val], units[n_val:]
+    record_of = _record_of_row(rows_of)
+    first_canonical = len(records) - len(canonical)
+    if config.share < 1:
+        share_rng = random.Random(config.seed + 1)
+        fit = [u for u in fit if record_of(u[0]) >= first_canonical or share_rng.random() < config.share]
+    if config.share < 1 or init is not None:
+        # two cache calls, not one: the blocks are named by their records, so a rerun of the same split reuses them
+        needed = [sorted({record_of(r) for unit in part for r in unit}) for part in (val, fit)]
+        found = {i: m for part in needed for i, m in zip(part, question_means(
+            backbone_dir, [encoded[i] for i in part], work / "question-means", device=device), strict=True)}
+        hidden = int(text_config["hidden_size"])
+        means = [found.get(i, np.zeros((len(r.questions), hidden), dtype=np.float32)) for i, r in enumerate(encoded)]
+    else:
+        means = question_means(backbone_dir, encoded, work / "question-means", device=device)
+    questions, rows_of = build_questions(tokenizer, encoded, gold, means, table, universe)
+    lexical = table.tensor().to(device)
     partner = dict(twin_pairs)
+    row_weight = torch.ones(len(questions.gold), device=device)
+    if canonical and config.canonical_weight != 1:
+        row_weight[rows_of[first_canonical][0]:] = config.canonical_weight  # canonical records' rows come last
 
-    head_config = HeadConfig(hidden_size=int(text_config["hidden_size"]), width=config.width,
-                             routing_layers=config.routing_layers, layers=config.layers, heads=config.heads,
-                             feedforward=config.feedforward)
-    head = JointSchemaHead(head_config).to(device)
-    trainable = {id(p) for p in question_path_head(head, config.joint_scale_init)}
+    head, head_config = _initial_head(init, int(text_config["hidden_size"]), config, device)
+    trainable = {id(p) for p in head.parameters() if p.requires_grad}
     groups = [{**g, "params": [p for p in g["params"] if id(p) in trainable]}
               for g in _parameter_groups(head, config.weight_decay)]
     optimizer = torch.optim.AdamW(groups, lr=config.lr)
@@ -203,7 +266,8 @@ def train_question_path(backbone_dir: Path, examples: Sequence[Example], out: Pa
         rng.shuffle(fit)
         total, batches = 0.0, _units_to_batches(fit, config.batch_questions)
         for rows in tqdm(batches, desc=f"epoch {epoch + 1}/{config.epochs}", leave=False):
-            total += optimizer_step(_loss(head, questions, rows, lexical, partner, config), optimizer, scheduler,
+            total += optimizer_step(_loss(head, questions, rows, lexical, partner, config, row_weight), optimizer,
+                                    scheduler,
                                     [p for p in head.parameters() if p.requires_grad])
         metrics = {"epoch": epoch + 1, "train_loss": total / len(batches),
                    **evaluate(head, questions, val, lexical, partner, config)}
@@ -219,7 +283,8 @@ def train_question_path(backbone_dir: Path, examples: Sequence[Example], out: Pa
                        "val_ece_before": before["val_ece"], "val_ece": after["val_ece"]}
         log.info("temperature %.3f: validation NLL %.4f -> %.4f, ECE %.4f -> %.4f", temperature, before["val_nll"],
                  after["val_nll"], before["val_ece"], after["val_ece"])
-    log_dict = {"method": "question-path", "config": asdict(config), "examples": len(examples),
+    log_dict = {"method": "question-path", "config": asdict(config), "init": str(init) if init else None,
+                "examples": len(examples),
                 "twins": len(twins), "canonical": len(canonical), "questions": len(questions.gold),
                 "units": len(units), "validation_units": len(val), "history": history, "calibration": calibration}
     save_head(head, head_config, out, log_dict)
@@ -227,10 +292,13 @@ def train_question_path(backbone_dir: Path, examples: Sequence[Example], out: Pa
     return log_dict
 
 
-def _loss(head, questions: Questions, rows: list[int], lexical, partner: dict[int, int], config: PathConfig):
-    batch, target = questions.batch(torch.tensor(rows, device=lexical.device), lexical)
+def _loss(head, questions: Questions, rows: list[int], lexical, partner: dict[int, int], config: PathConfig,
+          row_weight: torch.Tensor | None = None):
+    index = torch.tensor(rows, device=lexical.device)
+    batch, target = questions.batch(index, lexical)
     logits = question_path_logits(head, batch)
-    loss = question_loss(logits, target, config.label_smoothing, config.brier_weight)
+    weights = None if row_weight is None else row_weight[index]
+    loss = question_loss(logits, target, config.label_smoothing, config.brier_weight, weights)
     at = {r: n for n, r in enumerate(rows)}
     pairs = [(at[a], at[b]) for a, b in partner.items() if a in at and b in at]
     if pairs:
@@ -275,7 +343,7 @@ def evaluate(head, questions: Questions, units: Sequence[list[int]], lexical, pa
 
 def refuse_full_options(parser, args) -> None:
     """Fail before any work on the full method's options, which a question-path run would silently ignore."""
-    refused = [flag for flag, unset in (("--spliced", args.spliced == 0), ("--init", args.init is None),
+    refused = [flag for flag, unset in (("--spliced", args.spliced == 0),
                                          ("--state-attention-weight", args.state_attention_weight == 0),
                                          ("--autocast", args.autocast == "auto")) if not unset]
     if refused:
@@ -294,7 +362,8 @@ def run_from_cli(parser, args, examples: Sequence[Example], twins: Sequence[Twin
         canonical = banking77_examples("train")  # the evaluation's 77-way prompt on every training row (~1 M tokens)
     config = PathConfig(width=args.width, routing_layers=args.routing_layers, layers=args.layers, heads=args.heads,
                         feedforward=args.feedforward, epochs=args.epochs, lr=args.lr,
-                        consistency_weight=args.consistency_weight, joint_scale_init=args.joint_scale_init)
+                        consistency_weight=args.consistency_weight, joint_scale_init=args.joint_scale_init,
+                        canonical_weight=args.canonical_weight, share=args.share)
     if args.cache_only:
         records = [*examples, *(e for twin in twins for e in (twin.first, twin.second))]
         encoded = [e for e, _ in encode_examples(ReleaseTokenizer(args.backbone), records,
@@ -303,7 +372,7 @@ def run_from_cli(parser, args, examples: Sequence[Example], twins: Sequence[Twin
         print(f"cached the question-span means of {len(encoded)} records under {work / 'question-means'}")
         return 0
     result = train_question_path(args.backbone, examples, args.out, work=work, config=config, twins=twins,
-                                 device=args.device, universe=universe, canonical=canonical)
+                                 device=args.device, universe=universe, canonical=canonical, init=args.init)
     print(json.dumps(result["history"][-1] if result["history"] else {}, indent=2))
     return 0
 

@@ -436,6 +436,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--autocast", choices=AUTOCAST, default=TrainConfig.autocast,
                         help="bf16 matmuls while training: auto (on accelerators), bf16 (also on a CPU) or off "
                              "(default %(default)s)")
+    parser.add_argument("--canonical-weight", type=float, metavar="W",
+                        help="question path: loss weight of the records asked as the evaluation asks them (the demo "
+                             "data's 77-way BANKING77 prompt; default 1)")
+    parser.add_argument("--share", type=float, metavar="SHARE",
+                        help="question path: share of the other training units to train on (default 1; with "
+                             "--init, a fine-tune needs only their span means)")
     parser.add_argument("--init", type=Path, metavar="HEAD_DIR",
                         help="fine-tune this head (joint_head.* in HEAD_DIR, e.g. clef_local/demo_model) instead of "
                              "a fresh one; its architecture overrides --width and the layer counts")
@@ -446,6 +452,10 @@ def main(argv: list[str] | None = None) -> int:
 
         question_path_train.refuse_full_options(parser, args)
         defaults = question_path_train.CLI_DEFAULTS
+        if args.share is not None and not 0 < args.share <= 1:
+            parser.error(f"--share is a share in (0, 1], got {args.share}")
+    elif args.canonical_weight is not None or args.share is not None:
+        parser.error("--canonical-weight and --share belong to --method question-path")
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)

@@ -146,9 +146,41 @@ def test_train_question_path_writes_a_release_head_with_its_other_branches_zero(
     assert set(answer["answers"]) == set(examples[0].request["questions"])
 
 
+def test_a_fine_tune_keeps_the_split_trains_a_share_and_weights_the_canonical_prompt(tiny_llama: Path,
+                                                                                      tmp_path: Path):
+    examples = training_examples(banking77=24, nlupp=12, seed=3, max_options=6)
+    canonical = banking77_examples("train", limit=8)
+    kwargs = {"twins": twin_records(6), "universe": banking77_intents(), "validation": 0.25, "canonical": canonical}
+    first = train_question_path(tiny_llama, examples, tmp_path / "head", work=tmp_path / "work", config=SMALL,
+                                **kwargs)
+    config = PathConfig(**{**SMALL.__dict__, "share": 0.5, "canonical_weight": 3.0, "epochs": 1, "calibrate": False})
+    tuned = train_question_path(tiny_llama, examples, tmp_path / "tuned", work=tmp_path / "work-tuned",
+                                config=config, init=tmp_path / "head", **kwargs)
+    assert tuned["init"] == str(tmp_path / "head") and tuned["config"]["canonical_weight"] == 3.0
+    assert tuned["validation_units"] == first["validation_units"]
+    before = load_file(str(tmp_path / "head" / "joint_head.safetensors"))
+    after = load_file(str(tmp_path / "tuned" / "joint_head.safetensors"))
+    assert float(after["prior_logit_scale"]) == PRIOR_OFF  # still a question-path head
+    assert all(float(after[name].abs().max()) == 0 for name in zeroed_parameters(
+        JointSchemaHead(HeadConfig(hidden_size=64, width=32, routing_layers=1, layers=2, heads=4, feedforward=64))))
+    assert float((after["question_projection.weight"] - before["question_projection.weight"]).abs().max()) > 0
+    # a share of the other units: the fine-tune's cache holds the validation and the chosen records only
+    cached = sum(len(load_file(str(block))) for block in (tmp_path / "work-tuned" / "question-means").iterdir())
+    assert tuned["validation_units"] <= cached < len(examples) + 2 * 6 + len(canonical)
+
+
+def test_init_refuses_a_head_that_is_not_a_question_path_head(tiny_llama: Path, tmp_path: Path):
+    from clef_local.errors import ReleaseError
+
+    with pytest.raises(ReleaseError, match="not a question-path head"):
+        train_question_path(tiny_llama, training_examples(banking77=4, nlupp=0, seed=3), tmp_path / "out",
+                            work=tmp_path / "work", config=SMALL, init=tiny_llama)
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--spliced", "8"], "--spliced: not used by --method question-path"),
-    (["--init", "x", "--autocast", "bf16"], "--init, --autocast: not used by --method question-path"),
+    (["--autocast", "bf16"], "--autocast: not used by --method question-path"),
+    (["--share", "1.5"], "--share is a share in (0, 1]"),
 ])
 def test_question_path_refuses_the_full_methods_options(tmp_path: Path, capsys, argv: list[str], message: str):
     from clef_local.export.train_head import main

@@ -166,6 +166,15 @@ def test_unlabelled_questions_are_left_out_of_the_loss():
     assert float(question_loss(logits, torch.tensor([-1, -1]), 0.05, 1.0)) == 0.0
 
 
+def test_a_question_weight_counts_it_that_many_times():
+    logits = torch.tensor([[0.0, math.log(3.0), float("-inf")], [5.0, 0.0, 1.0], [0.5, 0.0, -1.0]])
+    gold = torch.tensor([1, 2, -1])
+    weighted = question_loss(logits, gold, 0.05, 1.0, torch.tensor([3.0, 1.0, 7.0]))  # the unlabelled 7 drops out
+    repeated = question_loss(logits[[0, 0, 0, 1]], gold[[0, 0, 0, 1]], 0.05, 1.0)
+    assert float(weighted) == pytest.approx(float(repeated), rel=1e-6)
+    assert float(weighted) != pytest.approx(float(question_loss(logits, gold, 0.05, 1.0)), rel=1e-3)
+
+
 def test_twin_loss_is_symmetric_kl():
     p, q = torch.tensor([0.25, 0.75]), torch.tensor([0.5, 0.5])
     logits = torch.stack([torch.cat([p.log(), torch.tensor([float("-inf")])]),

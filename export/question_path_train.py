@@ -90,7 +90,8 @@ class PathConfig:
 CLI_DEFAULTS: dict[str, object] = {"epochs": PathConfig.epochs, "lr": PathConfig.lr, "banking77": 10003, "nlupp": 3316,
                                    "twins": 1500, "max_options": 12, "joint_scale_init": PathConfig.joint_scale_init,
                                    "consistency_weight": PathConfig.consistency_weight,
-                                   "canonical_weight": PathConfig.canonical_weight, "share": PathConfig.share}
+                                   "canonical_weight": PathConfig.canonical_weight, "share": PathConfig.share,
+                                   "label_smoothing": PathConfig.label_smoothing}
 
 
 @dataclass
@@ -363,7 +364,8 @@ def run_from_cli(parser, args, examples: Sequence[Example], twins: Sequence[Twin
     config = PathConfig(width=args.width, routing_layers=args.routing_layers, layers=args.layers, heads=args.heads,
                         feedforward=args.feedforward, epochs=args.epochs, lr=args.lr,
                         consistency_weight=args.consistency_weight, joint_scale_init=args.joint_scale_init,
-                        canonical_weight=args.canonical_weight, share=args.share)
+                        canonical_weight=args.canonical_weight, share=args.share,
+                        label_smoothing=args.label_smoothing)
     if args.cache_only:
         records = [*examples, *(e for twin in twins for e in (twin.first, twin.second))]
         encoded = [e for e, _ in encode_examples(ReleaseTokenizer(args.backbone), records,

@@ -79,7 +79,8 @@ class TrainConfig:
 # The settings a flag left unset takes with --method full (question_path_train.CLI_DEFAULTS for the other).
 CLI_DEFAULTS: dict[str, Any] = {"epochs": TrainConfig.epochs, "lr": TrainConfig.lr, "banking77": 2000, "nlupp": 1660,
                                 "twins": 0, "max_options": None, "joint_scale_init": TrainConfig.joint_scale_init,
-                                "consistency_weight": TrainConfig.consistency_weight}
+                                "consistency_weight": TrainConfig.consistency_weight,
+                                "label_smoothing": TrainConfig.label_smoothing}
 
 
 def _gold_index(question_type: int, option_ids: Sequence[str], label: object) -> int:
@@ -436,6 +437,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--autocast", choices=AUTOCAST, default=TrainConfig.autocast,
                         help="bf16 matmuls while training: auto (on accelerators), bf16 (also on a CPU) or off "
                              "(default %(default)s)")
+    parser.add_argument("--label-smoothing", type=float, metavar="EPS",
+                        help="label smoothing of the cross-entropy (default 0.05, as Clef was trained; 0 for a "
+                             "calibration fine-tune, see clef_local/demo_model/MODEL_CARD.md)")
     parser.add_argument("--canonical-weight", type=float, metavar="W",
                         help="question path: loss weight of the records asked as the evaluation asks them (the demo "
                              "data's 77-way BANKING77 prompt; default 1)")
@@ -485,7 +489,8 @@ def main(argv: list[str] | None = None) -> int:
                          layers=args.layers, heads=args.heads, feedforward=args.feedforward,
                          batch_records=args.batch_records, consistency_weight=args.consistency_weight,
                          spliced=args.spliced, state_attention_weight=args.state_attention_weight,
-                         joint_scale_init=args.joint_scale_init, autocast=args.autocast)
+                         joint_scale_init=args.joint_scale_init, autocast=args.autocast,
+                         label_smoothing=args.label_smoothing)
     if args.cache_only:
         tokenizer = ReleaseTokenizer(args.backbone)
         records = [*examples, *(e for twin in twins for e in (twin.first, twin.second))]

@@ -191,6 +191,14 @@ def test_question_path_refuses_the_full_methods_options(tmp_path: Path, capsys, 
     assert not (tmp_path / "out").exists()
 
 
+def test_the_full_method_refuses_the_question_paths_options(tmp_path: Path, capsys):
+    from clef_local.export.train_head import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--backbone", str(tmp_path), "--out", str(tmp_path / "out"), "--canonical-weight", "3"])
+    assert exit_info.value.code == 2 and "belong to --method question-path" in capsys.readouterr().err
+
+
 def test_a_fitted_temperature_is_recovered_and_folded_into_the_heads_weights():
     from clef_local.export.question_path import apply_temperature
     from clef_local.export.question_path_train import Questions, fit_temperature

@@ -51,8 +51,9 @@ def test_a_corrupted_head_is_named_not_repaired(demo_release: Path, tmp_path: Pa
 def test_banking77_test_rows_get_their_intent(demo_release: Path):
     """The real model on real held-out data: 12 BANKING77 test rows spread over the split, one 77-way question each.
 
-    Today's head gets 9 of these right (10 in float32) and all 12 in its top 5 (BF16 on this CPU; 0.877 accuracy over
-    all 3,080 rows, see MODEL_CARD.md); the previous head got 5 and 8. The bounds sit below today's and above the
+    Today's head gets 10 of these right (BF16 and float32) and all 12 in its top 5 (0.882 accuracy over all 3,080
+    rows, see MODEL_CARD.md; the question-path head before its calibration fine-tune got 9); the full-method head
+    before it got 5 and 8. The bounds sit below today's and above the
     previous head's, far above chance (0.16 right, 0.78 in the top 5 of 12 rows), so that a broken encoding, head or
     backbone — or a head as weak as the old one — fails.
     """

@@ -458,8 +458,12 @@ def main(argv: list[str] | None = None) -> int:
         defaults = question_path_train.CLI_DEFAULTS
         if args.share is not None and not 0 < args.share <= 1:
             parser.error(f"--share is a share in (0, 1], got {args.share}")
+        if args.canonical_weight is not None and not args.canonical_weight > 0:
+            parser.error(f"--canonical-weight must be positive, got {args.canonical_weight}")
     elif args.canonical_weight is not None or args.share is not None:
         parser.error("--canonical-weight and --share belong to --method question-path")
+    if args.label_smoothing is not None and not 0 <= args.label_smoothing < 1:
+        parser.error(f"--label-smoothing is in [0, 1), got {args.label_smoothing}")
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)

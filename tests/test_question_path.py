@@ -181,6 +181,8 @@ def test_init_refuses_a_head_that_is_not_a_question_path_head(tiny_llama: Path, 
     (["--spliced", "8"], "--spliced: not used by --method question-path"),
     (["--autocast", "bf16"], "--autocast: not used by --method question-path"),
     (["--share", "1.5"], "--share is a share in (0, 1]"),
+    (["--canonical-weight", "0"], "--canonical-weight must be positive"),
+    (["--label-smoothing", "1"], "--label-smoothing is in [0, 1)"),
 ])
 def test_question_path_refuses_the_full_methods_options(tmp_path: Path, capsys, argv: list[str], message: str):
     from clef_local.export.train_head import main

@@ -113,6 +113,20 @@ def truncate_to_questions(record: EncodedRecord) -> EncodedRecord:
     return replace(record, input_ids=record.input_ids[:question_reach(record)])
 
 
+def _blocks(encoded: Sequence[EncodedRecord], device: str, block_records: int
+            ) -> tuple[torch.dtype, list[EncodedRecord], list[list[int]], list[str]]:
+    dtype = cache_dtype(device)
+    cut = [truncate_to_questions(r) for r in encoded]
+    blocks = [list(range(s, min(s + block_records, len(cut)))) for s in range(0, len(cut), block_records)]
+    return dtype, cut, blocks, [_block_name([cut[i] for i in block], dtype) for block in blocks]
+
+
+def means_cached(encoded: Sequence[EncodedRecord], cache: Path, *, device: str = "cpu",
+                 block_records: int = BLOCK_RECORDS) -> bool:
+    """Whether :func:`question_means` of ``encoded`` would only read ``cache`` (every block already written)."""
+    return all((cache / name).is_file() for name in _blocks(encoded, device, block_records)[3])
+
+
 def question_means(backbone_dir: Path, encoded: Sequence[EncodedRecord], cache: Path, *, device: str = "cpu",
                    block_records: int = BLOCK_RECORDS) -> list[np.ndarray]:
     """Per record, ``[questions, hidden]`` float32 span means of the un-affine layer norm of the final hidden
@@ -120,10 +134,7 @@ def question_means(backbone_dir: Path, encoded: Sequence[EncodedRecord], cache: 
     ids and dtype (written atomically: a killed run resumes at the first missing block)."""
     from clef_local.backends.torch_backend import TorchBackbone
 
-    dtype = cache_dtype(device)
-    cut = [truncate_to_questions(r) for r in encoded]
-    blocks = [list(range(s, min(s + block_records, len(cut)))) for s in range(0, len(cut), block_records)]
-    names = [_block_name([cut[i] for i in block], dtype) for block in blocks]
+    dtype, cut, blocks, names = _blocks(encoded, device, block_records)
     todo = [b for b, name in enumerate(names) if not (cache / name).is_file()]
     if todo:
         backbone = TorchBackbone(backbone_dir, read_json(backbone_dir / "config.json"), device=device, dtype=dtype)

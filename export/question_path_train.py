@@ -34,6 +34,7 @@ from clef_local.export.question_path import (
     LexicalTable,
     QuestionBatch,
     apply_temperature,
+    means_cached,
     question_means,
     question_path_head,
     question_path_logits,
@@ -234,15 +235,17 @@ def train_question_path(backbone_dir: Path, examples: Sequence[Example], out: Pa
     if config.share < 1:
         share_rng = random.Random(config.seed + 1)
         fit = [u for u in fit if record_of(u[0]) >= first_canonical or share_rng.random() < config.share]
-    if config.share < 1 or init is not None:
-        # two cache calls, not one: the blocks are named by their records, so a rerun of the same split reuses them
+    cache = work / "question-means"
+    if (config.share < 1 or init is not None) and not means_cached(encoded, cache, device=device):
+        # only the means it trains on, in two calls (validation, fit: blocks are named by their records, so a rerun
+        # of the same split reuses them); in the work directory of a full run it reads that run's cache instead
         needed = [sorted({record_of(r) for unit in part for r in unit}) for part in (val, fit)]
         found = {i: m for part in needed for i, m in zip(part, question_means(
-            backbone_dir, [encoded[i] for i in part], work / "question-means", device=device), strict=True)}
+            backbone_dir, [encoded[i] for i in part], cache, device=device), strict=True)}
         hidden = int(text_config["hidden_size"])
         means = [found.get(i, np.zeros((len(r.questions), hidden), dtype=np.float32)) for i, r in enumerate(encoded)]
     else:
-        means = question_means(backbone_dir, encoded, work / "question-means", device=device)
+        means = question_means(backbone_dir, encoded, cache, device=device)
     questions, rows_of = build_questions(tokenizer, encoded, gold, means, table, universe)
     lexical = table.tensor().to(device)
     partner = dict(twin_pairs)

@@ -167,6 +167,12 @@ def test_a_fine_tune_keeps_the_split_trains_a_share_and_weights_the_canonical_pr
     # a share of the other units: the fine-tune's cache holds the validation and the chosen records only
     cached = sum(len(load_file(str(block))) for block in (tmp_path / "work-tuned" / "question-means").iterdir())
     assert tuned["validation_units"] <= cached < len(examples) + 2 * 6 + len(canonical)
+    # in the first run's work directory the fine-tune reads its cache and computes nothing
+    blocks = sorted((tmp_path / "work" / "question-means").iterdir())
+    again = train_question_path(tiny_llama, examples, tmp_path / "again", work=tmp_path / "work", config=config,
+                                init=tmp_path / "head", **kwargs)
+    assert sorted((tmp_path / "work" / "question-means").iterdir()) == blocks
+    assert again["validation_units"] == first["validation_units"]
 
 
 def test_init_refuses_a_head_that_is_not_a_question_path_head(tiny_llama: Path, tmp_path: Path):

@@ -14,7 +14,6 @@ demo head's calibration fine-tune was chosen (clef_local/demo_model/MODEL_CARD.m
 from __future__ import annotations
 
 import argparse
-import bisect
 import random
 from pathlib import Path
 
@@ -28,7 +27,7 @@ from clef_local.backends.torch_backend import TorchBackbone
 from clef_local.datasets import banking77_examples, banking77_intents
 from clef_local.export.demo_data import training_examples, twin_records
 from clef_local.export.question_path import LexicalTable, question_means, question_path_logits
-from clef_local.export.question_path_train import CLI_DEFAULTS, PathConfig, _units, build_questions
+from clef_local.export.question_path_train import CLI_DEFAULTS, PathConfig, build_questions, split_units
 from clef_local.export.train_head import _max_length, encode_examples
 from clef_local.head import JointSchemaHead
 from clef_local.metrics import ece
@@ -71,14 +70,10 @@ def main() -> None:
     encoded, gold = [e for e, _ in pairs], [g for _, g in pairs]
     table = LexicalTable(TorchBackbone(backbone, read_json(backbone / "config.json"), device="cpu",
                                        dtype=torch.float32).output_embedding.detach())
-    placeholder = [np.zeros((len(r.questions), 1), np.float32) for r in encoded]
-    laid_out, rows_of = build_questions(tokenizer, encoded, gold, placeholder, table, banking77_intents())
-    units, _ = _units(rows_of, len(examples), encoded, twins, len(laid_out.gold))
-    random.Random(PathConfig.seed).shuffle(units)  # as train_question_path cuts its split
-    val = units[: int(len(units) * 0.05)]
-    starts = [rows[0] for rows in rows_of]
-    record_of = [bisect.bisect_right(starts, r) - 1 for r in range(len(laid_out.gold))]
-    val_records = sorted({record_of[r] for unit in val for r in unit})
+    split = split_units(tokenizer, encoded, gold, table, banking77_intents(), len(examples), twins,
+                        random.Random(PathConfig.seed), validation=0.05)  # train_question_path's defaults
+    val, record_of = split.val, split.record_of
+    val_records = sorted({record_of(r) for unit in val for r in unit})
     means = dict(zip(val_records, question_means(backbone, [encoded[i] for i in val_records], args.cache),
                      strict=True))
     hidden = next(iter(means.values())).shape[1]
@@ -89,8 +84,8 @@ def main() -> None:
     first_canonical = len(records) - len(canonical)
     kind = questions.types[rows].numpy()
     view = questions.full_view[rows].numpy()
-    is_canonical = np.array([record_of[int(r)] >= first_canonical for r in rows])
-    nlupp = np.array(["nlupp" in getattr(records[record_of[int(r)]], "id", "") for r in rows])
+    is_canonical = np.array([record_of(int(r)) >= first_canonical for r in rows])
+    nlupp = np.array(["nlupp" in getattr(records[record_of(int(r))], "id", "") for r in rows])
     groups = {"77-way evaluation prompt": (kind == 1) & is_canonical,
               "77-way, other wordings": (kind == 1) & view,
               "choice over 2-12 intents": (kind == 1) & ~view & ~is_canonical,

@@ -10,6 +10,7 @@ BANKING77 choice also as the full 77-way question the evaluation asks), for no b
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import json
 import logging
@@ -22,7 +23,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from tqdm import tqdm
 
 from clef_local.datasets import Example, Twin
@@ -46,12 +46,13 @@ from clef_local.export.train_head import (
     _units_to_batches,
     _warmup_cosine,
     encode_examples,
+    load_init_head,
     optimizer_step,
     save_head,
 )
 from clef_local.head import HeadConfig, JointSchemaHead
 from clef_local.metrics import ece
-from clef_local.release import read_head_config, read_json
+from clef_local.release import read_json
 from clef_local.tokenizer import ReleaseTokenizer
 
 log = logging.getLogger(__name__)
@@ -165,13 +166,41 @@ def _units(rows_of: list[list[int]], n_examples: int, encoded, twins: Sequence[T
     return merged + units[n_examples + 2 * len(twins):], pairs  # records after the twins train on their own
 
 
-def _record_of_row(rows_of: list[list[int]]):
-    """Row → record index (a record's rows, its questions then their views, are contiguous)."""
-    starts = [rows[0] for rows in rows_of]
-    return lambda row: bisect.bisect_right(starts, row) - 1
+@dataclass(frozen=True)
+class Split:
+    """A run's units (lists of question rows that train together), cut into validation and fit."""
+
+    rows_of: list[list[int]]  # per record, the rows of its questions (views are extra rows, not listed)
+    val: list[list[int]]
+    fit: list[list[int]]
+    twin_pairs: list[tuple[int, int]]
+
+    @property
+    def units(self) -> int:
+        return len(self.val) + len(self.fit)
+
+    @functools.cached_property
+    def _starts(self) -> list[int]:
+        return [rows[0] for rows in self.rows_of]
+
+    def record_of(self, row: int) -> int:
+        """The record a row belongs to (a record's rows, its questions then their views, are contiguous)."""
+        return bisect.bisect_right(self._starts, row) - 1
 
 
-def _initial_head(init: Path | None, hidden_size: int, config: PathConfig, device: str
+def split_units(tokenizer: ReleaseTokenizer, encoded, gold, table: LexicalTable, universe: Sequence[str],
+                n_examples: int, twins: Sequence[Twin], rng: random.Random, validation: float) -> Split:
+    """The units of :func:`train_question_path` and its validation split (``rng`` shuffles them, then keeps going
+    for the epochs); it needs only each record's row count, so it runs before any span mean is computed."""
+    placeholder = [np.zeros((len(r.questions), 1), dtype=np.float32) for r in encoded]
+    laid_out, rows_of = build_questions(tokenizer, encoded, gold, placeholder, table, universe)
+    units, twin_pairs = _units(rows_of, n_examples, encoded, twins, len(laid_out.gold))
+    rng.shuffle(units)
+    n_val = int(len(units) * validation)
+    return Split(rows_of, units[:n_val], units[n_val:], twin_pairs)
+
+
+def _initial_head(init: Path | None, backbone_dir: Path, hidden_size: int, config: PathConfig, device: str
                   ) -> tuple[JointSchemaHead, HeadConfig]:
     """A fresh question-path head, or ``init``'s (which must be one), with only the path's parameters trainable."""
     if init is None:
@@ -180,18 +209,14 @@ def _initial_head(init: Path | None, hidden_size: int, config: PathConfig, devic
         head = JointSchemaHead(head_config).to(device)
         question_path_head(head, config.joint_scale_init)
         return head, head_config
-    head_config = read_head_config(init / "joint_head_config.json")
-    if head_config.hidden_size != hidden_size:
-        raise ReleaseError(f"--init {init}: the head reads hidden size {head_config.hidden_size}, the backbone "
-                           f"gives {hidden_size}")
-    head = JointSchemaHead(head_config).to(device)
-    head.load_state_dict(load_file(str(init / "joint_head.safetensors"), device=str(device)))
+    head, head_config = load_init_head(init, backbone_dir, hidden_size, device)
+    zeroed = zeroed_parameters(head)
     state = head.state_dict()
-    live = [name for name in zeroed_parameters(head) if bool(state[name].any())]
+    live = [name for name in zeroed if bool(state[name].any())]
     if live or float(head.prior_logit_scale.detach()) > PRIOR_OFF / 2:
         raise ReleaseError(f"--init {init}: not a question-path head ({(live or ['prior_logit_scale'])[0]} is not "
                            "off); fine-tune it with --method full")
-    frozen = set(zeroed_parameters(head)) | {"prior_logit_scale"}
+    frozen = {*zeroed, "prior_logit_scale"}
     for name, param in head.named_parameters():
         param.requires_grad_(name not in frozen)
     return head, head_config
@@ -222,15 +247,9 @@ def train_question_path(backbone_dir: Path, examples: Sequence[Example], out: Pa
     embedding = TorchBackbone(backbone_dir, backbone_config, device="cpu",
                               dtype=torch.float32).output_embedding.detach()
     table = LexicalTable(embedding)
-    # the split needs only each record's row count: lay the rows out first, compute the means a run needs, then fill
-    placeholder = [np.zeros((len(r.questions), 1), dtype=np.float32) for r in encoded]
-    laid_out, rows_of = build_questions(tokenizer, encoded, gold, placeholder, table, universe)
-    units, twin_pairs = _units(rows_of, len(examples), encoded, twins, len(laid_out.gold))
     rng = random.Random(config.seed)
-    rng.shuffle(units)
-    n_val = int(len(units) * validation)
-    val, fit = units[:n_val], units[n_val:]
-    record_of = _record_of_row(rows_of)
+    split = split_units(tokenizer, encoded, gold, table, universe, len(examples), twins, rng, validation)
+    val, fit, record_of = split.val, split.fit, split.record_of
     first_canonical = len(records) - len(canonical)
     if config.share < 1:
         share_rng = random.Random(config.seed + 1)
@@ -246,14 +265,14 @@ def train_question_path(backbone_dir: Path, examples: Sequence[Example], out: Pa
         means = [found.get(i, np.zeros((len(r.questions), hidden), dtype=np.float32)) for i, r in enumerate(encoded)]
     else:
         means = question_means(backbone_dir, encoded, cache, device=device)
-    questions, rows_of = build_questions(tokenizer, encoded, gold, means, table, universe)
+    questions, _ = build_questions(tokenizer, encoded, gold, means, table, universe)
     lexical = table.tensor().to(device)
-    partner = dict(twin_pairs)
+    partner = dict(split.twin_pairs)
     row_weight = torch.ones(len(questions.gold), device=device)
     if canonical and config.canonical_weight != 1:
-        row_weight[rows_of[first_canonical][0]:] = config.canonical_weight  # canonical records' rows come last
+        row_weight[split.rows_of[first_canonical][0]:] = config.canonical_weight  # canonical records' rows come last
 
-    head, head_config = _initial_head(init, int(text_config["hidden_size"]), config, device)
+    head, head_config = _initial_head(init, backbone_dir, int(text_config["hidden_size"]), config, device)
     trainable = {id(p) for p in head.parameters() if p.requires_grad}
     groups = [{**g, "params": [p for p in g["params"] if id(p) in trainable]}
               for g in _parameter_groups(head, config.weight_decay)]
@@ -263,7 +282,7 @@ def train_question_path(backbone_dir: Path, examples: Sequence[Example], out: Pa
     questions = Questions(*(t.to(device) for t in (questions.means, questions.types, questions.gold,
                                                   questions.options, questions.full_view)))
     log.info("question path: %d questions (%d full views), %d units, %d for validation",
-             len(questions.gold), int(questions.full_view.sum()), len(units), len(val))
+             len(questions.gold), int(questions.full_view.sum()), split.units, len(val))
     history: list[dict] = []
     for epoch in range(config.epochs):
         head.train()
@@ -290,7 +309,7 @@ def train_question_path(backbone_dir: Path, examples: Sequence[Example], out: Pa
     log_dict = {"method": "question-path", "config": asdict(config), "init": str(init) if init else None,
                 "examples": len(examples),
                 "twins": len(twins), "canonical": len(canonical), "questions": len(questions.gold),
-                "units": len(units), "validation_units": len(val), "history": history, "calibration": calibration}
+                "units": split.units, "validation_units": len(val), "history": history, "calibration": calibration}
     save_head(head, head_config, out, log_dict)
     (work / "question-path-log.json").write_text(json.dumps(log_dict, indent=2) + "\n")
     return log_dict

@@ -236,6 +236,18 @@ def _warmup_cosine(total: int, warmup_fraction: float = 0.05):
     return factor
 
 
+def load_init_head(init: Path, backbone_dir: Path, hidden_size: int, device: str
+                   ) -> tuple[JointSchemaHead, HeadConfig]:
+    """The head in ``init`` (``joint_head.*``) to fine-tune on ``backbone_dir``, whose hidden size it must read."""
+    head_config = read_head_config(init / "joint_head_config.json")
+    if head_config.hidden_size != hidden_size:
+        raise ReleaseError(f"--init {init}: the head reads hidden size {head_config.hidden_size}, the backbone "
+                           f"{backbone_dir} has {hidden_size}; fine-tune a head of this backbone")
+    head = JointSchemaHead(head_config).to(device)
+    head.load_state_dict(load_file(str(init / "joint_head.safetensors"), device=str(device)))
+    return head, head_config
+
+
 def train(backbone_dir: Path, examples: Sequence[Example], out: Path, *, work: Path,
           config: TrainConfig = TrainConfig(), validation: float = 0.05, device: str = "cpu",
           twins: Sequence[Twin] = (), cache: Path | None = None, init: Path | None = None,
@@ -272,18 +284,12 @@ def train(backbone_dir: Path, examples: Sequence[Example], out: Path, *, work: P
     twins_of = {len(examples) + 2 * t: (len(examples) + 2 * t + 1, twin.same) for t, twin in enumerate(twins)}
 
     if init is not None:
-        head_config = read_head_config(init / "joint_head_config.json")
-        if head_config.hidden_size != int(text_config["hidden_size"]):
-            raise ReleaseError(f"--init {init}: the head reads hidden size {head_config.hidden_size}, the backbone "
-                             f"{backbone_dir} has {text_config['hidden_size']}; fine-tune a head of this backbone")
+        head, head_config = load_init_head(init, backbone_dir, int(text_config["hidden_size"]), device)
     else:
         head_config = HeadConfig(hidden_size=int(text_config["hidden_size"]), width=config.width,
                                  routing_layers=config.routing_layers, layers=config.layers, heads=config.heads,
                                  feedforward=config.feedforward)
-    head = JointSchemaHead(head_config).to(device)
-    if init is not None:
-        head.load_state_dict(load_file(str(init / "joint_head.safetensors"), device=str(device)))
-    else:
+        head = JointSchemaHead(head_config).to(device)
         with torch.no_grad():
             head.joint_logit_scale.fill_(config.joint_scale_init)
     optimizer = torch.optim.AdamW(_parameter_groups(head, config.weight_decay), lr=config.lr)

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from clef_local.errors import ClefError
-from clef_local.export.staging import ExportError, resolve_out, staged
+from clef_local.export.staging import ExportError, check_paths, resolve_out, staged
 from clef_local.manifest import MANIFEST, check_files, file_entries, list_files, write_manifest
 
 if TYPE_CHECKING:
@@ -156,9 +156,13 @@ def release_memory() -> None:
         _LIBC.malloc_trim(0)
 
 
-def _quantize_shards(source: Path, tmp: Path, shards: list[str], scheme: Scheme,
-                     group: int | None, options: dict[str, Any]) -> dict[str, Any]:
-    """Stream every source shard into the same-named output shard; return what was quantized and the sizes."""
+def _quantize_shards(source: Path, tmp: Path, shards: list[str], scheme: Scheme, group: int | None,
+                     options: dict[str, Any], precomputed: dict[str, dict[str, torch.Tensor]] | None = None
+                     ) -> dict[str, Any]:
+    """Stream every source shard into the same-named output shard; return what was quantized and the sizes.
+
+    ``precomputed`` (``--calibrate``): packed tensors per weight name, written instead of round-to-nearest; every
+    quantized weight must have one and every one must be used."""
     from safetensors import safe_open
     from safetensors.torch import save_file
     from tqdm import tqdm
@@ -188,8 +192,13 @@ def _quantize_shards(source: Path, tmp: Path, shards: list[str], scheme: Scheme,
                         if four_bit is None:  # the first quantized weight stands for the rest
                             four_bit = already_4bit(tensor)
                         prefix = name.removesuffix(".weight")
-                        packed = {f"{prefix}.{k}": v.contiguous()
-                                  for k, v in quantize_tensor(scheme, tensor, group, **options).items()}
+                        if precomputed is None:
+                            tensors = quantize_tensor(scheme, tensor, group, **options)
+                        elif name in precomputed:
+                            tensors = precomputed.pop(name)
+                        else:
+                            raise ExportError(f"calibration produced no tensors for {name} ({source / shard})")
+                        packed = {f"{prefix}.{k}": v.contiguous() for k, v in tensors.items()}
                         quantized.append(name)
                         params += tensor.numel()
                         sizes["linear_before"] += nbytes
@@ -214,6 +223,8 @@ def _quantize_shards(source: Path, tmp: Path, shards: list[str], scheme: Scheme,
             log.debug("wrote %s (%d tensors)", shard, len(out))
             del out
             release_memory()
+    if precomputed:
+        raise ExportError(f"calibrated weights not found in {source}: {', '.join(sorted(precomputed)[:5])}")
     return {"quantized": quantized, "skipped": skipped, "weight_map": weight_map, "sizes": dict(sizes),
             "params": params, "already_4bit": bool(four_bit)}
 
@@ -237,7 +248,8 @@ def already_4bit(weight: torch.Tensor) -> bool:
 
 
 def _write_config(source: Path, tmp: Path, config: dict[str, Any], scheme: Scheme, group: int | None,
-                  result: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
+                  result: dict[str, Any], options: dict[str, Any], calibration: dict[str, Any] | None = None
+                  ) -> dict[str, Any]:
     if scheme.name == "nf4":
         done = {n.removesuffix(".weight") for n in result["quantized"]}
         linear = _linear_modules(source, list(result["skipped"]), config)
@@ -246,6 +258,8 @@ def _write_config(source: Path, tmp: Path, config: dict[str, Any], scheme: Schem
         qconfig = scheme.quantization_config(group, **options)
     qconfig["clef_local"] = {"scheme": scheme.name, "group_size": group, **options,
                              "quantized": len(result["quantized"]), "skipped": result["skipped"]}
+    if calibration:
+        qconfig["clef_local"]["calibration"] = calibration
     (tmp / CONFIG).write_text(json.dumps({**config, "quantization_config": qconfig}, indent=2, ensure_ascii=False)
                               + "\n", encoding="utf-8")
     return qconfig
@@ -259,14 +273,16 @@ def _write_index(source: Path, tmp: Path, result: dict[str, Any]) -> None:
 
 
 def quantize_release(source: Path, out: Path, scheme: str, group_size: int | None = None, force: bool = False,
-                     validate: bool = True, *, int4_grid: str | None = None, log_summary: bool = True
-                     ) -> dict[str, Any]:
+                     validate: bool = True, *, int4_grid: str | None = None, calibrate: bool = False,
+                     calibration_requests: int | None = None, log_summary: bool = True) -> dict[str, Any]:
     """Write the ``scheme`` variant of the release at ``source`` to ``out``; return the summary.
 
     ``group_size``: int4 group (32/64/128, default 64) or nf4 block (default 64); none for int8/fp8. ``int4_grid``:
     how int4 picks each group's scale and bias (``mse``, the default, or ``mlx``; :mod:`clef_local.quant.int4`).
     ``force`` replaces an existing ``out`` once the new variant is complete. ``validate`` compares the variant with the
     source on the probe set (:mod:`clef_local.export.validate`) and fails the export when a threshold is exceeded.
+    ``calibrate`` rounds with GPTQ on ``calibration_requests`` requests (default 128) instead of round-to-nearest
+    (:mod:`clef_local.export.calibration`; int4, int8, fp8; it loads the source like validation does).
     ``log_summary`` logs :func:`summary_lines` at INFO (the CLI prints them instead).
     """
     import safetensors.torch  # noqa: F401  (imported before the temp directory exists: it takes seconds)
@@ -288,17 +304,27 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
     if release.quantization:
         raise ExportError(f"{source} is already quantized ({release.quantization.get('quant_method')}); quantize "
                           f"the BF16 release")
+    if calibration_requests is not None and not calibrate:
+        raise ExportError("--calibration-requests applies with --calibrate only; add --calibrate or drop it")
+    calibration = None
+    if calibrate:  # before the staging directory exists: a refusal or a crash here leaves nothing behind
+        from clef_local.export.calibration import REQUESTS, gptq_tensors
+
+        check_paths(source, out, force)  # refuse a bad --out before minutes of calibration
+        calibration = gptq_tensors(source, spec.name, group, options, requests=calibration_requests or REQUESTS)
     with staged(source, out, force) as tmp:
         log.info("exporting %s → %s (%s%s) via %s", source, out, spec.name, f", group {group}" if group else "", tmp)
         source_files = file_entries(source)
         shards = [f.name for f in release.weight_files]
-        result = _quantize_shards(source, tmp, shards, spec, group, options)
+        result = _quantize_shards(source, tmp, shards, spec, group, options,
+                                  calibration.packed if calibration else None)
         source_4bit = result["already_4bit"] and not (spec.name == "int4" and group == 32)
         if source_4bit:
             log.warning("%s", FOUR_BIT_HINT)
         if (source / INDEX).is_file():
             _write_index(source, tmp, result)
-        _write_config(source, tmp, release.config, spec, group, result, options)
+        qconfig = _write_config(source, tmp, release.config, spec, group, result, options,
+                                calibration.config() if calibration else None)
         weights = {*shards, INDEX, CONFIG, MANIFEST, VALIDATION}
         for name in list_files(source):
             if name not in weights:
@@ -325,7 +351,7 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
                "bits_per_weight": bits, "quantized": len(result["quantized"]), "kept": len(result["skipped"]),
                "skipped": result["skipped"], "skipped_by_reason": dict(Counter(result["skipped"].values())),
                "bytes": nbytes, "validation": validation, "seconds": time.perf_counter() - started,
-               "source_4bit": source_4bit}
+               "source_4bit": source_4bit, "calibration": qconfig["clef_local"].get("calibration")}
     if log_summary:
         for line in summary_lines(summary):
             log.info("%s", line)
@@ -350,6 +376,9 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
         f"({b['total_after'] / max(b['total_before'], 1):.3f}×)",
         f"tensors: {summary['quantized']} quantized, {summary['kept']} kept as released",
     ]
+    if cal := summary.get("calibration"):
+        lines.append(f"GPTQ on {cal['requests']} calibration requests ({cal['tokens']:,} tokens): output error "
+                     f"{cal['output_error_ratio']:.3f}× round-to-nearest's")
     lines += [f"  kept — {reason}: {count} tensor{'s' * (count != 1)}"
               for reason, count in sorted(summary["skipped_by_reason"].items(), key=lambda kv: -kv[1])]
     if summary.get("source_4bit"):
@@ -370,6 +399,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--int4-grid", choices=["mse", "mlx"],
                         help="how int4 picks each group's scale and bias: mse (default: least squared error) or mlx "
                              "(bit-identical to mlx_lm.convert)")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="round with GPTQ on calibration requests from the training splits instead of "
+                             "round-to-nearest (int4, int8, fp8; loads the source)")
+    parser.add_argument("--calibration-requests", type=int, metavar="N",
+                        help="calibration requests for --calibrate (default 128)")
     parser.add_argument("--out", type=Path, required=True, help="the variant directory to write")
     parser.add_argument("--force", action="store_true", help="replace an existing --out (once the new one is done)")
     parser.add_argument("--no-validate", action="store_true", help="skip comparing the variant with the source")
@@ -403,7 +437,8 @@ def main(argv: list[str] | None = None) -> int:
     scheme = args.format or BITS_TO_SCHEME[args.bits]
     try:
         summary = quantize_release(args.model, args.out, scheme, args.group_size, force=args.force,
-                                   validate=not args.no_validate, int4_grid=args.int4_grid, log_summary=False)
+                                   validate=not args.no_validate, int4_grid=args.int4_grid, calibrate=args.calibrate,
+                                   calibration_requests=args.calibration_requests, log_summary=False)
     except ClefError as exc:  # refusals and bad sources: 2; a variant that fails validation: 1
         print(f"error: {exc}", file=sys.stderr)
         return 1 if isinstance(exc, ValidationFailed) else 2

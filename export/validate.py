@@ -37,24 +37,29 @@ SCORE_QUESTION = ("How urgent is the customer's request?",
                   ["not urgent", "can wait a few days", "should be handled today", "needs action right now"])
 CARD_QUESTION = "Is the customer's message about a card (a debit or credit card)?"
 _EPS = 1e-12
+_SPLITS = {"test": range(16, 20), "train": range(0, 16)}  # the BANKING77 split and its NLU++ folds
 
 
 class ValidationFailed(ClefError):
     """The variant's decisions moved more than the scheme's thresholds allow (or the variant did not load)."""
 
 
-def probe_requests(n: int = 64, seed: int = 0, root: Path | None = None) -> list[dict[str, Any]]:
+def probe_requests(n: int = 64, seed: int = 0, root: Path | None = None, *, split: str = "test"
+                   ) -> list[dict[str, Any]]:
     """``n`` SystemOne requests from ``clef_local.datasets``, the same for the same ``seed``.
 
-    Half are BANKING77 test messages as a choice over 8–16 intents (the gold one included), a quarter NLU++
-    banking messages with 4 noul questions each, the rest BANKING77 messages with a score question (urgency, 4
-    levels) and a noul question. FileNotFoundError when the datasets cannot be found.
+    Half are BANKING77 messages as a choice over 8–16 intents (the gold one included), a quarter NLU++ banking
+    messages with 4 noul questions each, the rest BANKING77 messages with a score question (urgency, 4 levels) and
+    a noul question. ``split`` "test" (validation) draws BANKING77 test and NLU++ folds 16–19; "train"
+    (calibration) BANKING77 train and folds 0–15. FileNotFoundError when the datasets cannot be found.
     """
     from clef_local.datasets import banking77_intents, banking77_request, banking77_rows, nlupp_intents, nlupp_rows
 
+    if split not in _SPLITS:
+        raise ValueError(f"split must be one of {', '.join(_SPLITS)}, not {split!r}")
     rng = random.Random(seed)
     intents = list(banking77_intents(root))
-    rows = banking77_rows("test", root)
+    rows = banking77_rows(split, root)
     n_choice, n_noul = n // 2, n // 4
     requests = []
     for text, gold in rng.sample(rows, n_choice):
@@ -63,7 +68,7 @@ def probe_requests(n: int = 64, seed: int = 0, root: Path | None = None) -> list
         requests.append(banking77_request(text, options))
     questions = nlupp_intents(root)
     names = sorted(questions)
-    for text, _gold in rng.sample(nlupp_rows(range(16, 20), root), n_noul):
+    for text, _gold in rng.sample(nlupp_rows(_SPLITS[split], root), n_noul):
         chosen = rng.sample(names, 4)
         requests.append({"model": "clef-local", "state": text,
                          "questions": {q: {"type": "noul", "instructions": questions[q]} for q in chosen}})

@@ -1,0 +1,154 @@
+"""GPTQ (Frantar et al., 2022): round a weight column by column and fold each column's rounding error into the
+columns not yet rounded, so that the layer's *outputs* on calibration inputs move as little as the grid allows.
+
+Given a linear layer's weight ``W`` [out, in] and the second moment of its inputs ``H = E[x xᵀ]`` [in, in]
+(:mod:`clef_local.export.calibration` collects it), round-to-nearest minimises each weight's own error; GPTQ
+minimises ``tr((Q - W) H (Q - W)ᵀ)``, the mean squared error of the outputs. Math (float32; H in float64 while it is
+factored):
+
+    H += damp · mean(diag H) · I               (damp 0.01; an input that is always 0: H[c, c] = 1, W[:, c] = 0)
+    U  = upper Cholesky factor of H⁻¹           (H⁻¹ = Uᵀ U)
+    for each column c in order:                (in blocks of 128 columns; later blocks are updated once per block)
+        at a group's first column, the scheme picks the group's grid from the *current* (updated) weights
+        q[:, c] = the grid's nearest value to W[:, c]
+        e = (W[:, c] - q[:, c]) / U[c, c]
+        W[:, c+1:] -= e ⊗ U[c, c+1:]
+
+The grids are exactly the schemes' own (:mod:`.int8`, :mod:`.fp8`, :mod:`.int4`), and so is the output: the same
+keys, dtypes, shapes and packing as ``scheme.quantize``, which is why every loader, kernel and backend reads a GPTQ
+variant unchanged. int8/fp8 keep the per-row scale of the original weight (``max|W_row| / qmax``; updated weights
+beyond it clamp to the grid's end); int4 chooses each group's (scale, bias) with its ``grid`` rule from the updated
+weights of that group, cast to the source dtype, as :func:`.int4.quantize_values` stores them. With ``H = I`` no
+error is carried and the result is bit-identical to round-to-nearest (tested). nf4's blocks run over the flattened
+weight with bitsandbytes' own serialization; it is not covered here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _rowwise, fp8, int4, int8
+
+SCHEMES = ("int4", "int8", "fp8")
+DEFAULT_DAMP = 0.01  # GPTQ's default: enough to factor a rank-deficient H, small enough not to wash out its shape
+BLOCK = 128  # columns per lazy batch update: the reference implementation's; a multiple of every int4 group size
+
+
+class _RowGrid:
+    """int8 / fp8: one scale per row from the original weight; codes are the scheme's own dtype."""
+
+    def __init__(self, scheme: str, weight: torch.Tensor) -> None:
+        self.scheme = scheme
+        qmax = int8.QMAX if scheme == "int8" else fp8.FP8_MAX
+        _, self.scale = _rowwise.scale(weight, qmax, scheme)
+        self.codes = torch.empty(weight.shape, dtype=torch.int8 if scheme == "int8" else fp8.FP8_DTYPE,
+                                 device=weight.device)
+
+    def start_group(self, column: int, weights: torch.Tensor) -> None:
+        """Rows have one scale, fixed at construction."""
+
+    def round(self, column: int, w: torch.Tensor) -> torch.Tensor:
+        s = self.scale[:, 0]
+        if self.scheme == "int8":
+            code = torch.round(w / s).clamp_(-int8.QMAX, int8.QMAX)
+            self.codes[:, column] = code.to(torch.int8)
+            return code * s
+        code = (w / s).clamp_(-fp8.FP8_MAX, fp8.FP8_MAX).to(fp8.FP8_DTYPE)
+        self.codes[:, column] = code
+        return code.to(torch.float32) * s
+
+    def packed(self) -> dict[str, torch.Tensor]:
+        return {"weight": self.codes, "weight_scale": self.scale}
+
+
+class _Int4Grid:
+    """int4: a (scale, bias) per group of ``group_size`` columns, chosen when the group's first column is reached."""
+
+    def __init__(self, weight: torch.Tensor, group_size: int, grid: str) -> None:
+        int4._check(tuple(weight.shape), group_size)
+        self.group_size, self.grid, self.dtype = group_size, grid, weight.dtype
+        out_f, in_f = weight.shape
+        self.codes = torch.empty(out_f, in_f, dtype=torch.uint8, device=weight.device)
+        self.scales = torch.empty(out_f, in_f // group_size, dtype=weight.dtype, device=weight.device)
+        self.biases = torch.empty_like(self.scales)
+        self.assign: tuple[torch.Tensor, torch.Tensor] = (self.scales[:, 0], self.biases[:, 0])
+
+    def start_group(self, column: int, weights: torch.Tensor) -> None:
+        w = weights.to(self.dtype)
+        _, scale, bias = int4.quantize_values(w, self.group_size, self.grid)
+        g = column // self.group_size
+        self.scales[:, g], self.biases[:, g] = scale[:, 0], bias[:, 0]
+        # codes come from the stored (cast) pair on the mse grid, from the float32 pair on MLX's (as mx.quantize)
+        self.assign = (int4._mlx_grid(w.to(torch.float32)[:, None, :]) if self.grid == "mlx"
+                       else (scale[:, :1].to(torch.float32), bias[:, :1].to(torch.float32)))
+
+    def round(self, column: int, w: torch.Tensor) -> torch.Tensor:
+        g = column // self.group_size
+        scale, bias = self.assign[0][:, 0], self.assign[1][:, 0]
+        code = torch.round((w - bias) / scale).clamp_(0, 15)  # int4._assign on one column
+        self.codes[:, column] = code.to(torch.uint8)
+        return code * self.scales[:, g].to(torch.float32) + self.biases[:, g].to(torch.float32)
+
+    def packed(self) -> dict[str, torch.Tensor]:
+        return {"weight": int4.pack(self.codes), "scales": self.scales, "biases": self.biases}
+
+
+def inverse_factor(hessian: torch.Tensor, damp: float = DEFAULT_DAMP) -> tuple[torch.Tensor, torch.Tensor]:
+    """(U, dead): the upper Cholesky factor of the damped ``H⁻¹`` (float32) and the columns whose input is always 0.
+
+    ValueError when H is not square or not positive definite after damping (NaNs in the calibration activations).
+    """
+    if hessian.dim() != 2 or hessian.shape[0] != hessian.shape[1]:
+        raise ValueError(f"the Hessian must be square [in, in], got shape {tuple(hessian.shape)}")
+    if not 0 <= damp < 1:
+        raise ValueError(f"damp must be in [0, 1), got {damp}")
+    h = hessian.detach().to(torch.float64).clone()
+    dead = torch.diagonal(h) == 0
+    h[dead, dead] = 1.0
+    h.diagonal().add_(damp * float(torch.diagonal(h).mean()))
+    factor, info = torch.linalg.cholesky_ex(h)
+    if int(info):
+        raise ValueError("the Hessian is not positive definite after damping (non-finite calibration inputs?)")
+    inverse = torch.cholesky_inverse(factor)
+    return torch.linalg.cholesky(inverse, upper=True).to(torch.float32), dead
+
+
+def quantize(weight: torch.Tensor, hessian: torch.Tensor, scheme: str, group_size: int | None = None, *,
+             grid: str = int4.DEFAULT_GRID, damp: float = DEFAULT_DAMP) -> dict[str, torch.Tensor]:
+    """GPTQ-quantize a 2-D weight [out, in] with its input Hessian [in, in] into ``scheme``'s packed tensors.
+
+    ``group_size`` and ``grid`` apply to int4 (default 64, ``mse``); the output equals ``scheme.quantize``'s in keys,
+    dtypes, shapes and layout. ValueError for another scheme or a Hessian of the wrong size.
+    """
+    if scheme not in SCHEMES:
+        raise ValueError(f"GPTQ covers {', '.join(SCHEMES)}, not {scheme!r}")
+    if weight.dim() != 2:
+        raise ValueError(f"GPTQ quantizes 2-D weights [out, in], got shape {tuple(weight.shape)}")
+    n = weight.shape[1]
+    if tuple(hessian.shape) != (n, n):
+        raise ValueError(f"Hessian shape {tuple(hessian.shape)} does not match the weight's {n} input columns")
+    grids: _RowGrid | _Int4Grid = (_Int4Grid(weight, group_size or int4.DEFAULT_GROUP_SIZE, grid)
+                                   if scheme == "int4" else _RowGrid(scheme, weight))
+    group = grids.group_size if isinstance(grids, _Int4Grid) else n
+    u, dead = inverse_factor(hessian.to(weight.device), damp)
+    w = weight.detach().to(torch.float32).clone()
+    w[:, dead] = 0
+    for b0 in range(0, n, BLOCK):
+        b1 = min(b0 + BLOCK, n)
+        block, errors, ub = w[:, b0:b1].clone(), torch.empty_like(w[:, b0:b1]), u[b0:b1, b0:b1]
+        for i in range(b1 - b0):
+            c = b0 + i
+            if c % group == 0:  # the group's columns as they stand now (BLOCK is a multiple of every int4 group)
+                grids.start_group(c, block[:, i : i + group])
+            column = block[:, i]
+            error = (column - grids.round(c, column)) / ub[i, i]
+            block[:, i:] -= error[:, None] * ub[i, i:][None, :]
+            errors[:, i] = error
+        w[:, b1:] -= errors @ u[b0:b1, b1:]
+    return grids.packed()
+
+
+def output_error(weight: torch.Tensor, approx: torch.Tensor, hessian: torch.Tensor) -> float:
+    """``tr((A - W) H (A - W)ᵀ)``: the summed squared output error over the calibration inputs' second moment."""
+    delta = approx.to(torch.float32) - weight.to(torch.float32)
+    return float(((delta @ hessian.to(torch.float32)) * delta).sum())

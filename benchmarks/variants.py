@@ -3,10 +3,12 @@
     python benchmarks/variants.py --model DIR --rows 500               # exports int8, fp8, int4, nf4 beside DIR
     python benchmarks/variants.py --model DIR --variants int4=DIR-int4 # or measure existing variants
     python benchmarks/variants.py --variants int4-g32=DIR --schemes int8 --rows 500 --dtype bfloat16
+    python benchmarks/variants.py --calibrate --schemes int8,fp8,int4 # GPTQ variants too (quantize --calibrate)
 
 BANKING77 test rows (77-way choice) through the reference and each variant: mean KL(ref‖var), flip rate, accuracy
-and ECE (15 bins) of both; then a 3-question request: median latency (of 10) and the peak RSS of a fresh process
-that loads the model and answers it. One table. Targets (issue 4): int8/fp8 mean KL ≤ 0.002 and flips ≤ 1%;
+and ECE (15 bins) of both; the same drift on ``quantize``'s 64 validation probes; then a 3-question request:
+median latency (of 10) and the peak RSS of a fresh process that loads the model and answers it. One table.
+Targets (issue 4): int8/fp8 mean KL ≤ 0.002 and flips ≤ 1%;
 int4/nf4 mean KL ≤ 0.03 and flips ≤ 5%.
 """
 
@@ -25,7 +27,7 @@ import clef_local
 from clef_local.datasets import banking77_examples, banking77_intents
 from clef_local.drift import head_difference
 from clef_local.export.quantize import quantize_release
-from clef_local.export.validate import compare
+from clef_local.export.validate import compare, probe_requests
 from clef_local.metrics import classification_report
 
 SCHEMES = ("int8", "fp8", "int4", "nf4")
@@ -59,7 +61,8 @@ def measure(path: Path, rows: int, dtype: str) -> dict:
     probs = [p.probabilities for p in predictions]
     gold = np.array([order.index(e.labels["intent"]) for e in examples])
     report = classification_report(np.stack([p[0] for p in probs]), gold)
-    return {"probabilities": probs, "accuracy": report["accuracy"], "ece": report["ece"],
+    probes = [p.probabilities for p in model.predict(probe_requests())]
+    return {"probabilities": probs, "probes": probes, "accuracy": report["accuracy"], "ece": report["ece"],
             "latency_ms": median_ms(lambda: model.decide(THREE), 10), "peak_rss_mib": peak_rss_mib(path, dtype)}
 
 
@@ -72,6 +75,8 @@ def main() -> None:
     parser.add_argument("--schemes", default=",".join(SCHEMES),
                         help="schemes exported beside the release when not given in --variants (default: all four; "
                              "'' for none)")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="also export and measure each scheme's GPTQ variant (DIR-<scheme>-gptq; not nf4)")
     parser.add_argument("--json", type=Path, help="also write the table here")
     args = parser.parse_args()
     reference_dir = args.model or clef_local.default_model_path()
@@ -84,26 +89,35 @@ def main() -> None:
             if not out.exists():
                 quantize_release(reference_dir, out, scheme, validate=False)
             variants[scheme] = str(out)
+        if args.calibrate and scheme != "nf4":
+            out = reference_dir.with_name(f"{reference_dir.name}-{scheme}-gptq")
+            if not out.exists():
+                quantize_release(reference_dir, out, scheme, validate=False, calibrate=True)
+            variants[f"{scheme} gptq"] = str(out)
     reference = measure(reference_dir, args.rows, args.dtype)
-    rows = [{"model": f"reference ({args.dtype})", "mean_kl": 0.0, "flip_rate": 0.0, **_public(reference)}]
+    rows = [{"model": f"reference ({args.dtype})", "mean_kl": 0.0, "flip_rate": 0.0, "probe_kl": 0.0,
+             "probe_flips": 0.0, **_public(reference)}]
     for scheme, path in variants.items():
         if (difference := head_difference(reference_dir, path)) is not None:
             print(f"warning: {difference}", file=sys.stderr)  # e.g. a DIR-<scheme> left from an older head
         result = measure(Path(path), args.rows, args.dtype)
         drift = compare(reference["probabilities"], result["probabilities"])
+        probe = compare(reference["probes"], result["probes"])
         rows.append({"model": scheme, "mean_kl": drift["mean_kl"], "flip_rate": drift["flip_rate"],
-                     **_public(result)})
+                     "probe_kl": probe["mean_kl"], "probe_flips": probe["flip_rate"], **_public(result)})
     print(f"\n{args.rows} BANKING77 test rows (77-way) + a 3-question request, reference {reference_dir}")
-    print(f"{'model':<16}{'mean KL':>10}{'flips':>8}{'accuracy':>10}{'ECE':>8}{'ms (3 q)':>10}{'peak MiB':>10}")
+    print(f"{'model':<16}{'mean KL':>10}{'flips':>8}{'accuracy':>10}{'ECE':>8}{'probe KL':>10}{'flips':>8}"
+          f"{'ms (3 q)':>10}{'peak MiB':>10}")
     for row in rows:
         print(f"{row['model']:<16}{row['mean_kl']:>10.5f}{row['flip_rate']:>8.3f}{row['accuracy']:>10.3f}"
-              f"{row['ece']:>8.3f}{row['latency_ms']:>10.1f}{row['peak_rss_mib']:>10.0f}")
+              f"{row['ece']:>8.3f}{row['probe_kl']:>10.5f}{row['probe_flips']:>8.3f}{row['latency_ms']:>10.1f}"
+              f"{row['peak_rss_mib']:>10.0f}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
 
 
 def _public(result: dict) -> dict:
-    return {k: v for k, v in result.items() if k != "probabilities"}
+    return {k: v for k, v in result.items() if k not in ("probabilities", "probes")}
 
 
 if __name__ == "__main__":

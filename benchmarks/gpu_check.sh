@@ -17,5 +17,8 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda'
 
 echo "== runtime on CUDA vs CPU (tests marked cuda)"
 python3 -m pytest -q -s -m cuda tests/ -p no:cacheprovider 2>&1 | tee "$OUT/pytest_cuda.log"
+echo "== quantize --calibrate (GPTQ) on CUDA: time and drift of the demo model's int8 variant"
+( time clef-local quantize --bits 8 --calibrate --out "$OUT/demo-int8-gptq" --force ) 2>&1 | grep -v "^\[transformers\]" \
+  | tail -12 | tee "$OUT/gptq_cuda.txt"
 echo "== joint schema head: ours vs the reference on CUDA"
 python3 benchmarks/head_speed.py --device cuda --repeats 5 2>&1 | grep -v "^\[transformers\]" | tee "$OUT/head_speed_cuda.txt"

@@ -54,6 +54,7 @@ class Calibration:
     sequential: bool = False
     # per weight: (round-to-nearest, GPTQ) output error tr(ΔW H ΔWᵀ) on the calibration inputs
     errors: dict[str, tuple[float, float]] = field(default_factory=dict)
+    rounded: list[str] = field(default_factory=list)  # nf4 weights whose rows are not whole blocks: no GPTQ
 
     def config(self) -> dict[str, Any]:
         """The ``quantization_config.clef_local.calibration`` entry of the variant's config.json."""
@@ -61,7 +62,7 @@ class Calibration:
                 "requests": self.requests,
                 "tokens": self.tokens, "seed": SEED, "damp": self.damp,
                 "data": "BANKING77 train, NLU++ folds 0-15 (clef_local.export.calibration)",
-                "output_error_ratio": round(self.error_ratio(), 4)}
+                "output_error_ratio": round(self.error_ratio(), 4), "round_to_nearest": self.rounded}
 
     def error_ratio(self) -> float:
         """Summed GPTQ output error over summed round-to-nearest output error (below 1: GPTQ helped)."""
@@ -180,7 +181,7 @@ def gptq_tensors(source: Path, scheme: str, group_size: int | None, options: dic
 
     import clef_local
     from clef_local.quant import get as get_scheme
-    from clef_local.quant import gptq, predicate
+    from clef_local.quant import gptq, nf4, predicate
 
     if scheme not in gptq.SCHEMES:
         raise ExportError(f"--calibrate (GPTQ) covers {', '.join(gptq.SCHEMES)}, not {scheme}: drop --calibrate "
@@ -219,6 +220,11 @@ def gptq_tensors(source: Path, scheme: str, group_size: int | None, options: dic
         hessians, outputs = _hessians(layer, linear, hidden, layer_calls)
         for full, module in linear.items():
             weight = module.weight.detach()
+            if scheme == "nf4" and weight.shape[1] % (group_size or nf4.DEFAULT_BLOCKSIZE):
+                log.warning("%s: %d input columns are not whole nf4 blocks; rounded to nearest", full, weight.shape[1])
+                result.rounded.append(f"{full}.weight")
+                result.packed[f"{full}.weight"] = spec.quantize(weight.cpu(), group_size)
+                continue
             packed = gptq.quantize(weight, hessians[full], scheme, group_size, damp=damp, **options)
             approx = spec.dequantize(packed, group_size, torch.float32)
             rtn = spec.dequantize(spec.quantize(weight, group_size, **options), group_size, torch.float32)

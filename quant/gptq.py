@@ -14,22 +14,23 @@ factored):
         e = (W[:, c] - q[:, c]) / U[c, c]
         W[:, c+1:] -= e ⊗ U[c, c+1:]
 
-The grids are exactly the schemes' own (:mod:`.int8`, :mod:`.fp8`, :mod:`.int4`), and so is the output: the same
-keys, dtypes, shapes and packing as ``scheme.quantize``, which is why every loader, kernel and backend reads a GPTQ
-variant unchanged. int8/fp8 keep the per-row scale of the original weight (``max|W_row| / qmax``; updated weights
-beyond it clamp to the grid's end); int4 chooses each group's (scale, bias) with its ``grid`` rule from the updated
-weights of that group, cast to the source dtype, as :func:`.int4.quantize_values` stores them. With ``H = I`` no
-error is carried and the result is bit-identical to round-to-nearest (tested). nf4's blocks run over the flattened
-weight with bitsandbytes' own serialization; it is not covered here.
+The grids are exactly the schemes' own (:mod:`.int8`, :mod:`.fp8`, :mod:`.int4`, :mod:`.nf4`), and so is the
+output: the same keys, dtypes, shapes and packing as ``scheme.quantize``, which is why every loader, kernel and
+backend reads a GPTQ variant unchanged. int8/fp8 keep the per-row scale of the original weight (``max|W_row| /
+qmax``; updated weights beyond it clamp to the grid's end); int4 chooses each group's (scale, bias) with its ``grid``
+rule from the updated weights of that group, cast to the source dtype, as :func:`.int4.quantize_values` stores
+them; nf4 each block's absmax from the updated weights of that block (its blocks over the flattened weight lie
+within rows: the row length must be a multiple of the block), serialized as bitsandbytes does without double
+quantization. With ``H = I`` no error is carried and the result is bit-identical to round-to-nearest (tested).
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import _rowwise, fp8, int4, int8
+from . import _rowwise, fp8, int4, int8, nf4
 
-SCHEMES = ("int4", "int8", "fp8")
+SCHEMES = ("int4", "int8", "fp8", "nf4")
 DEFAULT_DAMP = 0.01  # GPTQ's default: enough to factor a rank-deficient H, small enough not to wash out its shape
 BLOCK = 128  # columns per lazy batch update: the reference implementation's; a multiple of every int4 group size
 
@@ -93,6 +94,39 @@ class _Int4Grid:
         return {"weight": int4.pack(self.codes), "scales": self.scales, "biases": self.biases}
 
 
+class _NF4Grid:
+    """nf4: an absmax per block of ``blocksize`` columns (blocks over the flattened weight lie within rows when the
+    row length is a multiple of the block), chosen when the block's first column is reached."""
+
+    def __init__(self, weight: torch.Tensor, blocksize: int) -> None:
+        out_f, in_f = weight.shape
+        if in_f % blocksize:
+            raise ValueError(f"GPTQ nf4 needs in_features ({in_f}) to be a multiple of the block size {blocksize}: "
+                             f"otherwise blocks straddle rows")
+        self.blocksize, self.dtype, self.shape = blocksize, weight.dtype, tuple(weight.shape)
+        self.codes = torch.empty(out_f, in_f, dtype=torch.uint8, device=weight.device)
+        self.absmax = torch.empty(out_f, in_f // blocksize, dtype=torch.float32, device=weight.device)
+        self.table = nf4.code_table(weight.device)
+        self.midpoints = (self.table[:-1] + self.table[1:]) / 2
+
+    def start_group(self, column: int, weights: torch.Tensor) -> None:
+        self.absmax[:, column // self.blocksize] = weights.to(torch.float32).abs().amax(dim=1)
+
+    def round(self, column: int, w: torch.Tensor) -> torch.Tensor:
+        absmax = self.absmax[:, column // self.blocksize]
+        scaled = torch.clamp(w * (1.0 / absmax.clamp(min=1e-38)), -1, 1)  # nf4.quantize_reference's steps
+        code = torch.bucketize(scaled, self.midpoints)
+        self.codes[:, column] = code.to(torch.uint8)
+        return self.table[code] * absmax
+
+    def packed(self) -> dict[str, torch.Tensor]:
+        q = self.codes.reshape(-1)
+        meta = {"quant_type": "nf4", "blocksize": self.blocksize, "dtype": nf4._dtype_name(self.dtype),
+                "shape": list(self.shape)}
+        return {"weight": ((q[0::2] << 4) | q[1::2])[:, None], "weight.absmax": self.absmax.reshape(-1),
+                "weight.quant_map": self.table, nf4.QUANT_STATE_KEY: nf4._blob(meta)}
+
+
 def inverse_factor(hessian: torch.Tensor, damp: float = DEFAULT_DAMP) -> tuple[torch.Tensor, torch.Tensor]:
     """(U, dead): the upper Cholesky factor of the damped ``H⁻¹`` (float32) and the columns whose input is always 0.
 
@@ -117,8 +151,9 @@ def quantize(weight: torch.Tensor, hessian: torch.Tensor, scheme: str, group_siz
              grid: str = int4.DEFAULT_GRID, damp: float = DEFAULT_DAMP) -> dict[str, torch.Tensor]:
     """GPTQ-quantize a 2-D weight [out, in] with its input Hessian [in, in] into ``scheme``'s packed tensors.
 
-    ``group_size`` and ``grid`` apply to int4 (default 64, ``mse``); the output equals ``scheme.quantize``'s in keys,
-    dtypes, shapes and layout. ValueError for another scheme or a Hessian of the wrong size.
+    ``group_size`` is int4's group (default 64) or nf4's block (default 64); ``grid`` int4's rule. The output
+    equals ``scheme.quantize``'s in keys, dtypes, shapes and layout. ValueError for another scheme, a Hessian of the
+    wrong size, or (nf4) rows that are not whole blocks.
     """
     if scheme not in SCHEMES:
         raise ValueError(f"GPTQ covers {', '.join(SCHEMES)}, not {scheme!r}")
@@ -127,9 +162,15 @@ def quantize(weight: torch.Tensor, hessian: torch.Tensor, scheme: str, group_siz
     n = weight.shape[1]
     if tuple(hessian.shape) != (n, n):
         raise ValueError(f"Hessian shape {tuple(hessian.shape)} does not match the weight's {n} input columns")
-    grids: _RowGrid | _Int4Grid = (_Int4Grid(weight, group_size or int4.DEFAULT_GROUP_SIZE, grid)
-                                   if scheme == "int4" else _RowGrid(scheme, weight))
-    group = grids.group_size if isinstance(grids, _Int4Grid) else n
+    grids: _RowGrid | _Int4Grid | _NF4Grid
+    if scheme == "int4":
+        grids = _Int4Grid(weight, group_size or int4.DEFAULT_GROUP_SIZE, grid)
+        group = grids.group_size
+    elif scheme == "nf4":
+        grids = _NF4Grid(weight, group_size or nf4.DEFAULT_BLOCKSIZE)
+        group = grids.blocksize
+    else:
+        grids, group = _RowGrid(scheme, weight), n
     u, dead = inverse_factor(hessian.to(weight.device), damp)
     w = weight.detach().to(torch.float32).clone()
     w[:, dead] = 0
@@ -150,5 +191,5 @@ def quantize(weight: torch.Tensor, hessian: torch.Tensor, scheme: str, group_siz
 
 def output_error(weight: torch.Tensor, approx: torch.Tensor, hessian: torch.Tensor) -> float:
     """``tr((A - W) H (A - W)ᵀ)``: the summed squared output error over the calibration inputs' second moment."""
-    delta = approx.to(torch.float32) - weight.to(torch.float32)
-    return float(((delta @ hessian.to(torch.float32)) * delta).sum())
+    delta = approx.to(weight.device, torch.float32) - weight.to(torch.float32)
+    return float(((delta @ hessian.to(weight.device, torch.float32)) * delta).sum())

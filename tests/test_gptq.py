@@ -17,7 +17,8 @@ from clef_local.export.quantize import ExportError, main, quantize_release
 from clef_local.export.validate import probe_requests
 from clef_local.quant import gptq
 
-CASES = [("int8", None, "mse"), ("fp8", None, "mse"), ("int4", 32, "mse"), ("int4", 64, "mse"), ("int4", 64, "mlx")]
+CASES = [("int8", None, "mse"), ("fp8", None, "mse"), ("int4", 32, "mse"), ("int4", 64, "mse"), ("int4", 64, "mlx"),
+         ("nf4", 64, "mse")]
 
 
 def weight(rows: int = 48, cols: int = 256, seed: int = 0) -> torch.Tensor:
@@ -66,6 +67,8 @@ def test_gptq_cuts_the_output_error_and_keeps_the_layout(scheme: str, group: int
     assert error < 0.6 * baseline, (error, baseline)
     if scheme == "int4":  # codes stay on the 16-level grid the scales describe
         assert int(quant.int4.unpack(ours["weight"]).max()) <= 15
+    if scheme == "nf4":
+        assert quant.nf4.read_quant_state(ours) == quant.nf4.read_quant_state(theirs)
 
 
 def test_dead_input_columns_quantize_to_zero() -> None:
@@ -79,8 +82,10 @@ def test_dead_input_columns_quantize_to_zero() -> None:
 
 def test_bad_inputs_are_named() -> None:
     w = weight()
-    with pytest.raises(ValueError, match="not 'nf4'"):
-        gptq.quantize(w, torch.eye(256), "nf4")
+    with pytest.raises(ValueError, match="not 'mxfp4'"):
+        gptq.quantize(w, torch.eye(256), "mxfp4")
+    with pytest.raises(ValueError, match="multiple of the block size 64"):
+        gptq.quantize(weight(cols=96), torch.eye(96), "nf4")
     with pytest.raises(ValueError, match="does not match the weight's 256 input columns"):
         gptq.quantize(w, torch.eye(128), "int8")
     with pytest.raises(ValueError, match="not positive definite"):
@@ -139,11 +144,24 @@ def test_calibrated_export_writes_gptq_tensors_in_the_scheme_layout(calibrated: 
 
 def test_calibrate_refusals_leave_nothing(tiny_llama: Path, tmp_path: Path,
                                           capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(ExportError, match="covers int4, int8, fp8, not nf4"):
-        quantize_release(tiny_llama, tmp_path / "v", "nf4", calibrate=True)
     with pytest.raises(ExportError, match="applies with --calibrate only"):
         quantize_release(tiny_llama, tmp_path / "v", "int8", calibration_requests=4)
     (tmp_path / "taken").mkdir()
     assert main(["--model", str(tiny_llama), "--bits", "8", "--calibrate", "--out", str(tmp_path / "taken")]) == 2
     assert "exists; pass --force" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize(("scheme", "group", "grid"), CASES)
+def test_gptq_on_cuda_matches_the_cpu(scheme: str, group: int | None, grid: str) -> None:
+    """The same weight and Hessian on the GPU: the same layout, output error within 1% of the CPU's (the Cholesky
+    factors round differently, so codes near a rounding boundary may differ)."""
+    w, h = weight(), correlated_hessian()
+    cpu = gptq.quantize(w, h, scheme, group, grid=grid)
+    gpu = gptq.quantize(w.cuda(), h.cuda(), scheme, group, grid=grid)
+    assert {k: (v.dtype, v.shape) for k, v in gpu.items()} == {k: (v.dtype, v.shape) for k, v in cpu.items()}
+    errors = [gptq.output_error(w, dequantized(scheme, {k: v.cpu() for k, v in p.items()}, group), h)
+              for p in (cpu, gpu)]
+    assert errors[1] == pytest.approx(errors[0], rel=0.01)

@@ -1,7 +1,7 @@
 """``clef-local quantize``: write a quantized variant of a release, streaming, atomically (DESIGN §5).
 
     clef-local quantize [--model DIR] (--bits 4|8 | --format int4|int8|nf4|fp8) [--group-size N] --out DIR
-                        [--int4-grid mse|mlx] [--force] [--no-validate]
+                        [--int4-grid mse|mlx] [--calibrate [--calibration-requests N]] [--force] [--no-validate]
 
 The variant is a release directory: every non-weight file (tokenizer, processor configs, LICENSE/NOTICE, the joint
 head, ``joint_schema_model.py``) copied byte for byte; one output shard per source shard, same names; each tensor
@@ -10,6 +10,10 @@ that :func:`clef_local.quant.predicate.should_quantize` selects replaced by the 
 gains ``quantization_config`` (with a ``clef_local`` member: scheme, group size, int4's grid rule, counts, what was
 skipped and why);
 ``clef_local_manifest.json`` records every file's size and SHA-256, the source's hashes, the scheme and byte counts.
+
+``--calibrate`` replaces round-to-nearest by GPTQ (:mod:`clef_local.export.calibration`): the source is loaded
+once, before anything is written, and the packed tensors it returns are streamed into the shards instead; the
+format is unchanged.
 
 Safety (:mod:`clef_local.export.staging`): everything is written into a temporary sibling of ``out`` that is
 renamed to ``out`` only when complete (validated, manifest written and checked); any exception removes it; a temp
@@ -282,7 +286,7 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
     ``force`` replaces an existing ``out`` once the new variant is complete. ``validate`` compares the variant with the
     source on the probe set (:mod:`clef_local.export.validate`) and fails the export when a threshold is exceeded.
     ``calibrate`` rounds with GPTQ on ``calibration_requests`` requests (default 128) instead of round-to-nearest
-    (:mod:`clef_local.export.calibration`; int4, int8, fp8; it loads the source like validation does).
+    (:mod:`clef_local.export.calibration`; every scheme; it loads the source like validation does).
     ``log_summary`` logs :func:`summary_lines` at INFO (the CLI prints them instead).
     """
     import safetensors.torch  # noqa: F401  (imported before the temp directory exists: it takes seconds)
@@ -401,7 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "(bit-identical to mlx_lm.convert)")
     parser.add_argument("--calibrate", action="store_true",
                         help="round with GPTQ on calibration requests from the training splits instead of "
-                             "round-to-nearest (int4, int8, fp8; loads the source)")
+                             "round-to-nearest (every scheme; loads the source)")
     parser.add_argument("--calibration-requests", type=int, metavar="N",
                         help="calibration requests for --calibrate (default 128)")
     parser.add_argument("--out", type=Path, required=True, help="the variant directory to write")

@@ -3,7 +3,7 @@
     python benchmarks/variants.py --model DIR --rows 500               # exports int8, fp8, int4, nf4 beside DIR
     python benchmarks/variants.py --model DIR --variants int4=DIR-int4 # or measure existing variants
     python benchmarks/variants.py --variants int4-g32=DIR --schemes int8 --rows 500 --dtype bfloat16
-    python benchmarks/variants.py --calibrate --schemes int8,fp8,int4 # GPTQ variants too (quantize --calibrate)
+    python benchmarks/variants.py --calibrate                        # and each scheme's GPTQ variant (--calibrate)
 
 BANKING77 test rows (77-way choice) through the reference and each variant: mean KL(ref‖var), flip rate, accuracy
 and ECE (15 bins) of both; the same drift on ``quantize``'s 64 validation probes; then a 3-question request:
@@ -76,7 +76,7 @@ def main() -> None:
                         help="schemes exported beside the release when not given in --variants (default: all four; "
                              "'' for none)")
     parser.add_argument("--calibrate", action="store_true",
-                        help="also export and measure each scheme's GPTQ variant (DIR-<scheme>-gptq; not nf4)")
+                        help="also export and measure each scheme's GPTQ variant (DIR-<scheme>-gptq)")
     parser.add_argument("--json", type=Path, help="also write the table here")
     args = parser.parse_args()
     reference_dir = args.model or clef_local.default_model_path()
@@ -89,7 +89,7 @@ def main() -> None:
             if not out.exists():
                 quantize_release(reference_dir, out, scheme, validate=False)
             variants[scheme] = str(out)
-        if args.calibrate and scheme != "nf4":
+        if args.calibrate:
             out = reference_dir.with_name(f"{reference_dir.name}-{scheme}-gptq")
             if not out.exists():
                 quantize_release(reference_dir, out, scheme, validate=False, calibrate=True)

@@ -205,6 +205,7 @@ def gptq_tensors(source: Path, scheme: str, group_size: int | None, options: dic
     from tqdm import tqdm
 
     import clef_local
+    from clef_local.backends.torch_backend import read_headers
     from clef_local.quant import get as get_scheme
     from clef_local.quant import gptq, nf4, predicate
 
@@ -235,6 +236,7 @@ def gptq_tensors(source: Path, scheme: str, group_size: int | None, options: dic
     log.info("calibrating %s on %d requests (%d tokens)", scheme, len(batch), tokens)
     hidden, calls = _record_layer_calls(backbone.text_model, layers, input_ids)
     names = dict(backbone.model.named_modules())
+    stored = read_headers(model.release.weight_files)  # name -> (shape, dtype) as the shards store them
     result = Calibration(packed={}, requests=len(batch), tokens=tokens, damp=damp, seconds=0.0, sequential=sequential,
                          dtype=str(backbone.dtype).removeprefix("torch."))
     for index, layer in enumerate(tqdm(layers, desc="GPTQ", unit="layer", disable=None, dynamic_ncols=True)):
@@ -248,7 +250,9 @@ def gptq_tensors(source: Path, scheme: str, group_size: int | None, options: dic
             continue
         hessians, outputs = _hessians(layer, linear, hidden, layer_calls)
         for full, module in linear.items():
-            weight = module.weight.detach()
+            # in the stored dtype (exact: float32 compute only widened it), so scales, biases and nf4's state are
+            # stored as round-to-nearest stores them
+            weight = module.weight.detach().to(stored[f"{full}.weight"][1])
             if scheme == "nf4" and weight.shape[1] % (group_size or nf4.DEFAULT_BLOCKSIZE):
                 log.warning("%s: %d input columns are not whole nf4 blocks; rounded to nearest", full, weight.shape[1])
                 result.rounded.append(f"{full}.weight")

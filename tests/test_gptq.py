@@ -143,6 +143,18 @@ def test_calibrated_export_writes_gptq_tensors_in_the_scheme_layout(calibrated: 
     assert answer["answers"]
 
 
+def test_calibrated_int4_stores_scales_in_the_source_dtype(tiny_llama: Path, tmp_path: Path) -> None:
+    """Calibration computes in float32, but the variant's tensors are stored exactly as round-to-nearest's are."""
+    summary = quantize_release(tiny_llama, tmp_path / "gptq", "int4", 32, calibrate=True, calibration_requests=4,
+                               validate=False)
+    quantize_release(tiny_llama, tmp_path / "rtn", "int4", 32, validate=False)
+    assert summary["calibration"]["dtype"] == "float32"
+    ours = load_file(str(tmp_path / "gptq" / "model.safetensors"))
+    theirs = load_file(str(tmp_path / "rtn" / "model.safetensors"))
+    assert {k: (v.dtype, v.shape) for k, v in ours.items()} == {k: (v.dtype, v.shape) for k, v in theirs.items()}
+    assert any(k.endswith(".scales") and v.dtype == torch.bfloat16 for k, v in ours.items())
+
+
 def test_calibrate_refusals_leave_nothing(tiny_llama: Path, tmp_path: Path,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(ExportError, match="applies with --calibrate only"):

@@ -252,6 +252,8 @@ def gptq_tensors(source: Path, scheme: str, group_size: int | None, options: dic
         for full, module in linear.items():
             # in the stored dtype (exact: float32 compute only widened it), so scales, biases and nf4's state are
             # stored as round-to-nearest stores them
+            if f"{full}.weight" not in stored:
+                raise ExportError(f"{source}: no tensor {full}.weight in the weight files for the module {full}")
             weight = module.weight.detach().to(stored[f"{full}.weight"][1])
             if scheme == "nf4" and weight.shape[1] % (group_size or nf4.DEFAULT_BLOCKSIZE):
                 log.warning("%s: %d input columns are not whole nf4 blocks; rounded to nearest", full, weight.shape[1])

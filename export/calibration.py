@@ -116,15 +116,11 @@ def _record_layer_calls(text_model: Any, layers: Any, input_ids: list[torch.Tens
 
     def record(index: int):
         def hook(module: Any, args: tuple, kw: dict[str, Any]) -> None:
-            if args:
-                kw = {**kw}
-                states = args[0]
-                if len(args) > 1:
-                    raise ExportError(f"decoder layer {index} is called with {len(args)} positional arguments; "
-                                      f"calibration replays keyword arguments only")
-            else:
-                kw = {**kw}
-                states = kw.pop("hidden_states")
+            if len(args) > 1:
+                raise ExportError(f"decoder layer {index} is called with {len(args)} positional arguments; "
+                                  f"calibration replays keyword arguments only")
+            kw = {**kw}
+            states = args[0] if args else kw.pop("hidden_states")
             if index == 0:
                 hidden.append(states.detach())
             kwargs[-1].append(kw)

@@ -8,7 +8,7 @@ factored):
 
     H += damp · mean(diag H) · I               (damp 0.01; an input that is always 0: H[c, c] = 1, W[:, c] = 0)
     U  = upper Cholesky factor of H⁻¹           (H⁻¹ = Uᵀ U)
-    for each column c in order:                (in blocks of 128 columns; later blocks are updated once per block)
+    for each column c in order:                (in batches of 128 columns, or one group; later ones updated per batch)
         at a group's first column, the scheme picks the group's grid from the *current* (updated) weights
         q[:, c] = the grid's nearest value to W[:, c]
         e = (W[:, c] - q[:, c]) / U[c, c]
@@ -32,7 +32,7 @@ from . import _rowwise, fp8, int4, int8, nf4
 
 SCHEMES = ("int4", "int8", "fp8", "nf4")
 DEFAULT_DAMP = 0.01  # GPTQ's default: enough to factor a rank-deficient H, small enough not to wash out its shape
-BLOCK = 128  # columns per lazy batch update: the reference implementation's; a multiple of every int4 group size
+BLOCK = 128  # columns per lazy batch update: the reference implementation's (wider for groups above it)
 
 
 class _RowGrid:
@@ -174,12 +174,14 @@ def quantize(weight: torch.Tensor, hessian: torch.Tensor, scheme: str, group_siz
     u, dead = inverse_factor(hessian.to(weight.device), damp)
     w = weight.detach().to(torch.float32).clone()
     w[:, dead] = 0
-    for b0 in range(0, n, BLOCK):
-        b1 = min(b0 + BLOCK, n)
+    # a lazy batch holds whole groups (nf4 blocks may be 256 wide); a row grid's one "group" never needs them
+    width = BLOCK if isinstance(grids, _RowGrid) else max(BLOCK, group)
+    for b0 in range(0, n, width):
+        b1 = min(b0 + width, n)
         block, errors, ub = w[:, b0:b1].clone(), torch.empty_like(w[:, b0:b1]), u[b0:b1, b0:b1]
         for i in range(b1 - b0):
             c = b0 + i
-            if c % group == 0:  # the group's columns as they stand now (BLOCK is a multiple of every int4 group)
+            if c % group == 0:  # the group's columns as they stand now (all inside this batch)
                 grids.start_group(c, block[:, i : i + group])
             column = block[:, i]
             error = (column - grids.round(c, column)) / ub[i, i]

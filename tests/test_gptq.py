@@ -18,7 +18,7 @@ from clef_local.export.validate import probe_requests
 from clef_local.quant import gptq
 
 CASES = [("int8", None, "mse"), ("fp8", None, "mse"), ("int4", 32, "mse"), ("int4", 64, "mse"), ("int4", 64, "mlx"),
-         ("nf4", 64, "mse")]
+         ("nf4", 64, "mse"), ("nf4", 256, "mse")]
 
 
 def weight(rows: int = 48, cols: int = 256, seed: int = 0) -> torch.Tensor:

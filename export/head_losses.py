@@ -45,6 +45,25 @@ def question_loss(logits: torch.Tensor, gold: torch.Tensor, smoothing: float, br
     return (per_question * weights).sum() / weights.sum()
 
 
+@torch.no_grad()
+def logit_temperature(logits: torch.Tensor, target: torch.Tensor) -> float:
+    """The temperature ``t`` (0.25…4) of least mean NLL of ``target`` under ``softmax(logits · t)``: golden-section
+    search in log ``t`` (``logits`` ``[Q, K]``, ``-inf`` padding; every target labelled)."""
+
+    def nll(log_t: float) -> float:
+        return float(F.cross_entropy(logits * math.exp(log_t), target))
+
+    low, high = math.log(0.25), math.log(4.0)
+    ratio = (math.sqrt(5) - 1) / 2
+    for _ in range(40):
+        a, b = high - ratio * (high - low), low + ratio * (high - low)
+        if nll(a) < nll(b):
+            high = b
+        else:
+            low = a
+    return math.exp((low + high) / 2)
+
+
 def twin_loss(logits: torch.Tensor, rows: Sequence[tuple[int, int]]) -> torch.Tensor:
     """Mean symmetric KL between the option distributions of twin question rows (``-inf`` padding ignored)."""
     if not rows:

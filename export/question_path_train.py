@@ -22,13 +22,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from clef_local.datasets import Example, Twin
 from clef_local.encoding import QUESTION_TYPES, option_semantics
 from clef_local.errors import ReleaseError
-from clef_local.export.head_losses import question_loss, twin_loss
+from clef_local.export.head_losses import logit_temperature, question_loss, twin_loss
 from clef_local.export.question_path import (
     PRIOR_OFF,
     LexicalTable,
@@ -367,7 +366,7 @@ def evaluate(head, questions: Questions, units: Sequence[list[int]], lexical, pa
 def refuse_full_options(parser, args) -> None:
     """Fail before any work on the full method's options, which a question-path run would silently ignore."""
     refused = [flag for flag, unset in (("--spliced", args.spliced == 0),
-                                         ("--state-attention-weight", args.state_attention_weight == 0),
+                                         ("--state-attention-weight", args.state_attention_weight is None),
                                          ("--autocast", args.autocast == "auto")) if not unset]
     if refused:
         parser.error(f"{', '.join(refused)}: not used by --method question-path (it trains on question-span means "
@@ -403,21 +402,8 @@ def run_from_cli(parser, args, examples: Sequence[Example], twins: Sequence[Twin
 
 @torch.no_grad()
 def fit_temperature(head, questions: Questions, units: Sequence[list[int]], lexical) -> float:
-    """The logit temperature of least NLL on ``units``' labelled questions (golden-section search over 0.25…4)."""
+    """The logit temperature of least NLL on ``units``' labelled questions (:func:`.head_losses.logit_temperature`)."""
     head.eval()
     rows = torch.tensor([r for unit in units for r in unit if int(questions.gold[r]) >= 0], device=lexical.device)
     batch, target = questions.batch(rows, lexical)
-    logits = question_path_logits(head, batch)
-
-    def nll(log_t: float) -> float:
-        return float(F.cross_entropy(logits * math.exp(log_t), target))
-
-    low, high = math.log(0.25), math.log(4.0)
-    ratio = (math.sqrt(5) - 1) / 2
-    for _ in range(40):
-        a, b = high - ratio * (high - low), low + ratio * (high - low)
-        if nll(a) < nll(b):
-            high = b
-        else:
-            low = a
-    return math.exp((low + high) / 2)
+    return logit_temperature(question_path_logits(head, batch), target)

@@ -76,11 +76,13 @@ class TrainConfig:
     seed: int = 0
 
 
-# The settings a flag left unset takes with --method full (question_path_train.CLI_DEFAULTS for the other).
+# The settings a flag left unset takes with --method full (question_path_train.CLI_DEFAULTS and
+# state_path_train.CLI_DEFAULTS for the others).
 CLI_DEFAULTS: dict[str, Any] = {"epochs": TrainConfig.epochs, "lr": TrainConfig.lr, "banking77": 2000, "nlupp": 1660,
                                 "twins": 0, "max_options": None, "joint_scale_init": TrainConfig.joint_scale_init,
                                 "consistency_weight": TrainConfig.consistency_weight,
-                                "label_smoothing": TrainConfig.label_smoothing}
+                                "label_smoothing": TrainConfig.label_smoothing,
+                                "state_attention_weight": TrainConfig.state_attention_weight}
 
 
 def _gold_index(question_type: int, option_ids: Sequence[str], label: object) -> int:
@@ -403,11 +405,15 @@ def main(argv: list[str] | None = None) -> int:
                                                       '{"request": ..., "labels": {qid: answer}} lines')
     parser.add_argument("--out", required=True, type=Path, help="where to write joint_head.safetensors + config")
     parser.add_argument("--work", type=Path, help="cache and checkpoints (default: OUT.work); resumable")
-    parser.add_argument("--method", choices=("full", "question-path"), default="full",
+    parser.add_argument("--method", choices=("full", "question-path", "state-path"), default="full",
                         help="full: every branch on cached whole-prompt hidden states; question-path: the head's "
                              "question and option-lexical path on question-span means only (export/question_path.py: "
-                             "~5x fewer backbone tokens, every BANKING77 row on a CPU)")
-    parser.add_argument("--epochs", type=int, help="passes over the training data (default: 8 full, 12 question-path)")
+                             "~5x fewer backbone tokens, every BANKING77 row on a CPU); state-path: choices answered "
+                             "from the state's tokens and the options, nouls and scores from their question span "
+                             "(export/state_path.py: answers that renamed ids, reordered or added questions cannot "
+                             "move through the state)")
+    parser.add_argument("--epochs", type=int,
+                        help="passes over the training data (default: 8 full, 12 question-path, 8 state-path)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (caching and training)")
     parser.add_argument("--cache-only", action="store_true",
                         help="compute the hidden-state cache under --work and stop (e.g. on a GPU machine)")
@@ -435,8 +441,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--joint-scale-init", type=float,
                         help="a fresh head's log cosine temperature (default: 0 full, 2.3 = x10 question-path; see "
                              "TrainConfig)")
-    parser.add_argument("--state-attention-weight", type=float, default=TrainConfig.state_attention_weight,
-                        help="weight of -log(cross-attention mass on the state's tokens) (default %(default)s)")
+    parser.add_argument("--state-attention-weight", type=float,
+                        help="weight of -log(cross-attention mass on the state's tokens) (default: 0 full, "
+                             "0.1 state-path)")
     parser.add_argument("--full-choice", type=float, default=FULL_CHOICE, metavar="SHARE",
                         help="share of BANKING77 choice questions over all 77 intents, the evaluation's question "
                              f"(demo data; default {FULL_CHOICE})")
@@ -457,7 +464,12 @@ def main(argv: list[str] | None = None) -> int:
                              "a fresh one; its architecture overrides --width and the layer counts")
     args = parser.parse_args(argv)
     defaults = CLI_DEFAULTS
-    if args.method == "question-path":
+    if args.method == "state-path":
+        from clef_local.export import state_path_train
+
+        state_path_train.refuse_options(parser, args)
+        defaults = state_path_train.CLI_DEFAULTS
+    elif args.method == "question-path":
         from clef_local.export import question_path_train
 
         question_path_train.refuse_full_options(parser, args)
@@ -468,6 +480,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--canonical-weight must be positive, got {args.canonical_weight}")
     elif args.canonical_weight is not None or args.share is not None:
         parser.error("--canonical-weight and --share belong to --method question-path")
+    if args.state_attention_weight is not None and args.state_attention_weight < 0:
+        parser.error(f"--state-attention-weight must be ≥ 0, got {args.state_attention_weight}")
     if args.label_smoothing is not None and not 0 <= args.label_smoothing < 1:
         parser.error(f"--label-smoothing is in [0, 1), got {args.label_smoothing}")
     for name, value in defaults.items():
@@ -495,6 +509,10 @@ def main(argv: list[str] | None = None) -> int:
         from clef_local.export.question_path_train import run_from_cli
 
         return run_from_cli(parser, args, examples, twins, work)
+    if args.method == "state-path":
+        from clef_local.export.state_path_train import run_from_cli as run_state_path
+
+        return run_state_path(parser, args, examples, twins, work)
     config = TrainConfig(epochs=args.epochs, lr=args.lr, width=args.width, routing_layers=args.routing_layers,
                          layers=args.layers, heads=args.heads, feedforward=args.feedforward,
                          batch_records=args.batch_records, consistency_weight=args.consistency_weight,

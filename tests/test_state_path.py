@@ -1,0 +1,204 @@
+"""The state-path training method: its training math is the released head's, a choice's field ignores its question
+span, and a run writes a release head."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from clef_local.datasets import banking77_examples, banking77_intents
+from clef_local.encoding import QUESTION_TYPES
+from clef_local.export.demo_data import training_examples, twin_records
+from clef_local.export.hidden_cache import cache_dtype
+from clef_local.export.question_path import PRIOR_OFF, LexicalTable, question_means
+from clef_local.export.question_path_train import build_questions
+from clef_local.export.state_path import (
+    CHOICE_DOMINANCE,
+    StateBatch,
+    fold_dominance,
+    fold_whitening,
+    state_path_head,
+    state_path_logits,
+    twin_whitening,
+    zeroed_parameters,
+)
+from clef_local.export.state_path_train import Distractors, StatePathConfig, train_state_path
+from clef_local.export.train_head import encode_examples
+from clef_local.head import HeadConfig, JointSchemaHead
+from clef_local.head_reach import head_reads_question_spans_only
+from clef_local.layout import build_layout
+from clef_local.tokenizer import ReleaseTokenizer
+
+SMALL = StatePathConfig(width=32, heads=4, feedforward=64, epochs=2, batch_records=6, distractor_records=4,
+                        canonical_distractors=2)
+
+
+def _backbone(path: Path):
+    from clef_local.backends.torch_backend import TorchBackbone
+    from clef_local.release import read_json
+
+    return TorchBackbone(path, read_json(path / "config.json"), device="cpu", dtype=cache_dtype("cpu"))
+
+
+def _random_state_path_head(seed: int = 0) -> JointSchemaHead:
+    torch.manual_seed(seed)
+    head = JointSchemaHead(HeadConfig(hidden_size=64, width=32, routing_layers=1, layers=2, heads=4, feedforward=64))
+    trainable = state_path_head(head, 1.0)
+    with torch.no_grad():  # away from the init, so the test sees every trainable tensor
+        for param in trainable:
+            param.add_(0.3 * torch.randn_like(param))
+    return head.eval()
+
+
+def _whole_record_batch(encoded, hidden, mask, questions, table) -> StateBatch:
+    """A StateBatch whose memory is each record's own hidden states, every token (what the released head reads)."""
+    rows = torch.arange(len(questions.gold))
+    record_of = torch.tensor([n for n, r in enumerate(encoded) for _ in r.questions])
+    options = questions.options[rows]
+    question, slot = (options >= 0).nonzero(as_tuple=True)
+    used, option_lexical = options[question, slot].unique(return_inverse=True)
+    option_record = record_of[question]
+    record_slot = torch.zeros_like(option_record)
+    counts = [0] * len(encoded)
+    for n, record in enumerate(option_record.tolist()):
+        record_slot[n], counts[record] = counts[record], counts[record] + 1
+    state_mask = torch.zeros_like(mask, dtype=torch.bool)
+    for n, r in enumerate(encoded):
+        state_mask[n, : r.state_start + r.state_tokens] = True
+    return StateBatch(hidden.float(), mask == 0, state_mask, questions.means, questions.types, record_of, question,
+                      slot, option_record, record_slot, table.tensor()[used], option_lexical,
+                      int((options >= 0).sum(-1).max()), max(counts))
+
+
+@pytest.mark.parametrize("whiten", [False, True])
+def test_the_state_path_computes_the_full_heads_logits(tiny_llama: Path, tmp_path: Path, whiten: bool):
+    """On whole records, the training math (choice row multiplied on the fly, span means whitened) equals the
+    released head's forward once both are folded into the weights; the attention mass on prefix + state is a share
+    of each query."""
+    tokenizer = ReleaseTokenizer(tiny_llama)
+    pairs = encode_examples(tokenizer, training_examples(banking77=6, nlupp=4, seed=5), 4096)
+    encoded, gold = [e for e, _ in pairs], [g for _, g in pairs]
+    means = question_means(tiny_llama, encoded, tmp_path / "means", block_records=4)
+    backbone = _backbone(tiny_llama)
+    table = LexicalTable(backbone.output_embedding.detach().float())
+    questions, _ = build_questions(tokenizer, encoded, gold, means, table)
+    assert {0, 1}.issubset(set(questions.types.tolist()))
+
+    from clef_local.backends.torch_backend import collate
+
+    ids, mask = collate(encoded, 0, torch.device("cpu"))
+    head = _random_state_path_head()
+    transform = None
+    if whiten:  # any symmetric map folds the same way; a random one tests the fold, not the estimate
+        torch.manual_seed(4)
+        noise = torch.randn(64, 64)
+        transform = torch.eye(64) + 0.2 * (noise + noise.T)
+        questions.means = questions.means @ transform
+    with torch.no_grad():
+        hidden = backbone.hidden_states(ids, mask)
+        shortcut, mass = state_path_logits(head, _whole_record_batch(encoded, hidden, mask, questions, table))
+        fold_dominance(head)
+        if transform is not None:
+            fold_whitening(head, transform)
+        layout = build_layout(encoded, ids.shape[1]).map(torch.from_numpy)
+        full = head(hidden, mask, backbone.lexical_rows(layout.option_token_ids), layout)
+    assert full.shape == shortcut.shape
+    finite = torch.isfinite(full)
+    assert torch.equal(finite, torch.isfinite(shortcut))
+    assert float((full[finite] - shortcut[finite]).abs().max()) < 2e-3 * float(full[finite].abs().max())
+    assert float(full[finite].std()) > 0.1  # the logits say something: the comparison is not of constants
+    assert mass.shape == (int(finite.sum()), 1)
+    assert bool(((mass > 0) & (mass < 1)).all())
+
+
+def test_a_choice_field_ignores_its_question_span_and_a_noul_does_not():
+    """Type dominance: a different span mean moves a noul's logits, and a choice's by < 1e-3 of their size."""
+    head = _random_state_path_head(seed=3)
+    fold_dominance(head)
+    hidden_size, options = 64, 3
+    torch.manual_seed(1)
+    base = dict(memory=torch.randn(1, 20, hidden_size), memory_pad=torch.zeros(1, 20, dtype=torch.bool),
+                state_mask=torch.ones(1, 20, dtype=torch.bool),
+                types=torch.tensor([QUESTION_TYPES["noul"], QUESTION_TYPES["choice"]]),
+                question_record=torch.zeros(2, dtype=torch.long),
+                option_question=torch.tensor([0, 0, 1, 1, 1]), option_slot=torch.tensor([0, 1, 0, 1, 2]),
+                option_record=torch.zeros(5, dtype=torch.long), option_record_slot=torch.arange(5),
+                lexical=torch.randn(5, hidden_size), option_lexical=torch.arange(5), max_options=options,
+                max_record_options=5)
+    with torch.no_grad():
+        first, _ = state_path_logits(head, StateBatch(means=torch.randn(2, hidden_size), **base), dominance=1.0)
+        second, _ = state_path_logits(head, StateBatch(means=torch.randn(2, hidden_size), **base), dominance=1.0)
+    noul, choice = (first - second)[0, :2].abs().max(), (first - second)[1].abs().max()
+    assert float(noul) > 1e-2
+    assert float(choice) < 1e-3 * float(first[1].abs().max())
+
+
+def test_distractors_are_stretches_of_the_bank():
+    bank = [torch.arange(40, dtype=torch.float32)[:, None], torch.arange(100, 103, dtype=torch.float32)[:, None]]
+    import random
+
+    rng = random.Random(0)
+    for _ in range(50):
+        piece = Distractors(bank, min_tokens=16).draw(rng)[:, 0]
+        assert len(piece) >= 3
+        assert bool((piece[1:] - piece[:-1] == 1).all())  # contiguous
+    with pytest.raises(ValueError, match="empty"):
+        Distractors([])
+
+
+def test_train_state_path_writes_a_release_head(tiny_llama: Path, tmp_path: Path):
+    examples = training_examples(banking77=10, nlupp=6, seed=3, max_options=6)
+    canonical = banking77_examples("train", limit=6)
+    out = tmp_path / "head"
+    result = train_state_path(tiny_llama, examples, out, work=tmp_path / "work", config=SMALL,
+                              twins=twin_records(3, seed=1), universe=banking77_intents(), canonical=canonical,
+                              validation=0.2)
+    state = load_file(str(out / "joint_head.safetensors"))
+    config = json.loads((out / "joint_head_config.json").read_text())
+    head = JointSchemaHead(HeadConfig(**config))
+    head.load_state_dict(state, strict=True)
+    assert all(not bool(state[name].any()) for name in zeroed_parameters(head))
+    assert float(state["prior_logit_scale"]) == PRIOR_OFF
+    assert bool(state["evidence_layers.0.attention.out_proj.weight"].any())  # routing is live: it reads the state
+    rows = state["type_embedding.weight"].norm(dim=-1)
+    assert float(rows[QUESTION_TYPES["choice"]]) > CHOICE_DOMINANCE / 100 * float(rows[QUESTION_TYPES["noul"]])
+    assert not head_reads_question_spans_only(out / "joint_head.safetensors")
+    assert len(result["history"]) == SMALL.epochs
+    last = result["history"][-1]
+    assert 0 < last["val_state_mass"] <= 1 and "val_accuracy_full_views" in last
+    assert (tmp_path / "work" / "states").is_dir() and (tmp_path / "work" / "distractors").is_dir()
+    log = json.loads((out / "training_log.json").read_text())
+    assert log["method"] == "state-path" and log["canonical"] == 6
+
+
+@pytest.mark.parametrize("flag", [["--spliced", "4"], ["--init", "x"], ["--share", "0.5"], ["--autocast", "bf16"]])
+def test_state_path_refuses_what_it_would_ignore(flag, tmp_path: Path, capsys):
+    from clef_local.export.train_head import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--backbone", str(tmp_path), "--out", str(tmp_path / "o"), "--method", "state-path", *flag])
+    assert exit_info.value.code == 2
+    assert flag[0] in capsys.readouterr().err
+
+
+def test_twin_whitening_shrinks_what_twins_disagree_on():
+    """Twins differing along one direction: after the map that direction carries far less of the means' spread."""
+    torch.manual_seed(0)
+    base = torch.randn(200, 16)
+    nuisance = torch.zeros(16)
+    nuisance[3] = 1.0
+    means = torch.cat([base, base + 2.0 * torch.randn(200, 1) * nuisance])
+    pairs = [(i, 200 + i) for i in range(200)]
+    transform = twin_whitening(means, pairs, 0.01)
+    assert torch.allclose(transform, transform.T, atol=1e-5)
+    before = (means[:200] - means[200:]).norm(dim=-1).mean() / means.norm(dim=-1).mean()
+    after = ((means[:200] - means[200:]) @ transform).norm(dim=-1).mean() / (means @ transform).norm(dim=-1).mean()
+    assert float(after) < 0.2 * float(before)
+    with pytest.raises(ValueError, match="no twin pairs"):
+        twin_whitening(means, [], 0.01)
+    with pytest.raises(ValueError, match="positive"):
+        twin_whitening(means, pairs, 0.0)

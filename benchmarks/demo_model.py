@@ -103,13 +103,15 @@ def robustness_summary(moved: list[float]) -> dict[str, float]:
 
 
 def section_robustness(model, n: int = 100) -> dict[str, Any]:
+    """Per perturbation, the summary of each request's largest move, and each question's mean move (which moves)."""
     base, variants, same = robustness_requests(n)
     reference = model.decide_batch(base)
     results = {}
     for name, requests in variants.items():
-        moved = [max(_max_delta(ref["answers"][k], new["answers"][names[k]]) for k in ref["answers"])
+        moves = [{k: _max_delta(ref["answers"][k], new["answers"][names[k]]) for k in ref["answers"]}
                  for ref, new, names in zip(reference, model.decide_batch(requests), same[name], strict=True)]
-        results[name] = robustness_summary(moved)
+        results[name] = {**robustness_summary([max(m.values()) for m in moves]),
+                         "mean_by_question": {k: float(np.mean([m[k] for m in moves])) for k in moves[0]}}
     return results
 
 

@@ -43,7 +43,10 @@ from clef_local.export.train_head import (
     _units_to_batches,
     _warmup_cosine,
     encode_examples,
+    flush_denormals,
+    load_checkpoint,
     optimizer_step,
+    save_checkpoint,
     save_head,
 )
 from clef_local.head import HeadConfig, JointSchemaHead
@@ -235,7 +238,6 @@ def train_state_path(backbone_dir: Path, examples: Sequence[Example], out: Path,
     data = prepare(backbone_dir, examples, work, config, twins, device, universe, canonical, validation)
     questions, split, memories, distractors, lexical = (data.questions, data.split, data.memories, data.distractors,
                                                         data.lexical)
-    rng = random.Random(config.seed + 1)
     partner = dict(split.twin_pairs)
     transform = None
     if config.whitening > 0:
@@ -254,19 +256,26 @@ def train_state_path(backbone_dir: Path, examples: Sequence[Example], out: Path,
     fit = list(split.fit)
     steps = config.epochs * len(_units_to_batches(fit, config.batch_records))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_cosine(steps))
-    history: list[dict] = []
-    for epoch in range(config.epochs):
-        head.train()
-        rng.shuffle(fit)
-        total, batches = 0.0, _units_to_batches(fit, config.batch_records)
-        for rows in tqdm(batches, desc=f"epoch {epoch + 1}/{config.epochs}", leave=False):
-            batch, target = make_batch(rows, questions, split, memories, lexical, distractors, rng)
-            total += optimizer_step(_loss(head, batch, target, rows, partner, config), optimizer, scheduler,
-                                    [p for p in head.parameters() if p.requires_grad])
-        metrics = {"epoch": epoch + 1, "train_loss": total / len(batches),
-                   **evaluate(head, questions, split, memories, lexical, distractors, partner, config)}
-        history.append(metrics)
-        log.info("epoch %d: %s", epoch + 1, metrics)
+    checkpoint = work / "state-path-checkpoint.pt"
+    first_epoch, history = 0, []
+    if checkpoint.is_file():
+        first_epoch, history = load_checkpoint(checkpoint, head, optimizer, scheduler, device)
+    with flush_denormals():
+        for epoch in range(first_epoch, config.epochs):
+            head.train()
+            rng = random.Random(config.seed * 1000 + epoch)  # per epoch: a resumed run draws what it would have
+            order = list(fit)
+            rng.shuffle(order)
+            total, batches = 0.0, _units_to_batches(order, config.batch_records)
+            for rows in tqdm(batches, desc=f"epoch {epoch + 1}/{config.epochs}"):
+                batch, target = make_batch(rows, questions, split, memories, lexical, distractors, rng)
+                total += optimizer_step(_loss(head, batch, target, rows, partner, config), optimizer, scheduler,
+                                        [p for p in head.parameters() if p.requires_grad])
+            metrics = {"epoch": epoch + 1, "train_loss": total / len(batches),
+                       **evaluate(head, questions, split, memories, lexical, distractors, partner, config)}
+            history.append(metrics)
+            log.info("epoch %d: %s", epoch + 1, metrics)
+            save_checkpoint(checkpoint, head, optimizer, scheduler, history)
     calibration: dict = {}
     if config.calibrate and split.val:
         logits, target = _validation_logits(head, questions, split, memories, lexical, distractors)

@@ -310,12 +310,7 @@ def train(backbone_dir: Path, examples: Sequence[Example], out: Path, *, work: P
     history: list[dict] = []
     first_epoch = 0
     if checkpoint.is_file():
-        state = torch.load(checkpoint, weights_only=False, map_location=device)
-        head.load_state_dict(state["head"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        first_epoch, history = state["epoch"], state["history"]
-        log.info("resuming at epoch %d", first_epoch + 1)
+        first_epoch, history = load_checkpoint(checkpoint, head, optimizer, scheduler, device)
     evidence = StateAttention(head) if config.state_attention_weight > 0 else None
     log.info("training in %s", f"{amp} autocast (float32 weights and losses)" if amp else "float32")
     device_type = torch.device(device).type
@@ -348,16 +343,32 @@ def train(backbone_dir: Path, examples: Sequence[Example], out: Path, *, work: P
                        **evaluate(head, val, encoded, hidden, gold, embedding, config, twins_of)}
             history.append(metrics)
             log.info("epoch %d: %s", epoch + 1, metrics)
-            tmp = work / "checkpoint.pt.tmp"
-            torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(),
-                        "scheduler": scheduler.state_dict(), "epoch": epoch + 1, "history": history}, tmp)
-            os.replace(tmp, checkpoint)
+            save_checkpoint(checkpoint, head, optimizer, scheduler, history)
     if evidence is not None:
         evidence.remove()
     log_dict = {"config": asdict(config), "init": str(init) if init else None, "examples": len(examples),
                 "twins": len(twins), "validation": len(val), "history": history}
     save_head(head, head_config, out, log_dict)
     return log_dict
+
+
+def save_checkpoint(path: Path, head: torch.nn.Module, optimizer, scheduler, history: list[dict]) -> None:
+    """The training state after ``len(history)`` epochs, written atomically (a kill mid-write keeps the last one)."""
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "epoch": len(history), "history": history}, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: Path, head: torch.nn.Module, optimizer, scheduler, device: str) -> tuple[int, list[dict]]:
+    """Restore a :func:`save_checkpoint` file into ``head``, ``optimizer`` and ``scheduler``; the epochs done and
+    their history."""
+    state = torch.load(path, weights_only=False, map_location=device)
+    head.load_state_dict(state["head"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    log.info("resuming at epoch %d (%s)", state["epoch"] + 1, path)
+    return state["epoch"], state["history"]
 
 
 def save_head(head: JointSchemaHead, head_config: HeadConfig, out: Path, log_dict: dict) -> None:

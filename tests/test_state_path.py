@@ -202,3 +202,40 @@ def test_twin_whitening_shrinks_what_twins_disagree_on():
         twin_whitening(means, [], 0.01)
     with pytest.raises(ValueError, match="positive"):
         twin_whitening(means, pairs, 0.0)
+
+
+def test_an_interrupted_state_path_run_resumes_to_the_same_head(tiny_llama: Path, tmp_path: Path, monkeypatch):
+    from clef_local.export import state_path_train
+
+    examples = training_examples(banking77=8, nlupp=4, seed=5, max_options=5)
+    kwargs = {"config": SMALL, "twins": twin_records(2, seed=2), "universe": banking77_intents(), "validation": 0.2}
+    steps: list[int] = []
+    real_step = state_path_train.optimizer_step
+
+    def counted_step(*args, **kw):
+        steps.append(1)
+        return real_step(*args, **kw)
+
+    monkeypatch.setattr(state_path_train, "optimizer_step", counted_step)
+    train_state_path(tiny_llama, examples, tmp_path / "whole", work=tmp_path / "work-whole", **kwargs)
+    whole_steps = len(steps)
+
+    real_save = state_path_train.save_checkpoint
+
+    def save_then_die(*args, **kw):
+        real_save(*args, **kw)
+        raise KeyboardInterrupt  # killed right after the first epoch's checkpoint
+
+    monkeypatch.setattr(state_path_train, "save_checkpoint", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        train_state_path(tiny_llama, examples, tmp_path / "resumed", work=tmp_path / "work", **kwargs)
+    assert not (tmp_path / "resumed").exists()
+    monkeypatch.setattr(state_path_train, "save_checkpoint", real_save)
+    steps.clear()
+    result = train_state_path(tiny_llama, examples, tmp_path / "resumed", work=tmp_path / "work", **kwargs)
+    assert len(steps) == whole_steps // 2  # the second epoch only
+    assert [h["epoch"] for h in result["history"]] == [1, 2]
+    whole = load_file(str(tmp_path / "whole" / "joint_head.safetensors"))
+    resumed = load_file(str(tmp_path / "resumed" / "joint_head.safetensors"))
+    for name, tensor in whole.items():
+        torch.testing.assert_close(resumed[name], tensor, rtol=1e-5, atol=1e-6, msg=name)

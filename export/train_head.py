@@ -310,7 +310,7 @@ def train(backbone_dir: Path, examples: Sequence[Example], out: Path, *, work: P
     history: list[dict] = []
     first_epoch = 0
     if checkpoint.is_file():
-        first_epoch, history = load_checkpoint(checkpoint, head, optimizer, scheduler, device)
+        first_epoch, history = load_checkpoint(checkpoint, head, optimizer, scheduler, device, asdict(config))
     evidence = StateAttention(head) if config.state_attention_weight > 0 else None
     log.info("training in %s", f"{amp} autocast (float32 weights and losses)" if amp else "float32")
     device_type = torch.device(device).type
@@ -343,7 +343,7 @@ def train(backbone_dir: Path, examples: Sequence[Example], out: Path, *, work: P
                        **evaluate(head, val, encoded, hidden, gold, embedding, config, twins_of)}
             history.append(metrics)
             log.info("epoch %d: %s", epoch + 1, metrics)
-            save_checkpoint(checkpoint, head, optimizer, scheduler, history)
+            save_checkpoint(checkpoint, head, optimizer, scheduler, history, asdict(config))
     if evidence is not None:
         evidence.remove()
     log_dict = {"config": asdict(config), "init": str(init) if init else None, "examples": len(examples),
@@ -352,18 +352,28 @@ def train(backbone_dir: Path, examples: Sequence[Example], out: Path, *, work: P
     return log_dict
 
 
-def save_checkpoint(path: Path, head: torch.nn.Module, optimizer, scheduler, history: list[dict]) -> None:
-    """The training state after ``len(history)`` epochs, written atomically (a kill mid-write keeps the last one)."""
+def save_checkpoint(path: Path, head: torch.nn.Module, optimizer, scheduler, history: list[dict],
+                    settings: dict) -> None:
+    """The training state after ``len(history)`` epochs and the run's ``settings``, written atomically (a kill
+    mid-write keeps the last one)."""
     tmp = path.with_name(path.name + ".tmp")
     torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "epoch": len(history), "history": history}, tmp)
+                "epoch": len(history), "history": history, "settings": settings}, tmp)
     os.replace(tmp, path)
 
 
-def load_checkpoint(path: Path, head: torch.nn.Module, optimizer, scheduler, device: str) -> tuple[int, list[dict]]:
+def load_checkpoint(path: Path, head: torch.nn.Module, optimizer, scheduler, device: str,
+                    settings: dict) -> tuple[int, list[dict]]:
     """Restore a :func:`save_checkpoint` file into ``head``, ``optimizer`` and ``scheduler``; the epochs done and
-    their history."""
+    their history. A checkpoint of other ``settings`` (another learning rate, epoch count...) is refused: resuming
+    it would silently finish a different run."""
     state = torch.load(path, weights_only=False, map_location=device)
+    saved = state.get("settings", {})
+    changed = sorted(k for k in {*saved, *settings} if saved.get(k) != settings.get(k))
+    if changed:
+        diff = ", ".join(f"{k}: {saved.get(k)!r} there, {settings.get(k)!r} now" for k in changed)
+        raise ValueError(f"{path} is the checkpoint of a run with other settings ({diff}); delete it to start "
+                         "over, or pass another --work")
     head.load_state_dict(state["head"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])

@@ -3,6 +3,7 @@ span, and a run writes a release head."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -239,3 +240,6 @@ def test_an_interrupted_state_path_run_resumes_to_the_same_head(tiny_llama: Path
     resumed = load_file(str(tmp_path / "resumed" / "joint_head.safetensors"))
     for name, tensor in whole.items():
         torch.testing.assert_close(resumed[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+    other = {**kwargs, "config": dataclasses.replace(SMALL, lr=SMALL.lr / 2)}
+    with pytest.raises(ValueError, match=r"other settings \(lr: .* delete it"):
+        train_state_path(tiny_llama, examples, tmp_path / "other", work=tmp_path / "work", **other)

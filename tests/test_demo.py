@@ -51,11 +51,10 @@ def test_a_corrupted_head_is_named_not_repaired(demo_release: Path, tmp_path: Pa
 def test_banking77_test_rows_get_their_intent(demo_release: Path):
     """The real model on real held-out data: 12 BANKING77 test rows spread over the split, one 77-way question each.
 
-    Today's head gets 10 of these right (BF16 and float32) and all 12 in its top 5 (0.882 accuracy over all 3,080
-    rows, see MODEL_CARD.md; the question-path head before its calibration fine-tune got 9); the full-method head
-    before it got 5 and 8. The bounds sit below today's and above the
-    previous head's, far above chance (0.16 right, 0.78 in the top 5 of 12 rows), so that a broken encoding, head or
-    backbone — or a head as weak as the old one — fails.
+    The state-path head (shipped 2026-12-02) gets TOP1/12 right and TOP5/12 in its top 5 (BF16); the question-path
+    head before it got 10 and 12, the full-method head before that 5 and 8. The bounds sit far above chance (0.16
+    right, 0.78 in the top 5 of 12 rows), so that a broken encoding, head or backbone — or a head as weak as the
+    full-method one — fails.
     """
     import clef_local
     from clef_local.datasets import banking77_examples, evenly

@@ -56,15 +56,24 @@ def zeroed_parameters(head: JointSchemaHead) -> list[str]:
     for n in range(len(head.evidence_layers)):
         names += [f"evidence_layers.{n}.attention.out_proj.{p}" for p in ("weight", "bias")]
         names += [f"evidence_layers.{n}.feedforward.3.{p}" for p in ("weight", "bias")]
-    for n in range(len(head.layers)):
-        for block in ("self_attn.out_proj", "multihead_attn.out_proj", "linear2"):
-            names += [f"layers.{n}.{block}.{p}" for p in ("weight", "bias")]
-    return names
+    return names + field_layer_outputs(head)
+
+
+def field_layer_outputs(head: JointSchemaHead) -> list[str]:
+    """Names of the field layers' output projections (zero: the fields pass through those layers unchanged)."""
+    return [f"layers.{n}.{block}.{p}" for n in range(len(head.layers))
+            for block in ("self_attn.out_proj", "multihead_attn.out_proj", "linear2") for p in ("weight", "bias")]
 
 
 def question_path_head(head: JointSchemaHead, joint_scale_init: float) -> list[torch.nn.Parameter]:
     """Zero ``head``'s other branches and the prior in place; return the parameters left to train."""
-    frozen = set(zeroed_parameters(head)) | {"prior_logit_scale"}
+    return freeze_branches(head, zeroed_parameters(head), joint_scale_init)
+
+
+def freeze_branches(head: JointSchemaHead, zeroed: list[str], joint_scale_init: float) -> list[torch.nn.Parameter]:
+    """Zero and freeze the ``zeroed`` parameters and the prior, start the cosine scale at ``joint_scale_init``;
+    return the parameters left to train."""
+    frozen = set(zeroed) | {"prior_logit_scale"}
     params = dict(head.named_parameters())
     with torch.no_grad():
         for name in frozen - {"prior_logit_scale"}:

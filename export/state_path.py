@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from clef_local.encoding import QUESTION_TYPES, EncodedRecord
 from clef_local.export.hidden_cache import cache_hidden_states
-from clef_local.export.question_path import PRIOR_OFF
+from clef_local.export.question_path import field_layer_outputs, freeze_branches
 from clef_local.export.splicing import state_records
 from clef_local.head import EvidenceRoutingLayer, JointSchemaHead
 from clef_local.tokenizer import ReleaseTokenizer
@@ -54,24 +54,12 @@ def zeroed_parameters(head: JointSchemaHead) -> list[str]:
     """Names of the parameters that are zero (and frozen) in a state-path head."""
     names = ["option_context_projection.weight", "option_question_projection.weight", "global_projection.weight",
              "option_summary_norm.weight", "option_summary_norm.bias"]
-    for n in range(len(head.layers)):
-        for block in ("self_attn.out_proj", "multihead_attn.out_proj", "linear2"):
-            names += [f"layers.{n}.{block}.{p}" for p in ("weight", "bias")]
-    return names
+    return names + field_layer_outputs(head)
 
 
 def state_path_head(head: JointSchemaHead, joint_scale_init: float) -> list[torch.nn.Parameter]:
     """Zero ``head``'s other branches and the prior in place; return the parameters left to train."""
-    frozen = set(zeroed_parameters(head)) | {"prior_logit_scale"}
-    params = dict(head.named_parameters())
-    with torch.no_grad():
-        for name in frozen - {"prior_logit_scale"}:
-            params[name].zero_()
-        head.prior_logit_scale.fill_(PRIOR_OFF)
-        head.joint_logit_scale.fill_(joint_scale_init)
-    for name, param in params.items():
-        param.requires_grad_(name not in frozen)
-    return [p for name, p in params.items() if name not in frozen]
+    return freeze_branches(head, zeroed_parameters(head), joint_scale_init)
 
 
 def fold_dominance(head: JointSchemaHead, dominance: float = CHOICE_DOMINANCE) -> None:

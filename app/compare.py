@@ -1,6 +1,6 @@
 """Reference against a variant: one request side by side, and a small built-in drift probe with an HTML report.
 
-The metrics are :mod:`clef_local.drift`'s (imported lazily); this module only arranges what the page shows.
+The metrics are :mod:`clef_local.quality.drift`'s (imported lazily); this module only arranges what the page shows.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class Comparison:
 
     reference: dict[str, Any]
     variant: dict[str, Any]
-    drifts: dict[str, Any]  # question id → clef_local.drift.QuestionDrift
+    drifts: dict[str, Any]  # question id → clef_local.quality.drift.QuestionDrift
     reference_seconds: float
     variant_seconds: float
 
@@ -58,7 +58,7 @@ def compare_request(reference: Any, variant: Any, request: dict[str, Any]) -> Co
     """Run ``request`` through both loaded models and compare them question by question."""
     import time
 
-    from clef_local.drift import compare_predictions
+    from clef_local.quality.drift import compare_predictions
 
     started = time.perf_counter()
     ref_pred = reference.predict([request])[0]
@@ -73,8 +73,8 @@ def compare_request(reference: Any, variant: Any, request: dict[str, Any]) -> Co
 def run_probe(reference: Any, variant: Any, progress: Callable[[int, int], None] | None = None,
               out_dir: Path | None = None) -> tuple[dict[str, Any], Path]:
     """Run the built-in probe through both models; return the drift summary and the HTML report's path."""
-    from clef_local.drift import run_drift
-    from clef_local.report import write_report
+    from clef_local.quality.drift import run_drift
+    from clef_local.quality.report import write_report
 
     result = run_drift(reference, variant, probe_requests(), progress=progress)
     directory = out_dir or Path(tempfile.mkdtemp(prefix="clef-ui-drift-"))

@@ -215,7 +215,7 @@ def build_request(drafts: list[QuestionDraft], state_mode: str, state_text: str,
 
 def request_to_drafts(request: Any) -> tuple[list[QuestionDraft], str, str]:
     """A request (e.g. imported JSON) as builder drafts plus state mode and text; validated first."""
-    from clef_local.schema import validate_request
+    from clef_local.runtime.schema import validate_request
 
     validate_request(request)  # the API's messages for anything the builder could not show
     drafts = []
@@ -241,7 +241,7 @@ def request_to_drafts(request: Any) -> tuple[list[QuestionDraft], str, str]:
 def validation_messages(request: Any) -> list[str]:
     """The API's validation messages for a request (``body.loc: msg``, as the 422 body has them); [] if valid."""
     from clef_local.errors import RequestValidationError
-    from clef_local.schema import validate_request
+    from clef_local.runtime.schema import validate_request
 
     try:
         validate_request(request)
@@ -281,7 +281,7 @@ def example_request(name: str) -> dict[str, Any]:
     key = EXAMPLES.get(name, name)
     if key not in EXAMPLES.values():
         raise ValueError(f"unknown example {name!r}; choose one of {', '.join(EXAMPLES)}")
-    return json.loads(resources.files("clef_local.examples").joinpath(f"{key}.json").read_text(encoding="utf-8"))
+    return json.loads(resources.files("clef_local.demo.examples").joinpath(f"{key}.json").read_text(encoding="utf-8"))
 
 
 def parse_request_json(text: str) -> Any:

@@ -4,8 +4,8 @@
     clef-local ui --model ~/models/clef-flash --compare ~/models/clef-flash-int4
 
 Local by default (127.0.0.1, no share link). The page calls only the public Python API (``clef_local.load``,
-``ClefModel.decide / predict / describe``, ``clef_local.schema.validate_request``, :mod:`clef_local.drift`,
-:mod:`clef_local.report`). Stable ``elem_id``s (``q0-id``, ``add-question``, ``run``, ``results`` …) are part of
+``ClefModel.decide / predict / describe``, ``clef_local.runtime.schema.validate_request``, :mod:`clef_local.quality.drift`,
+:mod:`clef_local.quality.report`). Stable ``elem_id``s (``q0-id``, ``add-question``, ``run``, ``results`` …) are part of
 the contract with the browser test.
 """
 

@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
     if args.model is None:
-        from clef_local.defaults import default_model_path
+        from clef_local.demo.default import default_model_path
 
         args.model = default_model_path()
     children: dict[tuple[str, str], subprocess.Popen] = {}

@@ -6,7 +6,7 @@
 Two sets of 8 requests from the built-in examples: "equal" (8 × the triage request: no padding at all) and
 "mixed" (triage, moderation, routing round-robin: 294–444 tokens on the demo model, a padded batch of them is
 22% padding). Each set runs one request at a time, as ONE padded batch (no length bound), and as
-``model.predict`` splits it with its device's padding budget (:mod:`clef_local.batching`). Times are per set.
+``model.predict`` splits it with its device's padding budget (:mod:`clef_local.runtime.batching`). Times are per set.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def main() -> None:
         import torch
 
         sync = torch.cuda.synchronize
-    files = resources.files("clef_local.examples")
+    files = resources.files("clef_local.demo.examples")
     examples = [json.loads(files.joinpath(f"{name}.json").read_text()) for name in EXAMPLES]
     sets = {"equal": [examples[0]] * 8, "mixed": [examples[i % 3] for i in range(8)]}
     budget = model.pad_waste

@@ -24,8 +24,8 @@ import numpy as np
 from _timing import median_ms
 
 import clef_local
-from clef_local.datasets import banking77_examples, banking77_intents, banking77_rows, evenly, nlupp_examples
-from clef_local.metrics import classification_report, ece, macro_f1
+from clef_local.data.datasets import banking77_examples, banking77_intents, banking77_rows, evenly, nlupp_examples
+from clef_local.quality.metrics import classification_report, ece, macro_f1
 
 THREE = {
     "complaint": {"type": "noul", "instructions": "Is the customer complaining about something that went wrong?"},

@@ -17,8 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-from clef_local.data import load_dataset, parse_folds, write_jsonl
-from clef_local.defaults import default_model_path
+from clef_local.data.jsonl import load_dataset, parse_folds, write_jsonl
+from clef_local.demo.default import default_model_path
 
 SCHEMES = ("int8", "fp8", "int4", "int4-g32", "nf4")
 
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     scope = (f"BANKING77 test rows 0-{args.b77_rows - 1} (77-way), NLU++ folds {args.folds} "
              f"{'all' if args.nlupp_rows is None else f'first {args.nlupp_rows}'} utterances")
     print(f"data: {scope}: {len(examples)} requests, {questions} questions → {data}", flush=True)
-    from clef_local.drift_cli import main as drift_main
+    from clef_local.quality.drift_cli import main as drift_main
 
     started = time.perf_counter()
     argv_drift = ["--reference", str(reference), *[a for v in variants for a in ("--candidate", str(v))],

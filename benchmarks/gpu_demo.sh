@@ -34,12 +34,12 @@ if [ -f .gpu/gguf.sha256 ]; then
   cat "${parts[@]}" > "$GGUF"
   echo "$(cat .gpu/gguf.sha256)  $GGUF" | sha256sum -c -
 else
-  GGUF=$(python3 -c "from clef_local.export.demo_backbone import find_gguf; print(find_gguf())")
+  GGUF=$(python3 -c "from clef_local.demo.backbone import find_gguf; print(find_gguf())")
 fi
 [ -f "$WORK/backbone/model.safetensors" ] || python3 -c "
 import sys, logging; from pathlib import Path
 logging.basicConfig(level=logging.INFO)
-from clef_local.export.demo_backbone import convert_backbone
+from clef_local.demo.backbone import convert_backbone
 print(convert_backbone(Path(sys.argv[1]), Path(sys.argv[2])))" "$GGUF" "$WORK/backbone"
 sha256sum "$WORK/backbone/model.safetensors" | tee "$OUT/backbone.sha256"
 

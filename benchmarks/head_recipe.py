@@ -1,7 +1,7 @@
 """Compare joint-schema-head recipes on cached backbone hidden states (how the demo model's head was chosen).
 
     python benchmarks/head_recipe.py --cache /work/demo-build/cpu/work/hidden --out /work/demo-build/cpu/recipes \
-        --recipe base:epochs=20 --recipe no-twins:epochs=20,twins=0 --eval-rows 200 --score clef_local/demo_model
+        --recipe base:epochs=20 --recipe no-twins:epochs=20,twins=0 --eval-rows 200 --score clef_local/demo/head
 
 Each recipe trains a head with ``train-head``'s :func:`train` on cached training records (BANKING77 / NLU++ / twin
 counts may differ per recipe; a shared cache computes each block once) and is scored on cached held-out features:
@@ -24,14 +24,14 @@ from demo_model import robustness_requests, robustness_summary
 from safetensors.torch import load_file
 
 import clef_local
-from clef_local.datasets import Example, banking77_examples, banking77_intents, evenly, nlupp_examples
-from clef_local.export.demo_data import splice_states, training_examples, twin_records
-from clef_local.export.hidden_cache import cache_hidden_states
-from clef_local.export.train_head import TrainConfig, _batch, _max_length, encode_examples, train
-from clef_local.head import JointSchemaHead
-from clef_local.metrics import classification_report, macro_f1
-from clef_local.release import read_head_config, read_json
-from clef_local.tokenizer import ReleaseTokenizer
+from clef_local.data.datasets import Example, banking77_examples, banking77_intents, evenly, nlupp_examples
+from clef_local.formats.release import read_head_config, read_json
+from clef_local.quality.metrics import classification_report, macro_f1
+from clef_local.runtime.head import JointSchemaHead
+from clef_local.runtime.tokenizer import ReleaseTokenizer
+from clef_local.training.demo_data import splice_states, training_examples, twin_records
+from clef_local.training.hidden_cache import cache_hidden_states
+from clef_local.training.train_head import TrainConfig, _batch, _max_length, encode_examples, train
 
 DATA_KEYS = {"banking77": 1024, "nlupp": 1024, "twins": 512,  # defaults: what the CPU cache holds first
              "hard": 0, "max_options": 0,  # % of hard-negative choices; choice size cap (0: none, full 77s kept)
@@ -131,7 +131,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="one sub-directory per recipe (head, checkpoint)")
     parser.add_argument("--recipe", action="append", default=[], help="name:key=value,... (repeatable)")
     parser.add_argument("--score", action="append", default=[], type=Path, metavar="HEAD_DIR",
-                        help="also score an existing head (a directory with joint_head.*), e.g. clef_local/demo_model")
+                        help="also score an existing head (a directory with joint_head.*), e.g. clef_local/demo/head")
     parser.add_argument("--eval-rows", type=int, default=200, help="BANKING77 test rows (77-way)")
     parser.add_argument("--nlupp-rows", type=int, default=60, help="NLU++ folds 16-19 rows")
     parser.add_argument("--robustness", type=int, default=100, help="robustness requests (demo_model.py's)")

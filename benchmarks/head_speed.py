@@ -19,12 +19,12 @@ import torch
 from _timing import median_ms
 
 import clef_local
-from clef_local.encoding import encode_request
-from clef_local.head import HeadConfig, JointSchemaHead
-from clef_local.layout import build_layout
-from clef_local.schema import request_to_record, validate_request
+from clef_local.runtime.encoding import encode_request
+from clef_local.runtime.head import HeadConfig, JointSchemaHead
+from clef_local.runtime.layout import build_layout
+from clef_local.runtime.schema import request_to_record, validate_request
+from clef_local.runtime.tokenizer import ReleaseTokenizer
 from clef_local.testing import build_tiny_release, load_reference_oracle
-from clef_local.tokenizer import ReleaseTokenizer
 
 HEADS = {
     "tiny": HeadConfig(hidden_size=64, width=32, routing_layers=1, layers=2, heads=4, feedforward=64),

@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from clef_local.defaults import default_model_path
+from clef_local.demo.default import default_model_path
+from clef_local.formats.release import read_release
 from clef_local.quant import int4
 from clef_local.quant.predicate import should_quantize
-from clef_local.release import read_release
 
 
 def weights(model: Path, layers: int | None) -> dict[str, torch.Tensor]:

@@ -132,7 +132,7 @@ def targets(args: argparse.Namespace, scratch: Path) -> list[tuple[str, str, Pat
         sources = [("tiny llama", build_tiny_release(scratch / "llama", backbone="llama", seed=1)),
                    ("tiny qwen3_5", build_tiny_release(scratch / "qwen3_5", backbone="qwen3_5", seed=0))]
     else:
-        from clef_local.defaults import default_model_path
+        from clef_local.demo.default import default_model_path
 
         sources = [("demo 135m" if args.model is None else args.model.name, args.model or default_model_path())]
     given = dict(v.split("=", 1) for v in args.variants)

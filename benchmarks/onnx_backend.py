@@ -26,7 +26,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from clef_local.datasets import banking77_intents, banking77_request, banking77_rows
+from clef_local.data.datasets import banking77_intents, banking77_request, banking77_rows
 
 THREE = {"model": "clef-local", "state": "My card payment was declined twice at the supermarket today.",
          "questions": {"complaint": {"type": "noul", "instructions": "Is the customer complaining?"},
@@ -62,7 +62,7 @@ def banking_request() -> dict:
 
 def ensure_exports(model: Path, root: Path, probes: int) -> dict[str, dict]:
     """``{format: validation}`` for the fp32/int8/int4 exports under ``root`` (exported when missing)."""
-    from clef_local.export.onnx_export import export_onnx
+    from clef_local.export.onnx.export import export_onnx
 
     out = {}
     for fmt in ("fp32", "int8", "int4"):
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--probes", type=int, default=16, help="validation probes per export (default 16)")
     args = parser.parse_args(argv)
     if args.model is None:
-        from clef_local.defaults import default_model_path
+        from clef_local.demo.default import default_model_path
 
         args.model = default_model_path()
     exports = args.exports or args.model.parent / f"{args.model.name}-onnx"

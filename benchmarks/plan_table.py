@@ -3,7 +3,7 @@
     python benchmarks/plan_table.py                                  # ../shared/configs, 16,384 tokens, batch 1
     python benchmarks/plan_table.py --context 4096 --configs DIR
 
-Estimates only (clef_local.planner; no tensor is loaded): the memory each format needs (cards: embed_tokens and
+Estimates only (clef_local.planning.planner; no tensor is loaded): the memory each format needs (cards: embed_tokens and
 lm_head in host memory, DESIGN §6; Macs: one pool, MLX dequantizes nf4/fp8 at load so they count as BF16), then the
 best-precision format that fits each device. Prints two Markdown tables.
 """
@@ -13,11 +13,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from clef_local.hardware import GiB, named_device
-from clef_local.loader import resident_census
-from clef_local.planner import footprint_from_config
-from clef_local.planner_estimate import best_fit, plan
-from clef_local.planner_weights import FORMATS
+from clef_local.backends.loader import resident_census
+from clef_local.planning.census import FORMATS
+from clef_local.planning.estimate import best_fit, plan
+from clef_local.planning.hardware import GiB, named_device
+from clef_local.planning.planner import footprint_from_config
 
 DEVICES = ("rtx4090", "l40s", "h100", "h200", "mac-36", "mac-64", "mac-128")
 LABELS = {"rtx4090": "24 GB (RTX 4090)", "l40s": "48 GB (L40S)", "h100": "80 GB (H100)", "h200": "141 GB (H200)",

@@ -19,8 +19,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from clef_local.planner_estimate import ModelDims, activations
-from clef_local.release import read_release
+from clef_local.formats.release import read_release
+from clef_local.planning.estimate import ModelDims, activations
 
 _CHILD = r"""
 import gc, json, sys
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args(argv)
     if args.model is None:
-        from clef_local.defaults import default_model_path
+        from clef_local.demo.default import default_model_path
 
         args.model = default_model_path()
     release = read_release(args.model)

@@ -33,10 +33,10 @@ import torch
 from tqdm import tqdm
 
 import clef_local
-from clef_local.datasets import banking77_intents, banking77_rows, evenly
-from clef_local.drift import question_drift
-from clef_local.encoding import PREFIX, render
-from clef_local.metrics import classification_report
+from clef_local.data.datasets import banking77_intents, banking77_rows, evenly
+from clef_local.quality.drift import question_drift
+from clef_local.quality.metrics import classification_report
+from clef_local.runtime.encoding import PREFIX, render
 
 
 def state_features(model, texts: list[str], batch_size: int) -> np.ndarray:

@@ -4,7 +4,7 @@
     python benchmarks/question_path_eval.py --head DIR --cache /tmp/qp-test  # from train-head --method question-path
 
 A head trained with ``clef-local train-head --method question-path`` reads the backbone only through the mean of
-each question's span (export/question_path.py), and a question's span precedes its options: the backbone pass can
+each question's span (clef_local/training/question_path.py), and a question's span precedes its options: the backbone pass can
 stop there (~95 tokens per row instead of 1,679). The numbers are the head's own — tests/test_question_path.py
 checks the shortcut against the full forward — so this is the quick loop for recipes; the release-level figures
 come from ``benchmarks/demo_model.py``. A head whose other branches are not zero is refused.
@@ -22,19 +22,19 @@ from safetensors.torch import load_file
 
 import clef_local
 from clef_local.backends.torch_backend import TorchBackbone
-from clef_local.datasets import banking77_examples, banking77_intents, evenly
-from clef_local.export.question_path import (
+from clef_local.data.datasets import banking77_examples, banking77_intents, evenly
+from clef_local.formats.release import read_head_config, read_json
+from clef_local.quality.metrics import classification_report
+from clef_local.runtime.head import JointSchemaHead
+from clef_local.runtime.tokenizer import ReleaseTokenizer
+from clef_local.training.question_path import (
     LexicalTable,
     QuestionBatch,
     question_means,
     question_path_logits,
     zeroed_parameters,
 )
-from clef_local.export.train_head import _max_length, encode_examples
-from clef_local.head import JointSchemaHead
-from clef_local.metrics import classification_report
-from clef_local.release import read_head_config, read_json
-from clef_local.tokenizer import ReleaseTokenizer
+from clef_local.training.train_head import _max_length, encode_examples
 
 
 def main() -> None:
@@ -46,7 +46,7 @@ def main() -> None:
     parser.add_argument("--limit", type=int, help="rows spread over test.csv (default: all 3,080)")
     args = parser.parse_args()
     backbone = args.backbone or clef_local.default_model_path()
-    head_dir = args.head or Path(clef_local.__file__).parent / "demo_model"
+    head_dir = args.head or Path(clef_local.__file__).parent / "demo" / "head"
     head = JointSchemaHead(read_head_config(head_dir / "joint_head_config.json"))
     head.load_state_dict(load_file(str(head_dir / "joint_head.safetensors")))
     head.eval()

@@ -8,7 +8,7 @@ same validation split (seed 0, 5% of the units: questions no stage of the demo h
 records' question-span means (~2 min here, cached) and prints per group — the evaluation's 77-way prompt, other
 wordings over all 77 intents, choices over 2–12 intents, nouls from BANKING77 and from NLU++, scores — accuracy, ECE
 (15 bins), NLL, and the logit multiplier of least NLL (1 = calibrated; above 1 = underconfident). This is how the
-demo head's calibration fine-tune was chosen (clef_local/demo_model/MODEL_CARD.md).
+demo head's calibration fine-tune was chosen (clef_local/demo/head/MODEL_CARD.md).
 """
 
 from __future__ import annotations
@@ -24,15 +24,15 @@ from scipy.optimize import minimize_scalar
 
 import clef_local
 from clef_local.backends.torch_backend import TorchBackbone
-from clef_local.datasets import banking77_examples, banking77_intents
-from clef_local.export.demo_data import training_examples, twin_records
-from clef_local.export.question_path import LexicalTable, question_means, question_path_logits
-from clef_local.export.question_path_train import CLI_DEFAULTS, PathConfig, build_questions, split_units
-from clef_local.export.train_head import _max_length, encode_examples
-from clef_local.head import JointSchemaHead
-from clef_local.metrics import ece
-from clef_local.release import read_head_config, read_json
-from clef_local.tokenizer import ReleaseTokenizer
+from clef_local.data.datasets import banking77_examples, banking77_intents
+from clef_local.formats.release import read_head_config, read_json
+from clef_local.quality.metrics import ece
+from clef_local.runtime.head import JointSchemaHead
+from clef_local.runtime.tokenizer import ReleaseTokenizer
+from clef_local.training.demo_data import training_examples, twin_records
+from clef_local.training.question_path import LexicalTable, question_means, question_path_logits
+from clef_local.training.question_path_train import CLI_DEFAULTS, PathConfig, build_questions, split_units
+from clef_local.training.train_head import _max_length, encode_examples
 
 
 def _probabilities(logits: np.ndarray, multiplier: float) -> np.ndarray:
@@ -58,7 +58,7 @@ def main() -> None:
                         help="question-span means of the validation records")
     args = parser.parse_args()
     backbone = args.backbone or clef_local.default_model_path()
-    heads = args.head or [Path(clef_local.__file__).parent / "demo_model"]
+    heads = args.head or [Path(clef_local.__file__).parent / "demo" / "head"]
 
     d = CLI_DEFAULTS
     examples = training_examples(d["banking77"], d["nlupp"], hard=0.5, max_options=d["max_options"], full_share=0.0)

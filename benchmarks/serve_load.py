@@ -33,7 +33,7 @@ from typing import Any
 import httpx
 
 import clef_local
-from clef_local.defaults import default_model_path
+from clef_local.demo.default import default_model_path
 
 EXAMPLES = ("triage", "moderation", "routing")
 LEVELS = (1, 4, 8)
@@ -41,7 +41,7 @@ MODES = {"off": ["--max-batch", "1", "--max-wait-ms", "0"], "on": ["--max-batch"
 
 
 def examples() -> list[dict[str, Any]]:
-    files = resources.files("clef_local.examples")
+    files = resources.files("clef_local.demo.examples")
     return [{**json.loads(files.joinpath(f"{name}.json").read_text()), "model": "clef-local"} for name in EXAMPLES]
 
 

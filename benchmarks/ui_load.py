@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from playwright.sync_api import sync_playwright
 
-    from clef_local.defaults import default_model_path
+    from clef_local.demo.default import default_model_path
 
     model = args.model or str(default_model_path())
     port = _free_port()

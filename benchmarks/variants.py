@@ -24,11 +24,11 @@ import numpy as np
 from _timing import median_ms
 
 import clef_local
-from clef_local.datasets import banking77_examples, banking77_intents
-from clef_local.drift import head_difference
+from clef_local.data.datasets import banking77_examples, banking77_intents
 from clef_local.export.quantize import quantize_release
 from clef_local.export.validate import compare, probe_requests
-from clef_local.metrics import classification_report
+from clef_local.quality.drift import head_difference
+from clef_local.quality.metrics import classification_report
 
 SCHEMES = ("int8", "fp8", "int4", "nf4")
 THREE = {"model": "clef-local", "state": "My card payment was declined twice at the supermarket today.",

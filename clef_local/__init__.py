@@ -16,7 +16,7 @@ __version__ = "0.1.0"
 __all__ = ["ClefModel", "__version__", "default_model_path", "load"]
 
 if TYPE_CHECKING:
-    from clef_local.defaults import default_model_path
+    from clef_local.demo.default import default_model_path
     from clef_local.model import ClefModel, load
 
 
@@ -26,7 +26,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(model, name)
     if name == "default_model_path":
-        from clef_local.defaults import default_model_path
+        from clef_local.demo.default import default_model_path
 
         return default_model_path
     raise AttributeError(f"module 'clef_local' has no attribute {name!r}")

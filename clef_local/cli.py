@@ -13,17 +13,17 @@ from typing import Any
 EXAMPLES = ("triage", "moderation", "routing")
 # Commands whose module owns its own argument parser (mlx-lm style): `clef-local NAME ...` calls MODULE.main(argv).
 MODULE_COMMANDS = {
-    "train-head": ("clef_local.export.train_head", "train a joint schema head on a frozen backbone"),
+    "train-head": ("clef_local.training.train_head", "train a joint schema head on a frozen backbone"),
     "quantize": ("clef_local.export.quantize", "write a quantized variant (int4, int8, nf4, fp8) of a release"),
-    "verify": ("clef_local.manifest", "check every file of a release or variant against its manifest"),
-    "export-onnx": ("clef_local.export.onnx_export", "export a release or variant to ONNX for ONNX Runtime"),
-    "doctor": ("clef_local.doctor", "show this machine's hardware and which backends are installed"),
-    "plan": ("clef_local.planner", "estimate the memory each variant needs, before loading anything"),
-    "data": ("clef_local.data", "convert BANKING77 / NLU++ files into SystemOne request JSONL"),
-    "eval": ("clef_local.evaluate", "evaluate a model on labelled requests (offline)"),
-    "drift": ("clef_local.drift", "compare a variant's probabilities with its reference, with gates"),
-    "report": ("clef_local.report", "render drift/eval results as HTML, Markdown and JSON"),
-    "calibrate": ("clef_local.calibrate", "fit per-type temperatures that pull a drifted variant back"),
+    "verify": ("clef_local.formats.manifest", "check every file of a release or variant against its manifest"),
+    "export-onnx": ("clef_local.export.onnx.export", "export a release or variant to ONNX for ONNX Runtime"),
+    "doctor": ("clef_local.planning.doctor", "show this machine's hardware and which backends are installed"),
+    "plan": ("clef_local.planning.planner", "estimate the memory each variant needs, before loading anything"),
+    "data": ("clef_local.data.jsonl", "convert BANKING77 / NLU++ files into SystemOne request JSONL"),
+    "eval": ("clef_local.quality.evaluate", "evaluate a model on labelled requests (offline)"),
+    "drift": ("clef_local.quality.drift", "compare a variant's probabilities with its reference, with gates"),
+    "report": ("clef_local.quality.report", "render drift/eval results as HTML, Markdown and JSON"),
+    "calibrate": ("clef_local.quality.calibrate", "fit per-type temperatures that pull a drifted variant back"),
     "ui": ("clef_local.app.ui", "open the desktop app: build schemas, inspect and compare probabilities"),
 }
 
@@ -31,14 +31,14 @@ MODULE_COMMANDS = {
 def _model_path(value: str | None) -> Path:
     if value:
         return Path(value)
-    from clef_local.defaults import default_model_path
+    from clef_local.demo.default import default_model_path
 
     return default_model_path()
 
 
 def _read_request(args: argparse.Namespace) -> Any:
     if args.example:
-        return json.loads(resources.files("clef_local.examples").joinpath(f"{args.example}.json").read_text())
+        return json.loads(resources.files("clef_local.demo.examples").joinpath(f"{args.example}.json").read_text())
     source = args.request
     text = sys.stdin.read() if source == "-" else Path(source).read_text(encoding="utf-8")
     try:
@@ -51,7 +51,7 @@ def cmd_decide(args: argparse.Namespace) -> int:
     """Answer one SystemOne request and print the response JSON."""
     import clef_local
     from clef_local.airgap import airgap
-    from clef_local.answers import round_floats
+    from clef_local.runtime.answers import round_floats
 
     request = _read_request(args)
     with airgap(not args.allow_network):

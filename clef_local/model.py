@@ -11,15 +11,15 @@ from typing import Any
 
 import numpy as np
 
-from clef_local.answers import CONFIDENCE_MODES, Confidence, build_response, softmax_rows
-from clef_local.batching import device_pad_waste, split_by_length
-from clef_local.encoding import REFERENCE_MAX_LENGTH, EncodedRecord, encode_request
 from clef_local.errors import ApiUsageError, ReleaseError
-from clef_local.head_reach import batch_reach, head_reads_question_spans_only, question_reach
-from clef_local.layout import build_layout
-from clef_local.release import HEAD_WEIGHTS, Release, read_release
-from clef_local.schema import DEFAULT_LIMITS, Limits, request_to_record, validate_request
-from clef_local.tokenizer import ReleaseTokenizer
+from clef_local.formats.release import HEAD_WEIGHTS, Release, read_release
+from clef_local.runtime.answers import CONFIDENCE_MODES, Confidence, build_response, softmax_rows
+from clef_local.runtime.batching import device_pad_waste, split_by_length
+from clef_local.runtime.encoding import REFERENCE_MAX_LENGTH, EncodedRecord, encode_request
+from clef_local.runtime.head_reach import batch_reach, head_reads_question_spans_only, question_reach
+from clef_local.runtime.layout import build_layout
+from clef_local.runtime.schema import DEFAULT_LIMITS, Limits, request_to_record, validate_request
+from clef_local.runtime.tokenizer import ReleaseTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -70,9 +70,9 @@ class ClefModel:
         self.limits = limits
         # logits are divided by their question type's temperature before the softmax (clef-local calibrate)
         self.temperatures = read_temperatures(release.config, str(release.path / "config.json"))
-        # how much padding a batch may carry on this device (clef_local.batching): tight on a CPU
+        # how much padding a batch may carry on this device (clef_local.runtime.batching): tight on a CPU
         self.pad_waste = device_pad_waste(getattr(backend, "device", "cpu"))
-        # a head that reads question spans only lets the backbone stop after the last one (clef_local.head_reach);
+        # a head that reads question spans only lets the backbone stop after the last one (clef_local.runtime.head_reach);
         # set it to False to run every record in full (the same numbers, for comparisons)
         self.stop_after_questions = head_reads_question_spans_only(release.path / HEAD_WEIGHTS)
 
@@ -111,7 +111,7 @@ class ClefModel:
 
         Every request is validated and encoded first (so a bad one raises before any batch runs). Batches hold up
         to ``batch_size`` requests sorted by token count, cut where padding would cost more than
-        ``self.pad_waste`` times the rows' own tokens (:mod:`clef_local.batching`): on a CPU, where padding is pure
+        ``self.pad_waste`` times the rows' own tokens (:mod:`clef_local.runtime.batching`): on a CPU, where padding is pure
         loss, only equal lengths share one.
         """
         if batch_size < 1:
@@ -189,12 +189,12 @@ def load(path: str | Path, *, device: str = "auto", dtype: str | None = None, ba
     """Load a Clef release (or variant) directory.
 
     ``backend`` is ``"auto"``, ``"torch"``, ``"mlx"`` or ``"onnx"`` and ``device`` ``"auto"``, ``"cpu"``, ``"cuda"``
-    (``"cuda:N"``) or ``"mps"``; :mod:`clef_local.loader` decides what ``"auto"`` means on this machine.
+    (``"cuda:N"``) or ``"mps"``; :mod:`clef_local.backends.loader` decides what ``"auto"`` means on this machine.
     ``dtype`` is the backbone's compute dtype (``None``: as stored, BF16 for real releases; ``"float32"`` for
     exact comparisons); the joint schema head always runs in float32. ``max_length`` defaults to the smaller of
     the reference's 16,384 and the backbone's context.
     """
-    from clef_local.loader import build_backend
+    from clef_local.backends.loader import build_backend
 
     release = read_release(path)
     started = time.perf_counter()

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import torch
 
-from clef_local.head import HeadConfig, JointSchemaHead
+from clef_local.runtime.head import HeadConfig, JointSchemaHead
 
 SPECIAL_TOKENS = (
     "<|endoftext|>", "<|im_start|>", "<|im_end|>",

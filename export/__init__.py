@@ -1,1 +1,2 @@
-"""clef_local.export: the export pipeline (installed as clef_local.export; see DESIGN §4)."""
+"""clef_local.export (installed under clef_local, see pyproject's package-dir): writing variants of a release —
+``quantize`` (round-to-nearest or GPTQ), its staging and validation, and ``export-onnx`` (``onnx/``)."""

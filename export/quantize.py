@@ -11,7 +11,7 @@ gains ``quantization_config`` (with a ``clef_local`` member: scheme, group size,
 skipped and why);
 ``clef_local_manifest.json`` records every file's size and SHA-256, the source's hashes, the scheme and byte counts.
 
-``--calibrate`` replaces round-to-nearest by GPTQ (:mod:`clef_local.export.calibration`): the source is loaded
+``--calibrate`` replaces round-to-nearest by GPTQ (:mod:`clef_local.export.gptq_calibration`): the source is loaded
 once, before anything is written, and the packed tensors it returns are streamed into the shards instead; the
 format is unchanged.
 
@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from clef_local.errors import ClefError
 from clef_local.export.staging import ExportError, check_paths, resolve_out, staged
-from clef_local.manifest import MANIFEST, check_files, file_entries, list_files, write_manifest
+from clef_local.formats.manifest import MANIFEST, check_files, file_entries, list_files, write_manifest
 
 if TYPE_CHECKING:
     import torch
@@ -286,7 +286,7 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
     ``force`` replaces an existing ``out`` once the new variant is complete. ``validate`` compares the variant with the
     source on the probe set (:mod:`clef_local.export.validate`) and fails the export when a threshold is exceeded.
     ``calibrate`` rounds with GPTQ on ``calibration_requests`` requests (default 128) instead of round-to-nearest
-    (:mod:`clef_local.export.calibration`; every scheme; it loads the source like validation does).
+    (:mod:`clef_local.export.gptq_calibration`; every scheme; it loads the source like validation does).
     ``log_summary`` logs :func:`summary_lines` at INFO (the CLI prints them instead).
     """
     import safetensors.torch  # noqa: F401  (imported before the temp directory exists: it takes seconds)
@@ -294,7 +294,7 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
 
     import clef_local
     from clef_local import quant
-    from clef_local.release import read_release
+    from clef_local.formats.release import read_release
 
     started = time.perf_counter()
     source, out = Path(source).expanduser().resolve(), resolve_out(out)
@@ -312,7 +312,7 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
         raise ExportError("--calibration-requests applies with --calibrate only; add --calibrate or drop it")
     calibration = None
     if calibrate:  # before the staging directory exists: a refusal or a crash here leaves nothing behind
-        from clef_local.export.calibration import REQUESTS, gptq_tensors
+        from clef_local.export.gptq_calibration import REQUESTS, gptq_tensors
 
         check_paths(source, out, force)  # refuse a bad --out before minutes of calibration
         calibration = gptq_tensors(source, spec.name, group, options, requests=calibration_requests or REQUESTS)
@@ -435,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     if args.model is None:
-        from clef_local.defaults import default_model_path
+        from clef_local.demo.default import default_model_path
 
         args.model = default_model_path()
     scheme = args.format or BITS_TO_SCHEME[args.bits]

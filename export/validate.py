@@ -46,14 +46,14 @@ class ValidationFailed(ClefError):
 
 def probe_requests(n: int = 64, seed: int = 0, root: Path | None = None, *, split: str = "test"
                    ) -> list[dict[str, Any]]:
-    """``n`` SystemOne requests from ``clef_local.datasets``, the same for the same ``seed``.
+    """``n`` SystemOne requests from ``clef_local.data.datasets``, the same for the same ``seed``.
 
     Half are BANKING77 messages as a choice over 8–16 intents (the gold one included), a quarter NLU++ banking
     messages with 4 noul questions each, the rest BANKING77 messages with a score question (urgency, 4 levels) and
     a noul question. ``split`` "test" (validation) draws BANKING77 test and NLU++ folds 16–19; "train"
     (calibration) BANKING77 train and folds 0–15. FileNotFoundError when the datasets cannot be found.
     """
-    from clef_local.datasets import banking77_intents, banking77_request, banking77_rows, nlupp_intents, nlupp_rows
+    from clef_local.data.datasets import banking77_intents, banking77_request, banking77_rows, nlupp_intents, nlupp_rows
 
     if split not in _SPLITS:
         raise ValueError(f"split must be one of {', '.join(_SPLITS)}, not {split!r}")
@@ -176,7 +176,7 @@ def validate_export(reference_dir: Path, variant_dir: Path, scheme: str, n: int 
     skipped (and recorded) when the datasets or the reference are unavailable; :class:`ValidationFailed`
     naming each failing metric and its value when a threshold is exceeded or the variant does not load.
     ``variant_name`` is recorded instead of ``variant_dir`` (the export validates its temporary directory)."""
-    from clef_local.release import read_release
+    from clef_local.formats.release import read_release
 
     started = time.perf_counter()
     try:

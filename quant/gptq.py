@@ -2,7 +2,7 @@
 columns not yet rounded, so that the layer's *outputs* on calibration inputs move as little as the grid allows.
 
 Given a linear layer's weight ``W`` [out, in] and the second moment of its inputs ``H = E[x xᵀ]`` [in, in]
-(:mod:`clef_local.export.calibration` collects it), round-to-nearest minimises each weight's own error; GPTQ
+(:mod:`clef_local.export.gptq_calibration` collects it), round-to-nearest minimises each weight's own error; GPTQ
 minimises ``tr((Q - W) H (Q - W)ᵀ)``, the mean squared error of the outputs. Math (float32; H in float64 while it is
 factored):
 

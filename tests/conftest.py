@@ -47,9 +47,9 @@ def qwen_model(tiny_qwen: Path):
 @pytest.fixture(scope="session")
 def demo_release() -> Path:
     """The embedded demo model (clef-demo-135m), built into the user cache on first use (~30 s, offline)."""
-    from clef_local.defaults import default_model_path
-    from clef_local.demo import demo_available
+    from clef_local.demo.build import demo_available
+    from clef_local.demo.default import default_model_path
 
     if not demo_available():
-        pytest.fail("the demo head is not packaged (clef_local/demo_model/joint_head.safetensors)")
+        pytest.fail("the demo head is not packaged (clef_local/demo/head/joint_head.safetensors)")
     return default_model_path()

@@ -96,7 +96,7 @@ def _data(path: Path) -> Path:
 def test_eval_refuses_a_public_connection(tiny_llama: Path, tmp_path: Path, monkeypatch, capsys):
     """A model load that phones home during `clef-local eval` fails with the target named."""
     import clef_local
-    from clef_local.evaluate import main
+    from clef_local.quality.evaluate import main
 
     real_load = clef_local.load
 
@@ -112,7 +112,7 @@ def test_eval_refuses_a_public_connection(tiny_llama: Path, tmp_path: Path, monk
 
 def test_eval_allows_loopback(tiny_llama: Path, tmp_path: Path, monkeypatch, capsys):
     import clef_local
-    from clef_local.evaluate import main
+    from clef_local.quality.evaluate import main
 
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))

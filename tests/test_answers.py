@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from clef_local.answers import build_answer, choice_confidence, round_floats, score_confidence, softmax_rows
+from clef_local.runtime.answers import build_answer, choice_confidence, round_floats, score_confidence, softmax_rows
 
 
 def test_choice_confidence_jev_and_reference():

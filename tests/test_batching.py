@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import clef_local
-from clef_local.batching import CPU_PAD_WASTE, PAD_WASTE, device_pad_waste, split_by_length
+from clef_local.runtime.batching import CPU_PAD_WASTE, PAD_WASTE, device_pad_waste, split_by_length
 
 
 def padded_over_real(costs: list[float], groups: list[list[int]]) -> float:

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from clef_local.calibrate import fit_temperature_match, fit_temperature_nll, main, scale
-from clef_local.metrics import labelled_report
+from clef_local.quality.calibrate import fit_temperature_match, fit_temperature_nll, main, scale
+from clef_local.quality.metrics import labelled_report
 
 
 def _overconfident(seed: int = 0, n: int = 1500, k: int = 4, sharpen: float = 3.0):
@@ -48,7 +48,7 @@ def test_match_fit_recovers_temperature():
 
 @pytest.fixture()
 def variant(tiny_llama: Path, tmp_path: Path) -> Path:
-    from clef_local.manifest import write_manifest
+    from clef_local.formats.manifest import write_manifest
 
     out = tmp_path / "variant"
     shutil.copytree(tiny_llama, out)
@@ -60,7 +60,7 @@ def test_calibrate_cli_stores_applies_and_reduces_ece(variant: Path, tmp_path: P
     """Underconfident by construction: each label is the model's own argmax, so accuracy is 1 and ECE is
     1 − mean confidence; the fitted temperature (< 1) sharpens and ECE falls. Stored, the manifest still checks."""
     import clef_local
-    from clef_local.manifest import verify
+    from clef_local.formats.manifest import verify
 
     requests = [{"model": "m", "state": f"message {i} about cards and transfers", "questions": {
         "n": {"type": "noul", "instructions": f"question {i}"},

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from clef_local.data import DataFormatError, load_dataset, main, parse_folds, read_jsonl, write_jsonl
-from clef_local.datasets import Example, banking77_examples, evenly
+from clef_local.data.datasets import Example, banking77_examples, evenly
+from clef_local.data.jsonl import DataFormatError, load_dataset, main, parse_folds, read_jsonl, write_jsonl
 
 
 def _datasets_or_skip() -> None:
-    from clef_local.datasets import datasets_dir
+    from clef_local.data.datasets import datasets_dir
 
     try:
         datasets_dir()

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from clef_local.demo import DEMO_NAME, _packaged, demo_path
+from clef_local.demo.build import DEMO_NAME, _packaged, demo_path
 from clef_local.errors import ReleaseError
-from clef_local.manifest import write_manifest
+from clef_local.formats.manifest import write_manifest
 
 
 def _copy_build(demo_release: Path, cache: Path) -> Path:
@@ -57,7 +57,7 @@ def test_banking77_test_rows_get_their_intent(demo_release: Path):
     full-method one — fails.
     """
     import clef_local
-    from clef_local.datasets import banking77_examples, evenly
+    from clef_local.data.datasets import banking77_examples, evenly
 
     picked = evenly(banking77_examples("test"), 12)
     model = clef_local.load(demo_release)

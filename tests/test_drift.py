@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from clef_local.drift import (
+from clef_local.model import Prediction
+from clef_local.quality.drift import (
     DriftResult,
     compare_predictions,
     drift_from_predictions,
@@ -19,9 +20,8 @@ from clef_local.drift import (
     run_drift,
     summarize,
 )
-from clef_local.drift_cli import GateSyntaxError, parse_gates
-from clef_local.encoding import EncodedQuestion, EncodedRecord
-from clef_local.model import Prediction
+from clef_local.quality.drift_cli import GateSyntaxError, parse_gates
+from clef_local.runtime.encoding import EncodedQuestion, EncodedRecord
 
 
 def test_identical_distributions_have_zero_drift():
@@ -158,15 +158,15 @@ def test_run_drift_self_is_zero_and_temperature_keeps_argmax(tiny_llama: Path, t
 
 
 def _write_data(path: Path) -> Path:
-    from clef_local.data import write_jsonl
-    from clef_local.datasets import Example
+    from clef_local.data.datasets import Example
+    from clef_local.data.jsonl import write_jsonl
 
     write_jsonl([Example("r0", REQUESTS[0], {"q": True, "c": "card"}), Example("r1", REQUESTS[1], {"u": 2})], path)
     return path
 
 
 def test_drift_cli_gates_and_outputs(tiny_llama: Path, tempered: Path, tmp_path: Path, capsys):
-    from clef_local.drift_cli import main
+    from clef_local.quality.drift_cli import main
 
     data = _write_data(tmp_path / "d.jsonl")
     base = ["--reference", str(tiny_llama), "--candidate", str(tempered), "--data", str(data), "--dtype", "float32",
@@ -186,7 +186,7 @@ def test_drift_cli_gates_and_outputs(tiny_llama: Path, tempered: Path, tmp_path:
 
 
 def test_drift_cli_floor(tiny_llama: Path, tmp_path: Path, capsys):
-    from clef_local.drift_cli import main
+    from clef_local.quality.drift_cli import main
 
     data = _write_data(tmp_path / "d.jsonl")
     assert main(["--reference", str(tiny_llama), "--candidate", str(tiny_llama), "--data", str(data), "--floor",
@@ -205,7 +205,7 @@ def test_drift_names_a_candidate_whose_head_is_not_the_references(tiny_llama: Pa
     from safetensors.torch import load_file, save_file
 
     import clef_local
-    from clef_local.drift_cli import main
+    from clef_local.quality.drift_cli import main
 
     other = tmp_path / "other-head"
     shutil.copytree(tiny_llama, other)
@@ -219,6 +219,6 @@ def test_drift_names_a_candidate_whose_head_is_not_the_references(tiny_llama: Pa
     assert "warning:" in err and "joint_head.safetensors differ" in err and "re-export" in err
     head = json.loads((tmp_path / "r.json").read_text())["drift"][0]["meta"]["head"]
     assert head.startswith(str(other)) and "joint_head_config.json" not in head
-    with caplog.at_level(logging.WARNING, logger="clef_local.drift"):
+    with caplog.at_level(logging.WARNING, logger="clef_local.quality.drift"):
         run_drift(clef_local.load(tiny_llama, dtype="float32"), clef_local.load(other, dtype="float32"), REQUESTS)
     assert any("two different heads" in r.getMessage() for r in caplog.records)

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from clef_local.datasets import Example
-from clef_local.evaluate import EvalResult, evaluate, main
+from clef_local.data.datasets import Example
+from clef_local.quality.evaluate import EvalResult, evaluate, main
 
 EXAMPLES = [
     Example("a", {"model": "m", "state": "my card was declined", "questions": {
@@ -60,7 +60,7 @@ def test_batched_equals_one_by_one(llama_model):
 
 
 def test_eval_cli_outputs(tiny_llama: Path, tmp_path: Path, capsys):
-    from clef_local.data import write_jsonl
+    from clef_local.data.jsonl import write_jsonl
 
     data = tmp_path / "d.jsonl"
     write_jsonl(EXAMPLES, data)

@@ -1,4 +1,4 @@
-"""Hardware detection and named devices (clef_local.hardware)."""
+"""Hardware detection and named devices (clef_local.planning.hardware)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from clef_local.hardware import GiB, MiB, cpu_bf16, detect, named_device, resolve_device
+from clef_local.planning.hardware import GiB, MiB, cpu_bf16, detect, named_device, resolve_device
 
 
 def test_detect_here_is_a_cpu_with_cores_and_memory() -> None:
@@ -30,7 +30,7 @@ def test_cpu_bf16_needs_amx_to_be_fast(flags: tuple[str, ...], expected: tuple[b
 
 def test_detect_without_torch_or_mlx_does_not_fail() -> None:
     code = ("import sys; sys.modules['torch'] = None; sys.modules['mlx'] = None\n"
-            "from clef_local.hardware import detect\n"
+            "from clef_local.planning.hardware import detect\n"
             "hw = detect()\n"
             "assert hw.kind == 'cpu', hw\n"
             "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]\n"

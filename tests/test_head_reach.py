@@ -12,10 +12,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import clef_local
-from clef_local.export.question_path import question_path_head
-from clef_local.head import JointSchemaHead
-from clef_local.head_reach import question_reach, reads_question_spans_only
-from clef_local.release import HEAD_WEIGHTS, read_release
+from clef_local.formats.release import HEAD_WEIGHTS, read_release
+from clef_local.runtime.head import JointSchemaHead
+from clef_local.runtime.head_reach import question_reach, reads_question_spans_only
+from clef_local.training.question_path import question_path_head
 
 OPTIONS = {f"intent_{i}": (f"the customer asks about topic number {i}" if i % 3 else None) for i in range(24)}
 REQUESTS = [
@@ -75,7 +75,7 @@ def test_the_cut_pass_gives_the_whole_records_probabilities(question_path_releas
     path = question_path_release
     if backend == "onnx":
         pytest.importorskip("onnxruntime")
-        from clef_local.export.onnx_export import export_onnx
+        from clef_local.export.onnx.export import export_onnx
 
         path = Path(export_onnx(question_path_release, tmp_path / "onnx", "fp32", validate=False)["out"])
     elif backend == "mlx":

@@ -1,4 +1,4 @@
-"""Loader decisions with faked hardware (clef_local.loader.decide is pure), and through clef_local.load."""
+"""Loader decisions with faked hardware (clef_local.backends.loader.decide is pure), and through clef_local.load."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 import clef_local
+from clef_local.backends.loader import DEQUANTIZE, choose, decide
 from clef_local.errors import ApiUsageError, InsufficientMemoryError
-from clef_local.hardware import GiB, Hardware, named_device
-from clef_local.loader import DEQUANTIZE, choose, decide
+from clef_local.planning.hardware import GiB, Hardware, named_device
 
 CONFIGS = Path(__file__).resolve().parents[2] / "shared" / "configs"
 needs_configs = pytest.mark.skipif(not (CONFIGS / "clef-flash.config.json").is_file(), reason="no shared configs")
@@ -26,14 +26,14 @@ SCHEMES = ("bf16", "int8", "fp8", "int4", "nf4")
 
 @pytest.fixture(scope="module")
 def flash():
-    from clef_local.planner import footprint_from_config
+    from clef_local.planning.planner import footprint_from_config
 
     return footprint_from_config(CONFIGS / "clef-flash.config.json")
 
 
 @pytest.fixture(scope="module")
 def clef():
-    from clef_local.planner import footprint_from_config
+    from clef_local.planning.planner import footprint_from_config
 
     return footprint_from_config(CONFIGS / "clef.config.json")
 
@@ -146,7 +146,7 @@ def test_load_records_the_decision_and_refuses_with_too_little_memory(tiny_llama
     assert loader["backend"] == "torch" and loader["device"] == "cpu" and loader["scheme"] == "bf16"
     assert loader["need_bytes"] < loader["available_bytes"]
     tiny_box = replace(CPU_8, free_bytes=100 << 20, total_bytes=100 << 20)
-    monkeypatch.setattr("clef_local.hardware.detect", lambda device="auto": tiny_box)
+    monkeypatch.setattr("clef_local.planning.hardware.detect", lambda device="auto": tiny_box)
     with pytest.raises(InsufficientMemoryError, match=r"needs 0\.\d GiB at .* tokens, 0\.1 GiB free on cpu"):
         clef_local.load(tiny_llama)
 

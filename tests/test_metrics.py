@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from clef_local.metrics import (
+from clef_local.quality.metrics import (
     adaptive_ece,
     brier,
     classification_report,

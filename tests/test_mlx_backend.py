@@ -216,8 +216,8 @@ def test_qwen_rope_checked_on_load(loaded) -> None:
 def test_head_names_and_shapes_equal_the_torch_heads() -> None:
     import torch
 
-    from clef_local.head import JointSchemaHead
-    from clef_local.head_config import HeadConfig, head_tensor_shapes
+    from clef_local.formats.head_config import HeadConfig, head_tensor_shapes
+    from clef_local.runtime.head import JointSchemaHead
 
     config = HeadConfig(hidden_size=40, width=24, routing_layers=2, layers=3, heads=4, feedforward=48)
     with torch.device("meta"):

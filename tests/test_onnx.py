@@ -1,7 +1,7 @@
 """ONNX export and the ONNX Runtime backend: MatMulNBits layouts, parity with the torch backend, dynamic batch,
 torch-free decisions, atomic export.
 
-Tolerances (the export's own, :data:`clef_local.export.onnx_validate.TOLERANCES`): hidden states max |Δh| ≤ 1e-4
+Tolerances (the export's own, :data:`clef_local.export.onnx.validate.TOLERANCES`): hidden states max |Δh| ≤ 1e-4
 relative to max |h|, probabilities max |Δp| ≤ 1e-3, no flipped decision on these probes, for fp32, int8 and int4
 (the same weights in float32 arithmetic: only kernel noise differs).
 """
@@ -30,7 +30,7 @@ class Exports:
         self.request, self.root, self.done = request, root, {}
 
     def __call__(self, backbone: str, fmt: str) -> Path:
-        from clef_local.export.onnx_export import export_onnx
+        from clef_local.export.onnx.export import export_onnx
 
         if (backbone, fmt) not in self.done:
             source = self.request.getfixturevalue("tiny_qwen" if backbone == "qwen3_5" else "tiny_llama")
@@ -68,7 +68,7 @@ def test_int4_matmulnbits_uses_the_variant_codes(group: int) -> None:
     """MatMulNBits built from quant.int4's tensors computes x @ dequantize(W).T, and B is the packed words' bytes."""
     import torch
 
-    from clef_local.export.onnx_graph import int4_nbits
+    from clef_local.export.onnx.graph import int4_nbits
     from clef_local.quant import int4
 
     torch.manual_seed(0)
@@ -88,7 +88,7 @@ def test_int4_matmulnbits_uses_the_variant_codes(group: int) -> None:
 def test_int8_matmulnbits_uses_the_variant_codes(k: int) -> None:
     import torch
 
-    from clef_local.export.onnx_graph import int8_nbits
+    from clef_local.export.onnx.graph import int8_nbits
     from clef_local.quant import int8
 
     torch.manual_seed(1)
@@ -110,7 +110,7 @@ def test_numpy_head_loads_strictly(tiny_llama: Path, tmp_path: Path) -> None:
 
     from clef_local.backends.numpy_head import NumpyHead
     from clef_local.errors import ReleaseError
-    from clef_local.release import read_release
+    from clef_local.formats.release import read_release
 
     copy = shutil.copytree(tiny_llama, tmp_path / "release")
     state = load_file(str(copy / "joint_head.safetensors"))
@@ -128,7 +128,7 @@ def test_numpy_head_matches_torch_head(tiny_llama: Path) -> None:
     from clef_local.backends.numpy_head import NumpyHead
     from clef_local.backends.torch_backend import collate
     from clef_local.export.validate import probe_requests
-    from clef_local.layout import build_layout
+    from clef_local.runtime.layout import build_layout
 
     model = clef_local.load(tiny_llama, backend="torch", dtype="float32")
     records = [model.encode(r, truncate_state=True)[1] for r in probe_requests(8)]
@@ -150,7 +150,7 @@ def test_numpy_head_matches_torch_head(tiny_llama: Path) -> None:
     pytest.param("llama", "fp16", marks=pytest.mark.slow)])
 def test_parity_with_torch_backend(exports: Exports, backbone: str, fmt: str) -> None:
     """fp32/int8/int4: rel |Δh| ≤ 1e-4, |Δp| ≤ 1e-3; fp16 (on the CPU provider here): 1e-2 and 2e-2."""
-    from clef_local.export.onnx_validate import TOLERANCES, run_parity
+    from clef_local.export.onnx.validate import TOLERANCES, run_parity
     from clef_local.export.validate import probe_requests
 
     out = exports(backbone, fmt)
@@ -187,7 +187,7 @@ def test_validation_report_of_the_export(exports: Exports) -> None:
 
 
 def test_release_layout_and_manifest(exports: Exports, tiny_llama: Path) -> None:
-    from clef_local.manifest import verify
+    from clef_local.formats.manifest import verify
 
     out = exports("llama", "fp32")
     for name in ("joint_head.safetensors", "joint_head_config.json", "tokenizer.json", "config.json",
@@ -238,7 +238,7 @@ def test_decision_without_torch(exports: Exports) -> None:
 
 def test_unavailable_provider_names_the_available_ones(exports: Exports) -> None:
     from clef_local.backends.onnx_backend import OnnxBackend, OnnxProviderError, providers_for
-    from clef_local.release import read_release
+    from clef_local.formats.release import read_release
 
     with pytest.raises(OnnxProviderError, match=r"CUDAExecutionProvider is not available.*CPUExecutionProvider"):
         providers_for("cuda", ["CPUExecutionProvider"])
@@ -270,7 +270,7 @@ def test_cuda_provider_matches_cpu(exports: Exports) -> None:
 
 def test_refuses_existing_out_without_force(exports: Exports, tiny_llama: Path,
                                             capsys: pytest.CaptureFixture[str]) -> None:
-    from clef_local.export.onnx_export import main
+    from clef_local.export.onnx.export import main
 
     out = exports("llama", "fp32")
     before = sorted(p.name for p in out.iterdir())
@@ -284,7 +284,8 @@ def test_failed_validation_leaves_nothing(exports: Exports, tiny_llama: Path, tm
     """A tolerance exceeded: exit 1, no output directory, no temporary sibling (the graph is reused, not retraced)."""
     import shutil
 
-    from clef_local.export import onnx_export, onnx_validate
+    from clef_local.export.onnx import export as onnx_export
+    from clef_local.export.onnx import validate as onnx_validate
 
     done = exports("llama", "fp32")
     config = json.loads((done / "onnx" / "onnx_config.json").read_text())
@@ -305,7 +306,7 @@ def test_failed_validation_leaves_nothing(exports: Exports, tiny_llama: Path, tm
 @pytest.mark.parametrize("fmt", ["fp32", "int4"])
 def test_demo_model_onnx_parity(demo_release: Path, tmp_path: Path, fmt: str) -> None:
     """The demo model (SmolLM2-135M, BF16) exported (int4: quantized first): ONNX vs torch float32, a few probes."""
-    from clef_local.export.onnx_export import export_onnx
+    from clef_local.export.onnx.export import export_onnx
 
     summary = export_onnx(demo_release, tmp_path / "demo-onnx", fmt, probes=4)
     validation = summary["validation"]

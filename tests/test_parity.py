@@ -15,11 +15,11 @@ import torch
 from request_gen import varied_requests
 
 import clef_local
-from clef_local.answers import round_floats
-from clef_local.encoding import encode_request
 from clef_local.errors import MaxTokensExceededError
-from clef_local.schema import request_to_record, validate_request
-from clef_local.tokenizer import ReleaseTokenizer
+from clef_local.runtime.answers import round_floats
+from clef_local.runtime.encoding import encode_request
+from clef_local.runtime.schema import request_to_record, validate_request
+from clef_local.runtime.tokenizer import ReleaseTokenizer
 
 REQUESTS = varied_requests(40, seed=0)
 

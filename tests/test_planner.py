@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from clef_local.hardware import GiB, named_device
-from clef_local.planner import footprint_from_config, footprint_from_release, main
-from clef_local.planner_estimate import ModelDims, activations, best_fit, max_context, plan
-from clef_local.planner_weights import census_from_release, read_safetensors_header
-from clef_local.release import read_release
+from clef_local.formats.release import read_release
+from clef_local.planning.census import census_from_release, read_safetensors_header
+from clef_local.planning.estimate import ModelDims, activations, best_fit, max_context, plan
+from clef_local.planning.hardware import GiB, named_device
+from clef_local.planning.planner import footprint_from_config, footprint_from_release, main
 
 CONFIGS = Path(__file__).resolve().parents[2] / "shared" / "configs"
 needs_configs = pytest.mark.skipif(not (CONFIGS / "clef-flash.config.json").is_file(), reason="no shared configs")
@@ -152,9 +152,9 @@ def test_the_planner_and_the_loaders_choice_need_no_torch(tiny_qwen: Path) -> No
     import sys
 
     code = ("import sys; sys.modules['torch'] = None\n"
-            "from clef_local.hardware import named_device\n"
-            "from clef_local.loader import decide\n"
-            "from clef_local.planner import footprint_from_release\n"
+            "from clef_local.planning.hardware import named_device\n"
+            "from clef_local.backends.loader import decide\n"
+            "from clef_local.planning.planner import footprint_from_release\n"
             f"fp = footprint_from_release({str(tiny_qwen)!r})\n"
             "d = decide(named_device('mac-36'), 'bf16', fp, context=512, installed={'torch': 'no', 'mlx': None, "
             "'onnx': 'no'})\n"

@@ -21,10 +21,10 @@ from safetensors.torch import load_file
 from clef_local import quant
 from clef_local.errors import ReleaseError
 from clef_local.export.quantize import DELAY_ENV, ExportError, main, quantize_release, summary_lines
-from clef_local.manifest import MANIFEST, check_files, read_manifest, verify
-from clef_local.manifest import main as verify_main
+from clef_local.formats.manifest import MANIFEST, check_files, read_manifest, verify
+from clef_local.formats.manifest import main as verify_main
+from clef_local.formats.release import read_release
 from clef_local.quant.predicate import NOT_DIVISIBLE
-from clef_local.release import read_release
 from clef_local.testing import build_tiny_release
 
 SCHEMES = [("int4", 32), ("int4", 64), ("int8", None), ("nf4", None), ("fp8", None)]

@@ -9,11 +9,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from clef_local.datasets import banking77_examples, banking77_intents, banking77_request
-from clef_local.encoding import encode_request
-from clef_local.export.demo_data import training_examples, twin_records
-from clef_local.export.hidden_cache import cache_dtype
-from clef_local.export.question_path import (
+from clef_local.data.datasets import banking77_examples, banking77_intents, banking77_request
+from clef_local.runtime.encoding import encode_request
+from clef_local.runtime.head import HeadConfig, JointSchemaHead
+from clef_local.runtime.layout import build_layout
+from clef_local.runtime.tokenizer import ReleaseTokenizer
+from clef_local.training.demo_data import training_examples, twin_records
+from clef_local.training.hidden_cache import cache_dtype
+from clef_local.training.question_path import (
     PRIOR_OFF,
     LexicalTable,
     question_means,
@@ -21,18 +24,15 @@ from clef_local.export.question_path import (
     question_path_logits,
     zeroed_parameters,
 )
-from clef_local.export.question_path_train import PathConfig, build_questions, train_question_path
-from clef_local.export.train_head import encode_examples
-from clef_local.head import HeadConfig, JointSchemaHead
-from clef_local.layout import build_layout
-from clef_local.tokenizer import ReleaseTokenizer
+from clef_local.training.question_path_train import PathConfig, build_questions, train_question_path
+from clef_local.training.train_head import encode_examples
 
 SMALL = PathConfig(width=32, heads=4, feedforward=64, epochs=3, batch_questions=16)
 
 
 def _backbone(path: Path):
     from clef_local.backends.torch_backend import TorchBackbone
-    from clef_local.release import read_json
+    from clef_local.formats.release import read_json
 
     return TorchBackbone(path, read_json(path / "config.json"), device="cpu", dtype=cache_dtype("cpu"))
 
@@ -191,7 +191,7 @@ def test_init_refuses_a_head_that_is_not_a_question_path_head(tiny_llama: Path, 
     (["--label-smoothing", "1"], "--label-smoothing is in [0, 1)"),
 ])
 def test_question_path_refuses_the_full_methods_options(tmp_path: Path, capsys, argv: list[str], message: str):
-    from clef_local.export.train_head import main
+    from clef_local.training.train_head import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["--backbone", str(tmp_path), "--out", str(tmp_path / "out"), "--method", "question-path", *argv])
@@ -200,7 +200,7 @@ def test_question_path_refuses_the_full_methods_options(tmp_path: Path, capsys, 
 
 
 def test_the_full_method_refuses_the_question_paths_options(tmp_path: Path, capsys):
-    from clef_local.export.train_head import main
+    from clef_local.training.train_head import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["--backbone", str(tmp_path), "--out", str(tmp_path / "out"), "--canonical-weight", "3"])
@@ -208,8 +208,8 @@ def test_the_full_method_refuses_the_question_paths_options(tmp_path: Path, caps
 
 
 def test_a_fitted_temperature_is_recovered_and_folded_into_the_heads_weights():
-    from clef_local.export.question_path import apply_temperature
-    from clef_local.export.question_path_train import Questions, fit_temperature
+    from clef_local.training.question_path import apply_temperature
+    from clef_local.training.question_path_train import Questions, fit_temperature
 
     torch.manual_seed(1)
     head = JointSchemaHead(HeadConfig(hidden_size=16, width=8, routing_layers=1, layers=1, heads=2, feedforward=16))

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 import clef_local
 from clef_local.errors import ReleaseError
-from clef_local.release import read_release
+from clef_local.formats.release import read_release
 
 
 @pytest.fixture()

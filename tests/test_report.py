@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from clef_local.drift import DriftResult, drift_from_predictions
-from clef_local.encoding import EncodedQuestion, EncodedRecord
-from clef_local.evaluate import EvalResult, EvalRow, metrics_by_type
 from clef_local.model import Prediction
-from clef_local.report import bundle_json, main, markdown_table, render_markdown, write_report
+from clef_local.quality.drift import DriftResult, drift_from_predictions
+from clef_local.quality.evaluate import EvalResult, EvalRow, metrics_by_type
+from clef_local.quality.report import bundle_json, main, markdown_table, render_markdown, write_report
+from clef_local.runtime.encoding import EncodedQuestion, EncodedRecord
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

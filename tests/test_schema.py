@@ -1,4 +1,4 @@
-"""Request validation and wire types (clef_local.schema)."""
+"""Request validation and wire types (clef_local.runtime.schema)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from clef_local.errors import ApiUsageError, ClefError, LimitExceededError, RequestValidationError
-from clef_local.schema import (
+from clef_local.runtime.schema import (
     DEFAULT_LIMITS,
     Limits,
     LimitValidationError,

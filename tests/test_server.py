@@ -17,8 +17,8 @@ import httpx
 import pytest
 
 import clef_local
-from clef_local.answers import round_floats
 from clef_local.errors import MaxTokensExceededError
+from clef_local.runtime.answers import round_floats
 from clef_local.server import ServerConfig, ThreadedServer, create_app
 from clef_local.server.config import bind_warning, is_loopback, parse_model_specs
 from clef_local.server.scheduler import estimate_cost

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 import clef_local
-from clef_local.answers import round_floats
+from clef_local.runtime.answers import round_floats
 from clef_local.server import ServerConfig, ThreadedServer, create_app
 
 

@@ -30,8 +30,8 @@ from hypothesis import strategies as st
 from request_gen import varied_requests
 
 import clef_local
-from clef_local.answers import round_floats
 from clef_local.errors import MaxTokensExceededError
+from clef_local.runtime.answers import round_floats
 from clef_local.server import ServerConfig, ThreadedServer, create_app
 
 try:

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from clef_local.export import hidden_cache
-from clef_local.export.demo_data import Rule, splice_states, training_examples, twin_records
-from clef_local.export.hidden_cache import cache_hidden_states
-from clef_local.export.splicing import EpochHidden, Splicer, cache_state_bank, state_records
-from clef_local.export.train_head import TrainConfig, _gold_index, encode_examples, train
-from clef_local.tokenizer import ReleaseTokenizer
+from clef_local.runtime.tokenizer import ReleaseTokenizer
+from clef_local.training import hidden_cache
+from clef_local.training.demo_data import Rule, splice_states, training_examples, twin_records
+from clef_local.training.hidden_cache import cache_hidden_states
+from clef_local.training.splicing import EpochHidden, Splicer, cache_state_bank, state_records
+from clef_local.training.train_head import TrainConfig, _gold_index, encode_examples, train
 
 
 @pytest.fixture
@@ -84,7 +84,7 @@ def test_spliced_records_join_a_state_to_a_donor_schema(tiny_llama: Path, tmp_pa
 
 def test_training_with_spliced_records_keeps_validation_states_out(tiny_llama: Path, tmp_path: Path,
                                                                   float32_cache, monkeypatch):
-    from clef_local.export import train_head
+    from clef_local.training import train_head
 
     examples = training_examples(banking77=20, nlupp=10, seed=3)
     texts = {e.request["state"] for e in examples}

@@ -11,13 +11,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from clef_local.datasets import banking77_examples, banking77_intents
-from clef_local.encoding import QUESTION_TYPES
-from clef_local.export.demo_data import training_examples, twin_records
-from clef_local.export.hidden_cache import cache_dtype
-from clef_local.export.question_path import PRIOR_OFF, LexicalTable, question_means
-from clef_local.export.question_path_train import build_questions
-from clef_local.export.state_path import (
+from clef_local.data.datasets import banking77_examples, banking77_intents
+from clef_local.runtime.encoding import QUESTION_TYPES
+from clef_local.runtime.head import HeadConfig, JointSchemaHead
+from clef_local.runtime.head_reach import head_reads_question_spans_only
+from clef_local.runtime.layout import build_layout
+from clef_local.runtime.tokenizer import ReleaseTokenizer
+from clef_local.training.demo_data import training_examples, twin_records
+from clef_local.training.hidden_cache import cache_dtype
+from clef_local.training.question_path import PRIOR_OFF, LexicalTable, question_means
+from clef_local.training.question_path_train import build_questions
+from clef_local.training.state_path import (
     CHOICE_DOMINANCE,
     StateBatch,
     fold_dominance,
@@ -27,12 +31,8 @@ from clef_local.export.state_path import (
     twin_whitening,
     zeroed_parameters,
 )
-from clef_local.export.state_path_train import Distractors, StatePathConfig, train_state_path
-from clef_local.export.train_head import encode_examples
-from clef_local.head import HeadConfig, JointSchemaHead
-from clef_local.head_reach import head_reads_question_spans_only
-from clef_local.layout import build_layout
-from clef_local.tokenizer import ReleaseTokenizer
+from clef_local.training.state_path_train import Distractors, StatePathConfig, train_state_path
+from clef_local.training.train_head import encode_examples
 
 SMALL = StatePathConfig(width=32, heads=4, feedforward=64, epochs=2, batch_records=6, distractor_records=4,
                         canonical_distractors=2)
@@ -40,7 +40,7 @@ SMALL = StatePathConfig(width=32, heads=4, feedforward=64, epochs=2, batch_recor
 
 def _backbone(path: Path):
     from clef_local.backends.torch_backend import TorchBackbone
-    from clef_local.release import read_json
+    from clef_local.formats.release import read_json
 
     return TorchBackbone(path, read_json(path / "config.json"), device="cpu", dtype=cache_dtype("cpu"))
 
@@ -178,7 +178,7 @@ def test_train_state_path_writes_a_release_head(tiny_llama: Path, tmp_path: Path
 
 @pytest.mark.parametrize("flag", [["--spliced", "4"], ["--init", "x"], ["--share", "0.5"], ["--autocast", "bf16"]])
 def test_state_path_refuses_what_it_would_ignore(flag, tmp_path: Path, capsys):
-    from clef_local.export.train_head import main
+    from clef_local.training.train_head import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["--backbone", str(tmp_path), "--out", str(tmp_path / "o"), "--method", "state-path", *flag])
@@ -206,7 +206,7 @@ def test_twin_whitening_shrinks_what_twins_disagree_on():
 
 
 def test_an_interrupted_state_path_run_resumes_to_the_same_head(tiny_llama: Path, tmp_path: Path, monkeypatch):
-    from clef_local.export import state_path_train
+    from clef_local.training import state_path_train
 
     examples = training_examples(banking77=8, nlupp=4, seed=5, max_options=5)
     kwargs = {"config": SMALL, "twins": twin_records(2, seed=2), "universe": banking77_intents(), "validation": 0.2}

@@ -9,7 +9,7 @@ import torch
 
 import clef_local
 from clef_local.backends.torch_backend import TorchBackbone, collate
-from clef_local.release import read_json
+from clef_local.formats.release import read_json
 
 
 def small_requests() -> list[dict]:

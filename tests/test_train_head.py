@@ -12,12 +12,12 @@ import pytest
 import torch
 
 import clef_local
-from clef_local.export.demo_data import intent_neighbours, training_examples, twin_records
-from clef_local.export.head_losses import StateAttention, question_loss, state_mask, twin_loss
-from clef_local.export.hidden_cache import _block_name, cache_dtype, cache_hidden_states
-from clef_local.export.train_head import TrainConfig, _batch, _twin_rows, encode_examples, train
-from clef_local.head import HeadConfig, JointSchemaHead
-from clef_local.tokenizer import ReleaseTokenizer
+from clef_local.runtime.head import HeadConfig, JointSchemaHead
+from clef_local.runtime.tokenizer import ReleaseTokenizer
+from clef_local.training.demo_data import intent_neighbours, training_examples, twin_records
+from clef_local.training.head_losses import StateAttention, question_loss, state_mask, twin_loss
+from clef_local.training.hidden_cache import _block_name, cache_dtype, cache_hidden_states
+from clef_local.training.train_head import TrainConfig, _batch, _twin_rows, encode_examples, train
 
 SMALL = TrainConfig(width=32, heads=4, feedforward=64, epochs=2, batch_records=8)
 
@@ -71,7 +71,7 @@ def test_intent_neighbours_are_the_closest_word_profiles():
 
 
 def test_hard_negative_choices_hold_the_gold_and_its_neighbours():
-    from clef_local.datasets import banking77_rows
+    from clef_local.data.datasets import banking77_rows
 
     near = intent_neighbours(banking77_rows("train"))
     plain = training_examples(banking77=40, nlupp=0, seed=3)
@@ -106,7 +106,7 @@ def test_cache_blocks_are_reused_and_a_bad_chunk_is_named(tiny_llama: Path, tmp_
 
 
 def test_cache_computes_in_bf16_where_it_is_fast_and_names_blocks_by_dtype(tiny_llama: Path, monkeypatch):
-    from clef_local import hardware
+    from clef_local.planning import hardware
 
     assert cache_dtype("cuda") == torch.bfloat16
     for fast, expected in ((True, torch.bfloat16), (False, torch.float32)):
@@ -233,7 +233,7 @@ def test_init_fine_tunes_an_existing_head(tiny_llama: Path, tmp_path: Path):
 
 
 def test_weight_decay_shrinks_matrices_only():
-    from clef_local.export.train_head import _parameter_groups
+    from clef_local.training.train_head import _parameter_groups
 
     head = JointSchemaHead(HeadConfig(hidden_size=16, width=16, routing_layers=1, layers=1, heads=2, feedforward=32))
     with torch.no_grad():
@@ -266,7 +266,7 @@ def test_a_fresh_head_starts_at_the_configured_cosine_temperature(tiny_llama: Pa
     (["--data", "requests.jsonl", "--spliced", "8", "--cache-only"], "--spliced needs the demo data"),
 ])
 def test_train_head_refuses_options_it_cannot_honour(tmp_path: Path, capsys, argv: list[str], message: str):
-    from clef_local.export.train_head import main
+    from clef_local.training.train_head import main
 
     (tmp_path / "requests.jsonl").write_text(json.dumps({"request": {"state": "x", "questions": {}}, "labels": {}}))
     with pytest.raises(SystemExit) as exit_info:
@@ -277,8 +277,8 @@ def test_train_head_refuses_options_it_cannot_honour(tmp_path: Path, capsys, arg
 
 
 def test_autocast_is_bf16_on_accelerators_and_never_for_span_means_or_gradients(tiny_llama: Path):
-    from clef_local.export.train_head import autocast_dtype
-    from clef_local.head import _span_mean
+    from clef_local.runtime.head import _span_mean
+    from clef_local.training.train_head import autocast_dtype
 
     assert autocast_dtype("off", "cuda") is None and autocast_dtype("bf16", "cpu") == torch.bfloat16
     assert autocast_dtype("auto", "cuda:1") == autocast_dtype("auto", "mps") == torch.bfloat16

@@ -25,7 +25,7 @@ from clef_local.app.results import COMPARE_HEADERS, SUMMARY_HEADERS
 from clef_local.app.schema_builder import BuilderError, QuestionDraft
 from clef_local.app.snippets import curl_snippet, python_snippet
 from clef_local.errors import ApiUsageError, RequestValidationError
-from clef_local.schema import validate_request
+from clef_local.runtime.schema import validate_request
 
 REQUEST = schema_builder.example_request("triage")  # noul + choice + score
 
@@ -226,7 +226,7 @@ def served(models: tuple[Any, Any]) -> Iterator[str]:
 
 
 def _rounded_answers(model: Any, request: dict[str, Any]) -> dict[str, Any]:
-    from clef_local.answers import round_floats
+    from clef_local.runtime.answers import round_floats
 
     return round_floats(model.decide(request), 4)["answers"]
 

@@ -24,12 +24,12 @@ from clef_local.export.validate import (
     validate_variant,
     validation_table,
 )
-from clef_local.manifest import read_manifest, verify
-from clef_local.schema import validate_request
+from clef_local.formats.manifest import read_manifest, verify
+from clef_local.runtime.schema import validate_request
 
 
 def _datasets_or_skip() -> None:
-    from clef_local.datasets import datasets_dir
+    from clef_local.data.datasets import datasets_dir
 
     try:
         datasets_dir()

@@ -36,11 +36,11 @@ import numpy as np
 from clef_local.backends.mlx_head import MLXJointSchemaHead
 from clef_local.backends.mlx_weights import QuantizedLayer, Stored, load_backbone_tensors, variant_scheme
 from clef_local.errors import ReleaseError
-from clef_local.layout import HeadLayout
-from clef_local.release import HEAD_WEIGHTS, Release
+from clef_local.formats.release import HEAD_WEIGHTS, Release
+from clef_local.runtime.layout import HeadLayout
 
 if TYPE_CHECKING:
-    from clef_local.encoding import EncodedRecord
+    from clef_local.runtime.encoding import EncodedRecord
 
 log = logging.getLogger(__name__)
 

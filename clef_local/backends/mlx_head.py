@@ -1,11 +1,11 @@
-"""The joint schema head (DESIGN §2.3) in MLX, float32, batched exactly like :mod:`clef_local.head`.
+"""The joint schema head (DESIGN §2.3) in MLX, float32, batched exactly like :mod:`clef_local.runtime.head`.
 
 Same math and the same batching as the torch head: span means by segment sums, option queries padded per record
 for the evidence-routing cross-attention (padding keys of the memory masked), a masked softmax per question for the
 option summary, the field transformer (``nn.TransformerDecoderLayer``, ``norm_first=True``, GELU, eval mode: no
 dropout) over each record's questions, then prior + gated joint scores. Weights come from
 ``joint_head.safetensors``, loaded strictly: every name of the release's state dict with its exact shape, nothing
-else (:func:`clef_local.head_config.head_tensor_shapes`). Torch is never imported.
+else (:func:`clef_local.formats.head_config.head_tensor_shapes`). Torch is never imported.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from clef_local.head_config import HeadConfig, head_tensor_shapes
-from clef_local.layout import HeadLayout
+from clef_local.formats.head_config import HeadConfig, head_tensor_shapes
+from clef_local.runtime.layout import HeadLayout
 
 _MAX_LOG_SCALE = math.log(100.0)  # exp(scale) is clamped at 100 (DESIGN §2.3, step 7)
 _LN_EPS = 1e-5  # torch.nn.LayerNorm's default
@@ -31,7 +31,7 @@ _COSINE_EPS = 1e-8  # F.cosine_similarity
 def load_head_weights(file: Path, config: HeadConfig) -> dict[str, mx.array]:
     """``joint_head.safetensors`` as float32 MLX arrays, after checking every name and shape against ``config``."""
     from clef_local.backends.mlx_weights import read_safetensors
-    from clef_local.release import check_head_tensors
+    from clef_local.formats.release import check_head_tensors
 
     check_head_tensors(file, head_tensor_shapes(config))
     return {name: mx.array(t.float32()) for name, t in read_safetensors(file).items()}

@@ -1,6 +1,6 @@
 """The joint schema head (DESIGN §2.3) in numpy float32, for backends that run without torch (ONNX Runtime).
 
-The same batched math as :class:`clef_local.head.JointSchemaHead` at inference (span means, padded option
+The same batched math as :class:`clef_local.runtime.head.JointSchemaHead` at inference (span means, padded option
 tensors, masked softmaxes, ``scaled_dot_product_attention``-style cross/self attention), written with numpy
 alone so that a decision on the ONNX backend never imports torch. It is checked against the torch head on the same
 hidden states within float32 noise (tests/test_onnx.py).
@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 
 from clef_local.errors import ReleaseError
-from clef_local.head_config import HeadConfig
-from clef_local.layout import HeadLayout
+from clef_local.formats.head_config import HeadConfig
+from clef_local.runtime.layout import HeadLayout
 
 _MAX_LOG_SCALE = math.log(100.0)
 _LN_EPS = 1e-5
@@ -153,9 +153,9 @@ class NumpyHead:
 
     @classmethod
     def from_release(cls, release: Any) -> NumpyHead:
-        """Read ``joint_head.safetensors`` of a :class:`clef_local.release.Release`."""
-        from clef_local.head_config import head_tensor_shapes
-        from clef_local.release import HEAD_WEIGHTS, check_head_tensors
+        """Read ``joint_head.safetensors`` of a :class:`clef_local.formats.release.Release`."""
+        from clef_local.formats.head_config import head_tensor_shapes
+        from clef_local.formats.release import HEAD_WEIGHTS, check_head_tensors
 
         file = release.path / HEAD_WEIGHTS
         check_head_tensors(file, head_tensor_shapes(release.head_config))  # strict, as the torch head loads

@@ -22,12 +22,12 @@ import numpy as np
 
 from clef_local.backends.numpy_head import NumpyHead, bf16_to_float32
 from clef_local.errors import ClefError, ReleaseError
-from clef_local.layout import pad_batch
-from clef_local.release import Release, read_json
+from clef_local.formats.release import Release, read_json
+from clef_local.runtime.layout import pad_batch
 
 if TYPE_CHECKING:
-    from clef_local.encoding import EncodedRecord
-    from clef_local.layout import HeadLayout
+    from clef_local.runtime.encoding import EncodedRecord
+    from clef_local.runtime.layout import HeadLayout
 
 log = logging.getLogger(__name__)
 

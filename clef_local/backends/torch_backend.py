@@ -20,11 +20,11 @@ import torch
 
 from clef_local.backends.quantized import kernel_counts, prepare_quantized, quantized_prefixes, swap_linears
 from clef_local.errors import ReleaseError
-from clef_local.layout import HeadLayout, pad_batch
-from clef_local.release import QWEN3_5, Release, load_head
+from clef_local.formats.release import QWEN3_5, Release, load_head
+from clef_local.runtime.layout import HeadLayout, pad_batch
 
 if TYPE_CHECKING:
-    from clef_local.encoding import EncodedRecord
+    from clef_local.runtime.encoding import EncodedRecord
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class TorchBackbone:
         self.dtype = dtype
         if self.scheme is not None:
             if weight_files is None:
-                from clef_local.release import _weight_files
+                from clef_local.formats.release import _weight_files
 
                 weight_files = _weight_files(path)
             log.info("loading %s %s variant from %s in %s", cls.__name__, self.scheme, path, dtype)
@@ -165,7 +165,7 @@ class TorchBackend:
         """Option logits ``[questions, max_options]`` (float32, ``-inf`` padding) for right-padded ``records``.
 
         ``reach``: run the backbone over the first ``reach`` positions only and leave the later hidden states zero,
-        for a head that reads no further (:mod:`clef_local.head_reach`).
+        for a head that reads no further (:mod:`clef_local.runtime.head_reach`).
         """
         input_ids, attention_mask = collate(records, pad_token_id, self.device)
         cut = input_ids.shape[1] if reach is None else min(reach, input_ids.shape[1])

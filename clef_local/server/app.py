@@ -26,9 +26,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 import clef_local
-from clef_local.answers import round_floats
 from clef_local.errors import ApiUsageError, ClefError, MaxTokensExceededError
-from clef_local.schema import DEFAULT_LIMITS, ModelsResponse, SystemOneRequest, SystemOneResponse, validate_request
+from clef_local.runtime.answers import round_floats
+from clef_local.runtime.schema import (
+    DEFAULT_LIMITS,
+    ModelsResponse,
+    SystemOneRequest,
+    SystemOneResponse,
+    validate_request,
+)
 from clef_local.server.body import BodyTooLargeError, decode_content, parse_json
 from clef_local.server.config import ModelTable, ServerConfig
 from clef_local.server.metrics import CONTENT_TYPE, MetricsMiddleware, ServerMetrics

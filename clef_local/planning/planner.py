@@ -1,0 +1,189 @@
+"""``clef-local plan``: will a release or variant fit a device, in which format, before loading a tensor (DESIGN §6).
+
+    clef-local plan --model ~/models/clef-flash                       # every format on this machine
+    clef-local plan --config clef.config.json --device rtx4090 --context 16384 --explain
+    clef-local plan --model DIR-int4 --device mac-36 --json
+
+Weights come from the safetensors headers (exact; a variant is read as stored) or, for a bare ``config.json``, from
+the architecture built on the meta device (:mod:`clef_local.planning.census`); activations, overhead and the verdict
+from :mod:`clef_local.planning.estimate`. The library entry point is :func:`plan_release`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from clef_local.errors import ClefError
+from clef_local.formats.release import read_head_config, read_json, read_release
+from clef_local.planning.census import (
+    DEFAULT_GROUP_SIZE,
+    FORMATS,
+    WeightCensus,
+    census_from_config,
+    census_from_release,
+    meta_shapes,
+    stored_format,
+)
+from clef_local.planning.estimate import DTYPE_SIZE, ModelDims, Plan, best_fit, explain, max_context, plan
+from clef_local.planning.hardware import GiB, Hardware, resolve_device
+
+DEFAULT_CONTEXT = 16_384  # the reference's max_length (DESIGN §2.1)
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """What the planner knows about one release, variant or config: weights per format and the shapes."""
+
+    name: str
+    architecture: str
+    dims: ModelDims
+    censuses: dict[str, WeightCensus]  # format -> census (a variant has only its own)
+    stored: str  # the format the directory holds ("bf16" for a bare config)
+
+    def plans(self, hardware: Hardware, *, context: int, batch: int = 1, dtype: str = "bfloat16",
+              host_embeddings: bool = True, media: bool = False) -> dict[str, Plan]:
+        return {fmt: plan(c, self.dims, hardware, context=context, batch=batch, dtype=dtype,
+                          host_embeddings=host_embeddings, media=media) for fmt, c in self.censuses.items()}
+
+
+def footprint_from_release(path: Path, formats: tuple[str, ...] = FORMATS,
+                           group_size: int = DEFAULT_GROUP_SIZE) -> Footprint:
+    """Footprint of a release or variant directory from its headers (a variant: its stored format only)."""
+    release = read_release(path)
+    stored = stored_format(release.config)
+    wanted = formats if stored == "bf16" else tuple(f for f in formats if f == stored) or (stored,)
+    censuses = {fmt: census_from_release(release.path, release.weight_files, release.config, fmt,
+                                         group_size=group_size) for fmt in wanted}
+    dims = ModelDims.from_config(release.config, head_width=release.head_config.width)
+    return Footprint(release.path.name, release.architecture, dims, censuses, stored)
+
+
+def _head_config_beside(config_path: Path) -> Path | None:
+    stem = config_path.name.removesuffix(".json").removesuffix(".config").removesuffix("config")
+    for candidate in (config_path.with_name(f"{stem}.joint_head_config.json" if stem else "joint_head_config.json"),
+                      config_path.with_name("joint_head_config.json")):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def footprint_from_config(config_path: Path, formats: tuple[str, ...] = FORMATS,
+                          group_size: int = DEFAULT_GROUP_SIZE, head_config: Path | None = None) -> Footprint:
+    """Footprint of a bare ``config.json`` (the architecture on the meta device; the head config beside it, as
+    ``NAME.joint_head_config.json`` or ``joint_head_config.json``, when there is one)."""
+    config = read_json(config_path)
+    head_config = head_config or _head_config_beside(config_path)
+    width = read_head_config(head_config).width if head_config else 0
+    shapes = meta_shapes(config_path)
+    censuses = {fmt: census_from_config(config_path, fmt, head_config_path=head_config, group_size=group_size,
+                                        shapes=shapes) for fmt in formats}
+    architecture = str((config.get("architectures") or ["unknown"])[0])
+    name = config_path.name.removesuffix(".json").removesuffix(".config")
+    return Footprint(name, architecture, ModelDims.from_config(config, head_width=width), censuses, "bf16")
+
+
+def default_dtype(hardware: Hardware) -> str:
+    """The compute dtype ``auto`` means on ``hardware``: bf16 where it is fast, float16 on pre-Ampere CUDA,
+    float32 on a CPU without AMX (bf16 would be slower there)."""
+    if hardware.kind == "cuda":
+        return "bfloat16" if hardware.bf16 else "float16"
+    if hardware.kind == "apple":
+        return "bfloat16"
+    return "bfloat16" if hardware.fast_bf16 else "float32"
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.1f}"
+
+
+def render(footprint: Footprint, plans: dict[str, Plan], *, show_explain: bool) -> str:
+    """The human-readable report: one row per format, the verdict, and optionally the formula."""
+    any_plan = next(iter(plans.values()))
+    hw = any_plan.hardware
+    lines = [f"{footprint.name} ({footprint.architecture}; weights from {any_plan.census.source}) on {hw.device}: "
+             f"{hw.name}, {_gib(hw.free_bytes)} GiB available",
+             f"context {any_plan.context:,} × batch {any_plan.batch}, {any_plan.dtype} activations"
+             + ("" if hw.shares_host_memory else
+                f"; embeddings {'in host memory' if any_plan.host_embeddings else 'on the device'}")
+             + ("; vision tower loaded" if any_plan.media else ""),
+             "",
+             f"{'format':<7}{'weights':>9}{'host':>7}{'activ.':>8}{'overhead':>10}{'need':>8}  verdict (GiB)"]
+    for fmt, p in plans.items():
+        lines.append(f"{fmt:<7}{_gib(p.device_weights):>9}{_gib(p.host_weights):>7}{_gib(p.activations.total):>8}"
+                     f"{_gib(p.overhead + p.margin):>10}{_gib(p.need):>8}  {'fits' if p.fits else 'does not fit'}")
+    best = best_fit(plans)
+    lines.append("")
+    if best is not None:
+        lines.append(f"best precision that fits: {best.fmt} ({_gib(best.need)} of {_gib(best.available)} GiB)")
+    else:
+        smallest = min(plans.values(), key=lambda p: p.need)
+        longest = max_context(smallest.census, footprint.dims, hw, batch=smallest.batch, dtype=smallest.dtype,
+                              host_embeddings=smallest.host_embeddings, media=smallest.media)
+        hint = f"; {smallest.fmt} fits up to {longest:,} tokens (--context)" if longest else ""
+        lines.append(f"nothing fits: the smallest, {smallest.fmt}, needs {_gib(smallest.need)} GiB{hint}")
+    if show_explain:
+        for fmt, p in plans.items():
+            lines += ["", f"[{fmt}]", *explain(p)]
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="clef-local plan", description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model", type=Path, help="release or variant directory (default: the demo model)")
+    source.add_argument("--config", type=Path, help="a bare config.json (architecture only, no weights)")
+    parser.add_argument("--head-config", type=Path, help="joint_head_config.json for --config (default: beside it)")
+    parser.add_argument("--format", default="all", choices=[*FORMATS, "all"], help="format to plan (default: all)")
+    parser.add_argument("--group-size", type=int, default=DEFAULT_GROUP_SIZE, help="int4 group / nf4 block size")
+    parser.add_argument("--context", type=int, help=f"tokens per record (default: min({DEFAULT_CONTEXT:,}, the "
+                        "model's context))")
+    parser.add_argument("--batch", type=int, default=1, help="records per prefill (default 1)")
+    parser.add_argument("--device", default="auto",
+                        help="auto, cpu, cuda[:N], mps, or a named device: rtx4090, l40s, a100-80g, h100, h200, "
+                             "24GB, mac-36, cpu-8, ...")
+    parser.add_argument("--dtype", choices=sorted(DTYPE_SIZE), help="compute dtype (default: the loader's choice)")
+    parser.add_argument("--embeddings-on-device", action="store_true",
+                        help="count embed_tokens and lm_head on the card (default: host memory, DESIGN §6)")
+    parser.add_argument("--media", action="store_true", help="requests carry images/videos: count the vision tower")
+    parser.add_argument("--explain", action="store_true", help="print the formula with the numbers")
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``clef-local plan``; exit 0 when some format fits, 1 when none does, 2 on bad input."""
+    args = build_parser().parse_args(argv)
+    formats = FORMATS if args.format == "all" else (args.format,)
+    try:
+        hardware = resolve_device(args.device)
+        if args.config is not None:
+            footprint = footprint_from_config(args.config, formats, args.group_size, args.head_config)
+        else:
+            if args.model is None:
+                from clef_local.demo.default import default_model_path
+
+                args.model = default_model_path()
+            footprint = footprint_from_release(args.model, formats, args.group_size)
+    except (ClefError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    context = args.context or min(DEFAULT_CONTEXT, footprint.dims.max_context or DEFAULT_CONTEXT)
+    plans = footprint.plans(hardware, context=context, batch=args.batch, dtype=args.dtype or default_dtype(hardware),
+                            host_embeddings=not args.embeddings_on_device, media=args.media)
+    best = best_fit(plans)
+    if args.json:
+        print(json.dumps({"model": footprint.name, "architecture": footprint.architecture,
+                          "hardware": hardware.to_json(), "plans": [p.to_json() for p in plans.values()],
+                          "best": best.fmt if best else None}, indent=2))
+    else:
+        print(render(footprint, plans, show_explain=args.explain))
+    return 0 if best is not None else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,2 @@
+"""Measuring decisions: metrics, drift between a variant and its reference, evaluation on labelled data,
+temperature calibration and the HTML/Markdown reports (``eval``, ``drift``, ``calibrate``, ``report``)."""

@@ -1,0 +1,271 @@
+"""``clef-local calibrate``: one softmax temperature per question type, fitted and stored in the variant.
+
+Two objectives: on labels (minimize the NLL of the gold answers), or ``--match REFERENCE`` (minimize the mean
+KL(reference ‖ variant) of the option distributions, no labels needed: pulls a drifted variant back to its
+reference). The temperatures go into the variant's ``config.json`` under ``"clef_local_calibration":
+{"temperatures": {"noul": T, "choice": T, "score": T}, "fitted_on": ..., "objective": ...}``; the variant's
+manifest entry for ``config.json`` is rewritten so the load-time check still passes. ``ClefModel`` divides each
+question's logits by its type's temperature before the softmax.
+
+    clef-local calibrate --model INT4_DIR --data fit.jsonl --measure heldout.jsonl --report cal.html
+    clef-local calibrate --model INT4_DIR --data fit.jsonl --match BF16_DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from clef_local.quality.drift import KINDS, gold_index
+from clef_local.quality.metrics import labelled_report
+
+if TYPE_CHECKING:
+    from clef_local.data.datasets import Example
+    from clef_local.model import ClefModel, Prediction
+
+log = logging.getLogger(__name__)
+
+T_BOUNDS = (0.05, 20.0)
+_TINY = 1e-30
+
+
+def _log_probs(p: np.ndarray) -> np.ndarray:
+    # log p differs from the logits by a constant per question, so softmax(log p / T) = softmax(logits / T)
+    return np.log(np.clip(np.asarray(p, dtype=np.float64), _TINY, None))
+
+
+def scale(p: np.ndarray, temperature: float) -> np.ndarray:
+    """The distribution ``p`` re-tempered: softmax(log p / T)."""
+    z = _log_probs(p) / temperature
+    z -= z.max()
+    e = np.exp(z)
+    return e / e.sum()
+
+
+def _minimize(objective: Any) -> float:
+    from scipy.optimize import minimize_scalar
+
+    lo, hi = np.log(T_BOUNDS[0]), np.log(T_BOUNDS[1])
+    # coarse grid first: the objectives are smooth in log T but a bounded Brent search alone can stop at an edge
+    grid = np.linspace(lo, hi, 41)
+    best = grid[int(np.argmin([objective(np.exp(g)) for g in grid]))]
+    step = grid[1] - grid[0]
+    found = minimize_scalar(lambda g: objective(np.exp(g)), bounds=(max(lo, best - step), min(hi, best + step)),
+                            method="bounded", options={"xatol": 1e-4})
+    return float(np.exp(found.x))
+
+
+def fit_temperature_nll(probs: Sequence[np.ndarray], gold: Sequence[int]) -> float:
+    """The T that minimizes the mean NLL of the gold options under softmax(log p / T)."""
+    logs = [_log_probs(p) for p in probs]
+
+    def nll(t: float) -> float:
+        total = 0.0
+        for z, g in zip(logs, gold, strict=True):
+            s = z / t
+            total += float(np.logaddexp.reduce(s) - s[g])
+        return total / max(len(logs), 1)
+
+    return _minimize(nll)
+
+
+def fit_temperature_match(reference: Sequence[np.ndarray], candidate: Sequence[np.ndarray]) -> float:
+    """The T that minimizes the mean KL(reference ‖ softmax(log p_cand / T))."""
+    refs = [np.asarray(p, dtype=np.float64) for p in reference]
+    logs = [_log_probs(p) for p in candidate]
+
+    def kl(t: float) -> float:
+        total = 0.0
+        for p, z in zip(refs, logs, strict=True):
+            s = z / t
+            log_q = s - np.logaddexp.reduce(s)
+            mask = p > 0
+            total += float(np.sum(p[mask] * (np.log(p[mask]) - log_q[mask])))
+        return total / max(len(refs), 1)
+
+    return _minimize(kl)
+
+
+@dataclass
+class CalibrationResult:
+    """Fitted temperatures per type with the labelled metrics before/after on the measurement set."""
+
+    model: str
+    objective: str  # "labels" or "match:<reference>"
+    fitted_on: str
+    measured_on: str
+    temperatures: dict[str, float]
+    types: dict[str, dict[str, Any]] = field(default_factory=dict)  # kind → {temperature, n_fit, before, after}
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": "clef-local-calibration/1", "model": self.model, "objective": self.objective,
+                "fitted_on": self.fitted_on, "measured_on": self.measured_on, "temperatures": self.temperatures,
+                "types": self.types}
+
+
+def _questions(examples: Sequence[Example], predictions: Sequence[Prediction],
+               need_labels: bool) -> list[tuple[str, np.ndarray, int | None, list[str]]]:
+    out = []
+    for example, pred in zip(examples, predictions, strict=True):
+        for question, p in zip(pred.encoded.questions, pred.probabilities, strict=True):
+            label = example.labels.get(question.question_id)
+            if label is None and need_labels:
+                continue
+            k = len(question.option_ids)
+            gold = None if label is None else gold_index(question.option_ids, label)
+            out.append((KINDS[question.question_type], np.asarray(p[:k], dtype=np.float64), gold,
+                        list(question.option_ids)))
+    return out
+
+
+def raw_predictions(model: ClefModel, examples: Sequence[Example], batch_size: int = 8) -> list[Prediction]:
+    """Predictions at temperature 1 (any stored calibration switched off for the run)."""
+    from clef_local.quality.drift import predict_all
+
+    saved, model.temperatures = model.temperatures, {}
+    try:
+        return predict_all(model, [e.request for e in examples], batch_size=batch_size)
+    finally:
+        model.temperatures = saved
+
+
+def fit(candidate: Sequence[Prediction], examples: Sequence[Example], *,
+        reference: Sequence[Prediction] | None = None) -> dict[str, float]:
+    """One temperature per question type present: on labels (NLL), or matching ``reference`` (KL)."""
+    temps: dict[str, float] = {}
+    if reference is None:
+        rows = _questions(examples, candidate, need_labels=True)
+        if not rows:
+            raise ValueError("no labelled questions to fit on; pass data with \"labels\" or use --match REFERENCE")
+        for kind in KINDS:
+            chosen = [(p, g) for k, p, g, _ in rows if k == kind and g is not None]
+            if chosen:
+                temps[kind] = fit_temperature_nll([p for p, _ in chosen], [g for _, g in chosen])
+        return temps
+    ref_rows = _questions(examples, reference, need_labels=False)
+    cand_rows = _questions(examples, candidate, need_labels=False)
+    for kind in KINDS:
+        pairs = [(r[1], c[1]) for r, c in zip(ref_rows, cand_rows, strict=True) if r[0] == kind]
+        if pairs:
+            temps[kind] = fit_temperature_match([r for r, _ in pairs], [c for _, c in pairs])
+    return temps
+
+
+def before_after(predictions: Sequence[Prediction], examples: Sequence[Example],
+                 temps: Mapping[str, float]) -> dict[str, dict[str, Any]]:
+    """Labelled metrics per type at T = 1 and at the fitted T (from the same T = 1 predictions)."""
+    rows = _questions(examples, predictions, need_labels=True)
+    out: dict[str, dict[str, Any]] = {}
+    for kind in KINDS:
+        chosen = [(p, g, o) for k, p, g, o in rows if k == kind and g is not None]
+        t = temps.get(kind, 1.0)
+        entry: dict[str, Any] = {"temperature": t, "fitted": kind in temps}
+        if chosen:
+            gold = [int(g) for _, g, _ in chosen]
+            options = [o for _, _, o in chosen]
+            entry["before"] = labelled_report([p for p, _, _ in chosen], gold, options)
+            entry["after"] = labelled_report([scale(p, t) for p, _, _ in chosen], gold, options)
+        if kind in temps or chosen:
+            out[kind] = entry
+    return out
+
+
+def store_temperatures(variant: str | Path, temps: Mapping[str, float], *, fitted_on: str, objective: str,
+                       out_config: str | Path | None = None) -> Path:
+    """Write the temperatures into ``config.json`` (or ``out_config``) and refresh the manifest entry."""
+    from clef_local.formats.manifest import MANIFEST, read_manifest, sha256
+    from clef_local.model import CALIBRATION_KEY
+
+    variant = Path(variant)
+    config_path = variant / "config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config[CALIBRATION_KEY] = {"temperatures": {k: round(float(v), 6) for k, v in temps.items()},
+                               "fitted_on": fitted_on, "objective": objective}
+    target = Path(out_config) if out_config else config_path
+    target.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    manifest = read_manifest(variant)
+    if out_config is None and manifest is not None and "config.json" in manifest["files"]:
+        # the load-time check compares sizes with the manifest: without this the variant would no longer load
+        manifest["files"]["config.json"] = {"size": config_path.stat().st_size, "sha256": sha256(config_path)}
+        manifest["calibration"] = config[CALIBRATION_KEY]
+        (variant / MANIFEST).write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Fit and store per-type temperatures; print ECE before/after."""
+    parser = argparse.ArgumentParser(prog="clef-local calibrate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="the variant to calibrate (its config.json is updated)")
+    parser.add_argument("--data", type=Path, required=True, help="JSONL to fit on (labelled unless --match)")
+    parser.add_argument("--match", help="fit to this reference's distributions (KL) instead of the labels")
+    parser.add_argument("--measure", type=Path, nargs="+", help="held-out labelled JSONL for ECE before/after "
+                        "(default: the fit data)")
+    parser.add_argument("--limit", type=int, help="first N requests of each file")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
+    parser.add_argument("--out-config", type=Path, help="write the updated config.json here, leaving the model as is")
+    parser.add_argument("--dry-run", action="store_true", help="fit and measure, store nothing")
+    parser.add_argument("--report", type=Path, help="HTML report with ECE before/after")
+    parser.add_argument("--json", type=Path, help="the result as JSON")
+    parser.add_argument("--allow-network", action="store_true", help="do not block network access during the run")
+    args = parser.parse_args(argv)
+    from clef_local.airgap import airgap
+    from clef_local.data.jsonl import DataFormatError, read_jsonl
+    from clef_local.errors import ClefError
+
+    dtype = None if args.dtype == "auto" else args.dtype
+    try:
+        with airgap(not args.allow_network) as network:
+            import clef_local
+
+            examples = read_jsonl(args.data, limit=args.limit)
+            reference = None
+            if args.match:
+                ref_model = clef_local.load(args.match, dtype=dtype)
+                reference = raw_predictions(ref_model, examples, args.batch_size)
+                del ref_model
+            model = clef_local.load(args.model, dtype=dtype)
+            temps = fit(raw_predictions(model, examples, args.batch_size), examples, reference=reference)
+            measure_files = args.measure or [args.data]
+            measured = [e for path in measure_files for e in read_jsonl(path, limit=args.limit)]
+            types = before_after(raw_predictions(model, measured, args.batch_size), measured, temps)
+    except (ClefError, DataFormatError, ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    objective = f"match:{args.match}" if args.match else "labels"
+    result = CalibrationResult(str(args.model), objective, str(args.data),
+                               ", ".join(str(p) for p in measure_files), temps, types)
+    print(f"network: {network}")
+    for kind, entry in types.items():
+        before, after = entry.get("before"), entry.get("after")
+        change = f"ECE {before['ece']:.4f} → {after['ece']:.4f}, NLL {before['nll']:.4f} → {after['nll']:.4f} " \
+                 f"(n={before['n']})" if before and after else "no labelled questions to measure"
+        note = "" if entry["fitted"] else " (not fitted: no such questions in the fit data)"
+        if entry["fitted"] and not T_BOUNDS[0] * 1.01 < entry["temperature"] < T_BOUNDS[1] * 0.99:
+            note = f" (at the search bound {T_BOUNDS}: the fit wants an extreme temperature)"
+        print(f"{kind:<7} T={entry['temperature']:.3f}  {change}{note}")
+    if not args.dry_run:
+        target = store_temperatures(args.model, temps, fitted_on=str(args.data), objective=objective,
+                                    out_config=args.out_config)
+        print(f"stored in {target}")
+    if args.json:
+        args.json.write_text(json.dumps(result.to_json(), indent=2) + "\n", encoding="utf-8")
+    if args.report:
+        from clef_local.quality.report import write_report
+
+        write_report([], args.report, calibration=[result.to_json()], network=network)
+        print(f"report: {args.report}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,315 @@
+"""Calibration drift of a candidate (a quantized variant) against its reference on the same requests (DESIGN §8).
+
+Public API (stable; the UI imports these lazily):
+
+- ``question_drift(p_ref, p_cand, kind, *, question_id="", request_index=-1) -> QuestionDrift``: one question's
+  two option distributions (model order) compared: ``kl`` = KL(ref ‖ cand) in nats (eps-safe, ≥ 0), ``js`` (Jensen-
+  Shannon divergence, nats), ``max_abs`` = max |Δp|, ``rms`` = RMS Δp over the options, ``flipped`` (the argmax
+  changed; ties go to the first option) and ``score_shift`` (expected level of the candidate minus the
+  reference's, score questions only, else None).
+- ``compare_predictions(ref, cand) -> list[QuestionDrift]``: every question of two aligned ``Prediction`` lists.
+- ``summarize(drifts) -> dict``: ``questions, kl_mean, kl_p50, kl_p99, kl_max, js_mean, max_abs_max, max_abs_mean,
+  rms_mean, flips, flip_rate, score_shift_mean, score_shift_mean_abs`` (None where nothing to average).
+- ``run_drift(reference, candidate, requests, *, labels=None, batch_size=8, progress=None, reference_name=None,
+  candidate_name=None, reference_predictions=None) -> DriftResult``: runs the requests through both loaded models
+  (``ClefModel``), ``labels`` (one ``{qid: option | bool | level}`` per request, or None) adds both models'
+  accuracy/macro-F1/NLL/Brier/ECE and their deltas; ``progress(done, total)`` is called after each batch.
+- ``predict_all(model, requests, *, batch_size=8, progress=None) -> list[Prediction]`` and
+  ``drift_from_predictions(ref_preds, cand_preds, requests, *, labels=None, …) -> DriftResult``: the two halves of
+  ``run_drift``, so one reference pass serves many candidates.
+- ``DriftResult.to_json() / DriftResult.from_json(dict)``: the JSON the report re-renders
+  (``clef_local.quality.report.write_report(results, html_path, *, markdown_path=None, json_path=None, title=None,
+  floor=None, network=None)``).
+
+The command line (``clef-local drift``) lives in :mod:`clef_local.quality.drift_cli`; ``main`` here forwards to it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from clef_local.quality.metrics import labelled_report
+
+if TYPE_CHECKING:
+    from clef_local.model import ClefModel, Prediction
+
+log = logging.getLogger(__name__)
+
+KINDS = ("noul", "choice", "score")
+_EPS = 1e-12
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class QuestionDrift:
+    """One question's candidate distribution against the reference's."""
+
+    kind: str
+    kl: float
+    js: float
+    max_abs: float
+    rms: float
+    flipped: bool
+    score_shift: float | None = None
+    question_id: str = ""
+    request_index: int = -1
+
+
+def _as_dist(p: np.ndarray, name: str) -> np.ndarray:
+    p = np.asarray(p, dtype=np.float64).reshape(-1)
+    if p.size == 0 or not np.all(np.isfinite(p)) or np.any(p < 0):
+        raise ValueError(f"{name} must be a non-empty vector of finite probabilities ≥ 0, got {p!r}")
+    return p
+
+
+def _kl(p: np.ndarray, q: np.ndarray) -> float:
+    # terms with p = 0 contribute 0; q is clipped so a candidate that zeroes an option gives a large, finite KL
+    mask = p > 0
+    value = np.sum(p[mask] * (np.log(p[mask]) - np.log(np.clip(q[mask], _EPS, None))))
+    return max(float(value), 0.0)
+
+
+def question_drift(p_ref: np.ndarray, p_cand: np.ndarray, kind: str, *, question_id: str = "",
+                   request_index: int = -1) -> QuestionDrift:
+    """Compare one question's reference and candidate option probabilities (same options, same order)."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    p, q = _as_dist(p_ref, "p_ref"), _as_dist(p_cand, "p_cand")
+    if p.shape != q.shape:
+        raise ValueError(f"p_ref has {p.size} options and p_cand {q.size}; compare the same question's vectors")
+    m = 0.5 * (p + q)
+    diff = q - p
+    shift = None
+    if kind == "score":
+        levels = np.arange(p.size)
+        shift = float(levels @ q - levels @ p)
+    return QuestionDrift(kind=kind, kl=_kl(p, q), js=0.5 * _kl(p, m) + 0.5 * _kl(q, m),
+                         max_abs=float(np.abs(diff).max()), rms=float(np.sqrt(np.mean(diff**2))),
+                         flipped=bool(int(np.argmax(p)) != int(np.argmax(q))), score_shift=shift,
+                         question_id=question_id, request_index=request_index)
+
+
+def _kind_name(question_type: int) -> str:
+    return KINDS[question_type]
+
+
+def compare_predictions(ref: Sequence[Prediction], cand: Sequence[Prediction]) -> list[QuestionDrift]:
+    """Per-question drift of two aligned prediction lists (the same requests through both models)."""
+    if len(ref) != len(cand):
+        raise ValueError(f"{len(ref)} reference predictions but {len(cand)} candidate ones; run the same requests")
+    out = []
+    for n, (r, c) in enumerate(zip(ref, cand, strict=True)):
+        for question, p, q in zip(r.encoded.questions, r.probabilities, c.probabilities, strict=True):
+            k = len(question.option_ids)
+            out.append(question_drift(p[:k], q[:k], _kind_name(question.question_type),
+                                      question_id=question.question_id, request_index=n))
+    return out
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return float(np.mean(values)) if len(values) else None
+
+
+def summarize(drifts: Sequence[QuestionDrift]) -> dict[str, Any]:
+    """Aggregate metrics over questions (the names the ``--gate`` expressions use)."""
+    kl = np.array([d.kl for d in drifts], dtype=float)
+    shifts = [d.score_shift for d in drifts if d.score_shift is not None]
+    flips = sum(d.flipped for d in drifts)
+    empty = not len(drifts)
+    return {
+        "questions": len(drifts),
+        "kl_mean": None if empty else float(kl.mean()),
+        "kl_p50": None if empty else float(np.percentile(kl, 50)),
+        "kl_p99": None if empty else float(np.percentile(kl, 99)),
+        "kl_max": None if empty else float(kl.max()),
+        "js_mean": _mean([d.js for d in drifts]),
+        "max_abs_max": None if empty else float(max(d.max_abs for d in drifts)),
+        "max_abs_mean": _mean([d.max_abs for d in drifts]),
+        "rms_mean": _mean([d.rms for d in drifts]),
+        "flips": int(flips),
+        "flip_rate": None if empty else flips / len(drifts),
+        "score_shift_mean": _mean(shifts),
+        "score_shift_mean_abs": _mean([abs(s) for s in shifts]),
+    }
+
+
+def gold_index(option_ids: Sequence[str], label: Any) -> int:
+    """The model-order index of a label (``True``/``False`` for noul, an option id for choice, a level for score)."""
+    key = ("true" if label else "false") if isinstance(label, bool) else str(label)
+    try:
+        return list(option_ids).index(key)
+    except ValueError:
+        raise ValueError(f"label {label!r} is not one of the question's options {list(option_ids)[:8]}…; "
+                         "fix the labels or the question's criteria") from None
+
+
+@dataclass
+class QuestionRow:
+    """One question as the report needs it: both distributions, the drift, the gold index (None: unlabelled)."""
+
+    request_index: int
+    question_id: str
+    kind: str
+    options: list[str]
+    p_ref: list[float]
+    p_cand: list[float]
+    drift: QuestionDrift
+    gold: int | None = None
+    state: str = ""
+
+
+@dataclass
+class DriftResult:
+    """One candidate against the reference: summary overall and per type, labelled metrics, every question."""
+
+    reference: str
+    candidate: str
+    summary: dict[str, Any]
+    by_type: dict[str, dict[str, Any]]
+    rows: list[QuestionRow]
+    labelled: dict[str, dict[str, Any]] = field(default_factory=dict)  # type → {reference, candidate, delta}
+    timing: dict[str, float] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)  # network state, dtypes, data source, …
+
+    def worst(self, n: int = 10) -> list[QuestionRow]:
+        """The ``n`` questions with the largest KL (flips first when KL ties)."""
+        return sorted(self.rows, key=lambda r: (r.drift.kl, r.drift.flipped), reverse=True)[:n]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": "clef-local-drift/1", "reference": self.reference, "candidate": self.candidate,
+                "summary": self.summary, "by_type": self.by_type, "labelled": self.labelled,
+                "timing": self.timing, "meta": self.meta,
+                "rows": [{**{k: v for k, v in asdict(r).items() if k != "drift"}, "drift": asdict(r.drift)}
+                         for r in self.rows]}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> DriftResult:
+        if data.get("format") != "clef-local-drift/1":
+            raise ValueError(f"not a clef-local drift JSON (format {data.get('format')!r}); write one with "
+                             "`clef-local drift --json`")
+        rows = [QuestionRow(**{**r, "drift": QuestionDrift(**r["drift"])}) for r in data["rows"]]
+        return cls(reference=data["reference"], candidate=data["candidate"], summary=data["summary"],
+                   by_type=data["by_type"], rows=rows, labelled=data.get("labelled", {}),
+                   timing=data.get("timing", {}), meta=data.get("meta", {}))
+
+
+def _state_snippet(record: Mapping[str, Any], limit: int = 160) -> str:
+    from clef_local.runtime.encoding import render
+
+    text = render(record.get("state", ""))
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def labelled_metrics(rows: Sequence[QuestionRow]) -> dict[str, dict[str, Any]]:
+    """Per question type (and "all"): both models' accuracy, macro-F1, NLL, Brier, ECE, adaptive ECE, deltas."""
+    out: dict[str, dict[str, Any]] = {}
+    for kind in (*KINDS, "all"):
+        chosen = [r for r in rows if r.gold is not None and (kind == "all" or r.kind == kind)]
+        if not chosen:
+            continue
+        gold = [int(r.gold) for r in chosen if r.gold is not None]
+        options = [r.options for r in chosen]
+        ref = labelled_report([np.asarray(r.p_ref) for r in chosen], gold, options)
+        cand = labelled_report([np.asarray(r.p_cand) for r in chosen], gold, options)
+        delta = {k: cand[k] - ref[k] for k in ref if k != "n"}
+        out[kind] = {"reference": ref, "candidate": cand, "delta": delta}
+    return out
+
+
+def drift_from_predictions(ref_preds: Sequence[Prediction], cand_preds: Sequence[Prediction],
+                           requests: Sequence[Mapping[str, Any]], *, labels: Sequence[Mapping[str, Any]] | None = None,
+                           reference_name: str = "reference", candidate_name: str = "candidate",
+                           meta: Mapping[str, Any] | None = None) -> DriftResult:
+    """Build a :class:`DriftResult` from the two models' predictions of ``requests`` (aligned)."""
+    if labels is not None and len(labels) != len(requests):
+        raise ValueError(f"{len(labels)} label sets for {len(requests)} requests; pass one (possibly empty) each")
+    drifts = compare_predictions(ref_preds, cand_preds)
+    rows = []
+    index = 0
+    for n, (r, c) in enumerate(zip(ref_preds, cand_preds, strict=True)):
+        snippet = _state_snippet(r.record)
+        for question, p, q in zip(r.encoded.questions, r.probabilities, c.probabilities, strict=True):
+            k = len(question.option_ids)
+            label = labels[n].get(question.question_id) if labels is not None else None
+            gold = None if label is None else gold_index(question.option_ids, label)
+            rows.append(QuestionRow(n, question.question_id, _kind_name(question.question_type),
+                                    list(question.option_ids), [float(x) for x in p[:k]],
+                                    [float(x) for x in q[:k]], drifts[index], gold, snippet))
+            index += 1
+    by_type = {kind: summarize([d for d in drifts if d.kind == kind]) for kind in KINDS
+               if any(d.kind == kind for d in drifts)}
+    return DriftResult(reference=reference_name, candidate=candidate_name, summary=summarize(drifts),
+                       by_type=by_type, rows=rows, labelled=labelled_metrics(rows), meta=dict(meta or {}))
+
+
+def head_difference(reference: str | Path, candidate: str | Path) -> str | None:
+    """Why the two releases' joint schema heads differ (the names of the head files whose bytes differ), or None.
+
+    A variant copies its source's head byte for byte, so a difference means the candidate was exported from another
+    release (e.g. before the reference's head was retrained): the drift then measures two models, not a scheme.
+    """
+    from clef_local.formats.manifest import sha256
+    from clef_local.formats.release import HEAD_CONFIG, HEAD_WEIGHTS
+
+    differ = [name for name in (HEAD_WEIGHTS, HEAD_CONFIG)
+              if sha256(Path(reference) / name) != sha256(Path(candidate) / name)]
+    if not differ:
+        return None
+    return (f"{candidate}: {' and '.join(differ)} differ from {reference}'s — this compares two different heads, "
+            f"not a quantization; re-export the variant from this reference")
+
+
+def predict_all(model: ClefModel, requests: Sequence[Mapping[str, Any]], *, batch_size: int = 8,
+                progress: Progress | None = None, truncate_state: bool = False) -> list[Prediction]:
+    """``model.predict`` with ``progress(done, total)`` (kept for the UI and scripts that import it from here).
+
+    A request longer than the model's context raises ``MaxTokensExceededError`` unless ``truncate_state``."""
+    return model.predict(requests, truncate_state=truncate_state, batch_size=batch_size, progress=progress)
+
+
+def run_drift(reference: ClefModel, candidate: ClefModel, requests: Sequence[Mapping[str, Any]], *,
+              labels: Sequence[Mapping[str, Any]] | None = None, batch_size: int = 8,
+              progress: Progress | None = None, reference_name: str | None = None,
+              candidate_name: str | None = None,
+              reference_predictions: Sequence[Prediction] | None = None) -> DriftResult:
+    """Run ``requests`` through both loaded models and compare them question by question.
+
+    ``progress(done, total)`` counts requests over both passes (total = 2 × requests, or 1 × when
+    ``reference_predictions`` are given).
+    """
+    total = len(requests) * (1 if reference_predictions is not None else 2)
+    offset = 0
+
+    def step(done: int, _n: int) -> None:
+        if progress is not None:
+            progress(offset + done, total)
+
+    if (difference := head_difference(reference.path, candidate.path)) is not None:
+        log.warning("%s", difference)
+    started = time.perf_counter()
+    ref_preds = reference_predictions
+    if ref_preds is None:
+        ref_preds = predict_all(reference, requests, batch_size=batch_size, progress=step)
+        offset = len(requests)
+    ref_seconds = time.perf_counter() - started
+    cand_preds = predict_all(candidate, requests, batch_size=batch_size, progress=step)
+    cand_seconds = time.perf_counter() - started - ref_seconds
+    result = drift_from_predictions(ref_preds, cand_preds, requests, labels=labels,
+                                    reference_name=reference_name or str(reference.path),
+                                    candidate_name=candidate_name or str(candidate.path))
+    result.timing = {"reference_s": ref_seconds, "candidate_s": cand_seconds, "requests": float(len(requests))}
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``clef-local drift``: see :mod:`clef_local.quality.drift_cli`."""
+    from clef_local.quality.drift_cli import main as cli_main
+
+    return cli_main(argv)

@@ -1,0 +1,234 @@
+"""``clef-local drift``: a variant's probabilities against its reference, as a gate (exit code) and a report.
+
+    clef-local drift --reference BF16_DIR --candidate INT8_DIR [--candidate INT4_DIR …] [--data D.jsonl]
+        [--limit N] [--gate "flips<=0.01,kl_mean<=0.002"] [--floor] [--report r.html] [--json r.json] [--md r.md]
+
+Without ``--data`` a built-in probe set is used (64 BANKING77 / NLU++ requests, see
+``clef_local.export.validate.probe_requests``). Gates are comma-separated ``metric OP value`` (OP one of ``<= < >=
+>``); a metric may be prefixed by a question type (``choice.kl_mean<=0.01``). Metrics: the drift summary's
+(``kl_mean kl_p50 kl_p99 kl_max js_mean max_abs_max max_abs_mean rms_mean flip_rate score_shift_mean
+score_shift_mean_abs``; ``flips`` means the flip *rate*, ``flip_count`` the count) and, with labels, the
+candidate-minus-reference deltas ``delta_accuracy delta_macro_f1 delta_nll delta_brier delta_ece``. Exit codes: 0
+all gates pass, 1 a gate fails (each failing metric printed), 2 bad arguments or inputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from clef_local.quality.drift import DriftResult, drift_from_predictions, head_difference, predict_all
+from clef_local.quality.metrics import LABEL_DELTAS
+
+_GATE = re.compile(r"^\s*(?:(noul|choice|score|all)\.)?([a-z_0-9]+)\s*(<=|>=|<|>)\s*([-+0-9.eE]+)\s*$")
+_ALIASES = {"flips": "flip_rate", "flip_count": "flips", "kl": "kl_mean", "js": "js_mean"}
+SUMMARY_METRICS = ("kl_mean", "kl_p50", "kl_p99", "kl_max", "js_mean", "max_abs_max", "max_abs_mean", "rms_mean",
+                   "flip_rate", "flips", "score_shift_mean", "score_shift_mean_abs")
+
+
+class GateSyntaxError(ValueError):
+    """A ``--gate`` expression that does not parse or names an unknown metric."""
+
+
+@dataclass(frozen=True)
+class Gate:
+    """``[type.]metric OP threshold``."""
+
+    expr: str
+    kind: str | None
+    metric: str
+    op: str
+    threshold: float
+
+    def value(self, result: DriftResult) -> float | None:
+        if self.metric.startswith("delta_"):
+            entry = result.labelled.get(self.kind or "all")
+            return None if not entry else entry["delta"].get(self.metric[len("delta_"):])
+        summary = result.summary if self.kind in (None, "all") else result.by_type.get(self.kind or "", {})
+        return summary.get(self.metric)
+
+    def check(self, result: DriftResult) -> dict[str, Any]:
+        value = self.value(result)
+        ops = {"<=": float.__le__, "<": float.__lt__, ">=": float.__ge__, ">": float.__gt__}
+        ok = value is not None and ops[self.op](float(value), self.threshold)
+        return {"expr": self.expr, "value": value, "ok": bool(ok)}
+
+
+def parse_gates(text: str | None) -> list[Gate]:
+    """``"flips<=0.01,kl_mean<=0.002"`` → gates; :class:`GateSyntaxError` names the bad part and the metrics."""
+    if not text:
+        return []
+    known = set(SUMMARY_METRICS) | {f"delta_{m}" for m in LABEL_DELTAS}
+    gates = []
+    for part in text.split(","):
+        match = _GATE.match(part)
+        if not match:
+            raise GateSyntaxError(f"gate {part.strip()!r} is not 'metric OP number' (e.g. flips<=0.01, "
+                                  "choice.kl_mean<0.002)")
+        kind, name, op, number = match.groups()
+        metric = _ALIASES.get(name, name)
+        if metric not in known:
+            raise GateSyntaxError(f"gate {part.strip()!r}: unknown metric {name!r}; known: flips, flip_count, "
+                                  + ", ".join(sorted(known - {"flips"})))
+        try:
+            threshold = float(number)
+        except ValueError:
+            raise GateSyntaxError(f"gate {part.strip()!r}: {number!r} is not a number") from None
+        gates.append(Gate(part.strip(), kind, metric, op, threshold))
+    return gates
+
+
+def _progress(desc: str, total: int, enabled: bool) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, unit="req", desc=desc, disable=not enabled, file=sys.stderr)
+
+
+def _run(path: str | Path, requests: list[dict[str, Any]], *, dtype: str | None, backend: str, device: str,
+         batch_size: int, desc: str, show: bool) -> list[Any]:
+    import clef_local
+
+    model = clef_local.load(path, dtype=dtype, backend=backend, device=device)
+    bar = _progress(desc, len(requests), show)
+    try:
+        return predict_all(model, requests, batch_size=batch_size, progress=lambda d, _t: bar.update(d - bar.n))
+    finally:
+        bar.close()
+        del model
+        gc.collect()  # one model in memory at a time: the reference's probabilities are kept, not the model
+
+
+def _floor_dtype(dtype: str | None) -> str:
+    return "bfloat16" if dtype == "float32" else "float32"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="clef-local drift", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--reference", required=True, help="the reference release (BF16)")
+    parser.add_argument("--candidate", action="append", required=True, help="a variant to compare (repeatable)")
+    parser.add_argument("--data", type=Path, help="labelled or plain request JSONL (default: the built-in probe set)")
+    parser.add_argument("--limit", type=int, help="first N requests (probe set: N requests, default 64)")
+    parser.add_argument("--gate", help='e.g. "flips<=0.01,kl_mean<=0.002"; exit 1 when one fails')
+    parser.add_argument("--floor", action="store_true",
+                        help="also run the reference against itself in another dtype (or --floor-backend)")
+    parser.add_argument("--floor-dtype", choices=["float32", "bfloat16", "float16"],
+                        help="the noise floor's dtype (default: float32, or bfloat16 when --dtype is float32)")
+    parser.add_argument("--floor-backend", choices=["torch", "mlx", "onnx"], help="the noise floor's backend")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                        help="compute dtype of every model (auto: as stored)")
+    parser.add_argument("--backend", choices=["auto", "torch", "mlx", "onnx"], default="auto")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--report", type=Path, help="write the HTML report")
+    parser.add_argument("--json", type=Path, help="write the results as JSON (re-render with clef-local report)")
+    parser.add_argument("--md", type=Path, help="write the tables as Markdown")
+    parser.add_argument("--allow-network", action="store_true", help="do not block network access during the run")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return parser
+
+
+def _requests(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, str]:
+    if args.data:
+        from clef_local.data.jsonl import read_jsonl
+
+        examples = read_jsonl(args.data, limit=args.limit)
+        if not examples:
+            raise ValueError(f"{args.data}: no requests")
+        labels = [e.labels for e in examples]
+        return [e.request for e in examples], (labels if any(labels) else None), str(args.data)
+    from clef_local.export.validate import probe_requests
+
+    n = args.limit or 64
+    return probe_requests(n), None, f"built-in probe set ({n} requests)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the drift check; exit 0 (gates pass), 1 (a gate fails) or 2 (bad input)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.batch_size < 1:
+        parser.error(f"--batch-size must be ≥ 1, got {args.batch_size}")
+    try:
+        gates = parse_gates(args.gate)
+    except GateSyntaxError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    from clef_local.airgap import airgap
+    from clef_local.data.jsonl import DataFormatError
+    from clef_local.errors import ClefError
+
+    dtype = None if args.dtype == "auto" else args.dtype
+    show = not args.no_progress
+    common = {"backend": args.backend, "device": args.device, "batch_size": args.batch_size, "show": show}
+    try:
+        with airgap(not args.allow_network) as network:
+            requests, labels, source = _requests(args)
+            meta = {"network": network, "data": source, "dtype": args.dtype, "requests": len(requests)}
+            ref = _run(args.reference, requests, dtype=dtype, desc="reference", **common)
+            results = []
+            for candidate in args.candidate:
+                if (difference := head_difference(args.reference, candidate)) is not None:
+                    print(f"warning: {difference}", file=sys.stderr)
+                cand = _run(candidate, requests, dtype=dtype, desc=Path(candidate).name, **common)
+                results.append(drift_from_predictions(ref, cand, requests, labels=labels,
+                                                      reference_name=str(args.reference), candidate_name=str(candidate),
+                                                      meta={**meta, "head": difference or "same as the reference's"}))
+            floor = None
+            if args.floor:
+                floor_dtype = args.floor_dtype or _floor_dtype(dtype)
+                floor_common = {**common, "backend": args.floor_backend or args.backend}
+                other = _run(args.reference, requests, dtype=floor_dtype, desc="noise floor", **floor_common)
+                label = f"{Path(args.reference).name} ({floor_dtype}, {floor_common['backend']})"
+                floor = drift_from_predictions(ref, other, requests, labels=labels, candidate_name=label,
+                                               reference_name=str(args.reference), meta=meta)
+    except (ClefError, DataFormatError, ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return _finish(args, results, floor, gates, network)
+
+
+def _finish(args: argparse.Namespace, results: list[DriftResult], floor: DriftResult | None, gates: list[Gate],
+            network: str) -> int:
+    from clef_local.quality.report import (
+        bundle_json,
+        drift_table_rows,
+        labelled_table_rows,
+        markdown_table,
+        render_markdown,
+        write_report,
+    )
+
+    failed = []
+    for result in results:
+        result.meta["gates"] = [gate.check(result) for gate in gates]
+        failed += [(result.candidate, g) for g in result.meta["gates"] if not g["ok"]]
+    print(f"network: {network}")
+    print(markdown_table(drift_table_rows(results, floor)))
+    if any(r.labelled for r in results):
+        print()
+        print(markdown_table(labelled_table_rows(results)))
+    if args.report:
+        write_report(results, args.report, floor=floor, network=network)
+        print(f"report: {args.report}")
+    if args.md:
+        args.md.write_text(render_markdown(results, floor=floor, network=network), encoding="utf-8")
+    if args.json:
+        args.json.write_text(json.dumps(bundle_json(results, floor=floor, network=network)) + "\n", encoding="utf-8")
+    for candidate, gate in failed:
+        value = "not measured" if gate["value"] is None else f"{gate['value']:.6g}"
+        print(f"gate failed: {Path(candidate).name}: {gate['expr']} (measured {value})", file=sys.stderr)
+    if gates and not failed:
+        print(f"gates passed: {', '.join(g.expr for g in gates)}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

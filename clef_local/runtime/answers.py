@@ -1,0 +1,100 @@
+"""From option logits to SystemOne answers (DESIGN §2.4).
+
+Probabilities are a float32 softmax over each question's options. Confidence follows Jev's definition by default
+(how far the distribution is from uniform, or how concentrated a score distribution is around its mode); the
+reference implementation's peak probability is available as ``confidence="reference"``. Values keep full
+precision here; :func:`round_floats` rounds them for the wire.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import numpy as np
+
+from clef_local.runtime.encoding import EncodedRecord
+
+Confidence = Literal["jev", "reference"]
+CONFIDENCE_MODES: tuple[str, ...] = ("jev", "reference")
+
+
+def softmax_rows(logits: np.ndarray) -> np.ndarray:
+    """Row-wise float32 softmax; ``-inf`` entries (padding) get probability 0."""
+    logits = logits.astype(np.float32, copy=False)
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    exp = np.exp(shifted)
+    return exp / exp.sum(axis=-1, keepdims=True)
+
+
+def choice_confidence(probs: Sequence[float], mode: Confidence = "jev") -> float:
+    """Jev: ``clip((max p − 1/n) / (1 − 1/n), 0, 1)``; reference: ``max p``."""
+    peak = max(probs)
+    if mode == "reference":
+        return peak
+    n = len(probs)
+    return min(1.0, max(0.0, (peak - 1.0 / n) / (1.0 - 1.0 / n)))
+
+
+def score_confidence(probs: Sequence[float], mode: Confidence = "jev") -> float:
+    """Jev: ``max(0, 1 − Σ p_i |i − mode| / (Σ_i |i − (n−1)/2| / n))``; reference: ``max p``."""
+    peak = max(probs)
+    if mode == "reference":
+        return peak
+    n = len(probs)
+    top = probs.index(peak)
+    spread = sum(p * abs(i - top) for i, p in enumerate(probs))
+    uniform_spread = sum(abs(i - (n - 1) / 2) for i in range(n)) / n
+    return max(0.0, 1.0 - spread / uniform_spread)
+
+
+def build_answer(question: dict[str, Any], option_ids: Sequence[str], probs: Sequence[float],
+                 confidence: Confidence = "jev") -> dict[str, Any]:
+    """One question's answer from its probabilities (``option_ids``/``probs`` in model order)."""
+    p = dict(zip(option_ids, (float(x) for x in probs), strict=True))
+    kind = question["type"]
+    if kind == "noul":
+        return {"type": "noul", "noul": p["true"]}
+    if kind == "choice":
+        order = [str(label) for label in question["criteria"]]  # request key order
+        ordered = [p[label] for label in order]
+        choice = order[ordered.index(max(ordered))]  # ties: first in request order
+        return {"type": "choice", "choice": choice, "confidence": choice_confidence(ordered, confidence),
+                "probabilities": dict(zip(order, ordered, strict=True))}
+    levels = [str(i) for i in range(len(question["criteria"]))]
+    ordered = [p[level] for level in levels]
+    return {
+        "type": "score",
+        "score": sum(i * x for i, x in enumerate(ordered)),
+        "confidence": score_confidence(ordered, confidence),
+        "legend": dict(zip(levels, question["criteria"], strict=True)),
+        "probabilities": dict(zip(levels, ordered, strict=True)),
+    }
+
+
+def build_response(record: dict[str, Any], encoded: EncodedRecord, probs: Sequence[np.ndarray],
+                   confidence: Confidence = "jev") -> dict[str, Any]:
+    """The ``/v1/systemone`` response for one request; ``probs`` holds one vector per question (model order;
+    entries past the question's options, e.g. padding, are ignored)."""
+    answers = {}
+    for row, question in zip(probs, encoded.questions, strict=True):
+        k = len(question.option_ids)
+        answers[question.question_id] = build_answer(
+            record["questions"][question.question_id], question.option_ids, row[:k].tolist(), confidence
+        )
+    return {
+        "model": record["model"],
+        "answers": answers,
+        "usage": {"input_tokens": len(encoded.input_ids), "output_tokens": 0},
+    }
+
+
+def round_floats(value: Any, digits: int = 4) -> Any:
+    """A copy of a JSON value with every float rounded (the wire format; the API keeps full precision)."""
+    if isinstance(value, float):
+        return round(value, digits)
+    if isinstance(value, dict):
+        return {k: round_floats(v, digits) for k, v in value.items()}
+    if isinstance(value, list):
+        return [round_floats(v, digits) for v in value]
+    return value

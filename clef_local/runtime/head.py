@@ -1,0 +1,254 @@
+"""The joint schema head (DESIGN §2.3), batched over records, questions and options.
+
+The released head is a small transformer that reads the backbone's final hidden states and scores every allowed
+option of every question at once. Cloudflare's reference loops over records, questions and options in Python; this
+module computes the same numbers with span means as one sparse matmul, padded option tensors and masked softmaxes, so
+64 questions × 255 options cost little more than one question.
+
+The module names below are the release's state-dict names: ``JointSchemaHead(config).state_dict()`` has exactly
+the keys of ``joint_head.safetensors`` and loads it strictly.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from clef_local.formats.head_config import HeadConfig
+from clef_local.runtime.layout import HeadLayout
+
+__all__ = ["HeadConfig", "JointSchemaHead"]
+
+# Span means use a CSR matmul (8-14x faster than index_add_ on CPU); its "beta" notice is noise here.
+warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta", category=UserWarning)
+warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled", category=UserWarning)
+
+# exp(scale) is clamped at 100 in the release math (DESIGN §2.3, step 7).
+_MAX_LOG_SCALE = math.log(100.0)
+
+
+class EvidenceRoutingLayer(nn.Module):
+    """Option queries attend to the record's memory (cross-attention only), then a feed-forward block."""
+
+    def __init__(self, width: int, heads: int, feedforward: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.query_norm = nn.LayerNorm(width)
+        self.memory_norm = nn.LayerNorm(width)
+        self.attention = nn.MultiheadAttention(width, heads, dropout=dropout, batch_first=True)
+        self.attention_dropout = nn.Dropout(dropout)
+        self.feedforward_norm = nn.LayerNorm(width)
+        # Indices 0 and 3 are the release's names (feedforward.0 / feedforward.3).
+        self.feedforward = nn.Sequential(
+            nn.Linear(width, feedforward),
+            nn.GELU(),
+            nn.Dropout(dropout),
+            nn.Linear(feedforward, width),
+            nn.Dropout(dropout),
+        )
+
+    def forward(self, queries: torch.Tensor, memory: torch.Tensor, memory_pad: torch.Tensor | None) -> torch.Tensor:
+        normed_memory = self.memory_norm(memory)
+        if self.training:
+            routed, _ = self.attention(self.query_norm(queries), normed_memory, normed_memory,
+                                       key_padding_mask=memory_pad, need_weights=False)
+        else:
+            routed = _attend(self.attention, self.query_norm(queries), normed_memory, memory_pad)
+        queries = queries + self.attention_dropout(routed)
+        return queries + self.feedforward(self.feedforward_norm(queries))
+
+
+class JointSchemaHead(nn.Module):
+    """DESIGN §2.3 with the release's parameter names; ``forward`` is batched (see :class:`HeadLayout`)."""
+
+    def __init__(self, config: HeadConfig) -> None:
+        super().__init__()
+        self.config = config
+        h, w, f = config.hidden_size, config.width, config.feedforward
+        self.hidden_norm = nn.LayerNorm(h)
+        self.memory_projection = nn.Linear(h, w, bias=False)
+        self.question_projection = nn.Linear(h, w, bias=False)
+        self.option_question_projection = nn.Linear(h, w, bias=False)
+        self.global_projection = nn.Linear(h, w, bias=False)
+        self.option_context_projection = nn.Linear(h, w, bias=False)
+        self.option_lexical_projection = nn.Linear(h, w, bias=False)
+        self.type_embedding = nn.Embedding(3, w)
+        self.evidence_layers = nn.ModuleList(
+            EvidenceRoutingLayer(w, config.heads, f, config.dropout) for _ in range(config.routing_layers)
+        )
+        self.option_summary_norm = nn.LayerNorm(w)
+        self.layers = nn.ModuleList(
+            nn.TransformerDecoderLayer(
+                d_model=w,
+                nhead=config.heads,
+                dim_feedforward=f,
+                dropout=config.dropout,
+                activation="gelu",
+                batch_first=True,
+                norm_first=True,
+            )
+            for _ in range(config.layers)
+        )
+        self.field_norm = nn.LayerNorm(w)
+        self.option_norm = nn.LayerNorm(w)
+        self.residual_scorer = nn.Sequential(
+            nn.Linear(4 * w, w),
+            nn.GELU(),
+            nn.Dropout(config.dropout),
+            nn.Linear(w, 1),
+        )
+        self.prior_logit_scale = nn.Parameter(torch.zeros(()))
+        self.joint_logit_scale = nn.Parameter(torch.zeros(()))
+        self.residual_gate = nn.Parameter(torch.zeros(()))
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor,
+        lexical_rows: torch.Tensor,
+        layout: HeadLayout,
+    ) -> torch.Tensor:
+        """Logits of every option, shape ``[questions, max_options]`` (padding is ``-inf``).
+
+        ``hidden_states``: ``[B, T, hidden]`` final hidden states (right-padded); ``attention_mask``: ``[B, T]``;
+        ``lexical_rows``: ``[N, hidden]``, the output-embedding rows of ``layout.option_token_ids`` (gathered by
+        the caller, so the full ``lm_head`` matrix can stay wherever it lives).
+        """
+        dtype = self.hidden_norm.weight.dtype
+        hidden = self.hidden_norm(hidden_states.to(dtype))
+        batch, seq_len, _ = hidden.shape
+        flat = hidden.reshape(batch * seq_len, -1)
+        memory = self.memory_projection(hidden)
+        # No mask at all when nothing is padded: attention then takes its fastest kernel.
+        memory_pad = None if bool(attention_mask.all()) else attention_mask == 0
+
+        question_vec = _span_mean(flat, layout.question_token_index, layout.question_token_offsets)
+        option_ctx = _span_mean(flat, layout.option_token_index, layout.option_token_offsets)
+        lexical_index = torch.arange(lexical_rows.shape[0], device=lexical_rows.device)
+        option_lex = _span_mean(lexical_rows.to(dtype), lexical_index, layout.option_token_offsets)
+        global_vec = flat[layout.record_last_index]  # [B, h]
+
+        # Option queries, padded per record for cross-attention to that record's memory.
+        queries = (
+            self.option_context_projection(option_ctx)
+            + self.option_lexical_projection(option_lex)
+            + self.option_question_projection(question_vec)[layout.option_question]
+        )
+        routed = _scatter_padded(queries, layout.option_record, layout.option_record_slot, batch,
+                                 layout.max_options_per_record)
+        for layer in self.evidence_layers:
+            routed = layer(routed, memory, memory_pad)
+        routed = routed[layout.option_record, layout.option_record_slot]  # [O, w]
+
+        # Option summary per question: softmax over its options of u·f/√w.
+        base_fields = self.question_projection(question_vec)  # [Q, w]
+        scores = (routed * base_fields[layout.option_question]).sum(-1) / math.sqrt(routed.shape[-1])
+        weights = _padded_softmax(scores, layout)  # [Q, K]
+        per_question = _scatter_padded(routed, layout.option_question, layout.option_slot,
+                                       layout.num_questions, layout.max_options)
+        summary = torch.einsum("qk,qkw->qw", weights, per_question)
+        fields_ = (
+            base_fields
+            + self.option_summary_norm(summary)
+            + self.global_projection(global_vec)[layout.question_record]
+            + self.type_embedding(layout.question_type)
+        )
+
+        # Field transformer: each record's questions as one sequence, memory as cross-attention input.
+        seq = _scatter_padded(fields_, layout.question_record, layout.question_slot, batch,
+                              layout.max_questions_per_record)
+        field_pad = _padding_mask(layout.question_record, layout.question_slot, batch,
+                                  layout.max_questions_per_record)
+        if not field_pad.any():
+            field_pad = None
+        for layer in self.layers:
+            if self.training:
+                seq = layer(seq, memory, tgt_key_padding_mask=field_pad, memory_key_padding_mask=memory_pad)
+            else:
+                seq = _decoder_layer(layer, seq, memory, field_pad, memory_pad)
+        fields_ = self.field_norm(seq[layout.question_record, layout.question_slot])  # [Q, w]
+
+        # Option logits.
+        anchor = F.normalize(question_vec + global_vec[layout.question_record], dim=-1)
+        prior_scale = self.prior_logit_scale.clamp(max=_MAX_LOG_SCALE).exp()
+        prior = prior_scale * (F.normalize(option_lex, dim=-1) * anchor[layout.option_question]).sum(-1)
+        options = self.option_norm(routed)
+        field_of_option = fields_[layout.option_question]
+        cosine = F.cosine_similarity(field_of_option, options, dim=-1)
+        features = torch.cat(
+            [field_of_option, options, field_of_option * options, (field_of_option - options).abs()], dim=-1
+        )
+        residual = self.residual_scorer(features).squeeze(-1)
+        joint = self.joint_logit_scale.clamp(max=_MAX_LOG_SCALE).exp() * cosine + residual
+        logits = prior + torch.sigmoid(self.residual_gate) * joint  # [O]
+        return _to_padded(logits, layout)
+
+
+def _attend(attention: nn.MultiheadAttention, query: torch.Tensor, memory: torch.Tensor,
+            key_pad: torch.Tensor | None, self_attention: bool = False) -> torch.Tensor:
+    """``nn.MultiheadAttention`` at inference (batch_first, no dropout), as a few fused ops: the module's own
+    parameters, one projection for K and V (or Q, K and V), and ``scaled_dot_product_attention``. The module's
+    generic path costs more in argument checks than the math at head sizes."""
+    width, heads = attention.embed_dim, attention.num_heads
+    weight, bias = attention.in_proj_weight, attention.in_proj_bias
+    if self_attention:
+        q, k, v = F.linear(query, weight, bias).chunk(3, dim=-1)
+    else:
+        q = F.linear(query, weight[:width], bias[:width])
+        k, v = F.linear(memory, weight[width:], bias[width:]).chunk(2, dim=-1)
+
+    def split(x: torch.Tensor) -> torch.Tensor:
+        return x.unflatten(-1, (heads, width // heads)).transpose(1, 2)
+
+    mask = None if key_pad is None else ~key_pad[:, None, None, :]
+    out = F.scaled_dot_product_attention(split(q), split(k), split(v), attn_mask=mask)
+    return F.linear(out.transpose(1, 2).flatten(2), attention.out_proj.weight, attention.out_proj.bias)
+
+
+def _decoder_layer(layer: nn.TransformerDecoderLayer, x: torch.Tensor, memory: torch.Tensor,
+                   field_pad: torch.Tensor | None, memory_pad: torch.Tensor | None) -> torch.Tensor:
+    """``nn.TransformerDecoderLayer(norm_first=True, activation="gelu")`` at inference, with :func:`_attend`."""
+    h = layer.norm1(x)
+    x = x + _attend(layer.self_attn, h, h, field_pad, self_attention=True)
+    x = x + _attend(layer.multihead_attn, layer.norm2(x), memory, memory_pad)
+    return x + layer.linear2(F.gelu(layer.linear1(layer.norm3(x))))
+
+
+def _span_mean(values: torch.Tensor, index: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Mean of ``values`` rows over each span: row ``s`` averages ``values[index[offsets[s]:offsets[s + 1]]]``.
+
+    One CSR matrix of weights ``1/len`` times ``values``; every span is non-empty by construction.
+    """
+    lengths = offsets.diff()
+    weights = (1.0 / lengths.to(values.dtype)).repeat_interleave(lengths)
+    matrix = torch.sparse_csr_tensor(offsets, index, weights, size=(lengths.shape[0], values.shape[0]),
+                                     check_invariants=False)
+    with torch.autocast(values.device.type, enabled=False):  # no bf16 sparse matmul on CPU; means stay exact
+        return matrix @ values
+
+
+def _scatter_padded(
+    rows: torch.Tensor, group: torch.Tensor, slot: torch.Tensor, num_groups: int, width: int
+) -> torch.Tensor:
+    out = rows.new_zeros(num_groups, width, rows.shape[-1])
+    out[group, slot] = rows
+    return out
+
+
+def _padding_mask(group: torch.Tensor, slot: torch.Tensor, num_groups: int, width: int) -> torch.Tensor:
+    pad = torch.ones(num_groups, width, dtype=torch.bool, device=group.device)
+    pad[group, slot] = False
+    return pad
+
+
+def _to_padded(option_values: torch.Tensor, layout: HeadLayout) -> torch.Tensor:
+    out = option_values.new_full((layout.num_questions, layout.max_options), float("-inf"))
+    out[layout.option_question, layout.option_slot] = option_values
+    return out
+
+
+def _padded_softmax(option_values: torch.Tensor, layout: HeadLayout) -> torch.Tensor:
+    return torch.softmax(_to_padded(option_values, layout), dim=-1)

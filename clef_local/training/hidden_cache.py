@@ -1,0 +1,140 @@
+"""The hidden-state cache of head training: a frozen backbone's final hidden states, computed once per record.
+
+Records are cached in blocks of consecutive records, each block in a directory named by the hash of its token ids
+(and the compute dtype), holding chunks of similar-length records written atomically and a ``done`` marker: a
+larger training set reuses every block it shares with a smaller one, a killed run resumes at the first missing
+chunk, and a stale cache cannot be picked up by mistake.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from clef_local.formats.release import read_json
+from clef_local.runtime.encoding import EncodedRecord
+
+log = logging.getLogger(__name__)
+
+
+BLOCK_RECORDS = 256  # cache unit: a larger training set reuses every block it shares with a smaller one
+
+
+def cache_dtype(device: str) -> torch.dtype:
+    """The backbone's compute dtype for caching: BF16 where it is the fast path (accelerators, AMX CPUs)."""
+    if device != "cpu":
+        return torch.bfloat16
+    from clef_local.planning.hardware import detect_cpu
+
+    return torch.bfloat16 if detect_cpu().fast_bf16 else torch.float32
+
+
+def _block_name(block: Sequence[EncodedRecord], dtype: torch.dtype = torch.float32) -> str:
+    """A block's cache directory is named by its token ids (and a non-float32 compute dtype; float32 names are
+    those of older caches), so a stale cache cannot be picked up by mistake."""
+    digest = hashlib.sha256()
+    for record in block:
+        digest.update(np.asarray(record.input_ids, dtype=np.int64).tobytes())
+        digest.update(b"|")
+    if dtype != torch.float32:
+        digest.update(str(dtype).encode())
+    return f"block-{digest.hexdigest()[:16]}"
+
+
+def cache_hidden_states(backbone_dir: Path, encoded: Sequence[EncodedRecord], cache: Path, *,
+                        device: str = "cpu", block_records: int = BLOCK_RECORDS) -> list[torch.Tensor]:
+    """Hidden states ``[T, hidden]`` (stored BF16) of every record, computed once and kept in ``cache``.
+
+    Records are cached in blocks of ``block_records`` consecutive records, each in a directory named by the hash of
+    its token ids (and the compute dtype): growing the training set (or resuming a killed run) computes only the
+    blocks not yet there. The backbone computes in BF16 on an accelerator and on a CPU with AMX (0.4 vs 1.0 ms per
+    token in float32 for SmolLM2-135M on 2 cores), else in float32 (faster than BF16 without AMX). BF16 is also
+    what ``clef_local.load`` runs there, so the head trains on the hidden states it will see.
+    """
+    from clef_local.backends.torch_backend import TorchBackbone
+
+    dtype = cache_dtype(device)
+    blocks = [list(range(s, min(s + block_records, len(encoded)))) for s in range(0, len(encoded), block_records)]
+    names = [_block_name([encoded[i] for i in block], dtype) for block in blocks]
+    todo = [b for b, name in enumerate(names) if not (cache / name / "done").is_file()]
+    backbone = None
+    if todo:
+        config = read_json(backbone_dir / "config.json")
+        backbone = TorchBackbone(backbone_dir, config, device=device, dtype=dtype)
+        tokens = sum(len(encoded[i].input_ids) for b in todo for i in blocks[b])
+        log.info("caching hidden states: %d of %d blocks to compute (%d tokens)", len(todo), len(blocks), tokens)
+    started = time.perf_counter()
+    for b in tqdm(todo, desc="caching hidden states", unit="block"):
+        _cache_block(backbone, [encoded[i] for i in blocks[b]], cache / names[b],
+                     batch_tokens=4096 if device == "cpu" else 16384)
+    if todo:
+        log.info("cached %d blocks in %.0f s", len(todo), time.perf_counter() - started)
+    hidden: list[torch.Tensor] = []
+    for block, name in zip(blocks, names, strict=True):
+        hidden += _load_block(cache / name, len(block))
+    return hidden
+
+
+def _cache_block(backbone, records: Sequence[EncodedRecord], directory: Path, *, batch_tokens: int,
+                 chunk_tokens: int = 65536) -> None:
+    """One block: chunks of similar-length records written atomically, then a ``done`` marker."""
+    from clef_local.backends.torch_backend import collate
+
+    directory.mkdir(parents=True, exist_ok=True)
+    order = sorted(range(len(records)), key=lambda i: len(records[i].input_ids))
+    chunks: list[list[int]] = [[]]
+    for i in order:  # chunks of similar lengths, about chunk_tokens each
+        if chunks[-1] and sum(len(records[j].input_ids) for j in chunks[-1]) >= chunk_tokens:
+            chunks.append([])
+        chunks[-1].append(i)
+    for c, members in enumerate(chunks):
+        path = directory / f"chunk-{c:05d}.safetensors"
+        if path.is_file():
+            continue
+        tensors = {}
+        for batch in token_batches(members, records, batch_tokens):
+            ids, mask = collate([records[i] for i in batch], 0, backbone.device)
+            hidden = backbone.hidden_states(ids, mask).to(torch.bfloat16).cpu()
+            for row, i in enumerate(batch):
+                tensors[str(i)] = hidden[row, : len(records[i].input_ids)].contiguous()
+        tmp = directory / f".{path.name}.tmp"
+        save_file(tensors, str(tmp))
+        os.replace(tmp, path)  # atomic: a killed run leaves no half chunk
+    (directory / "done").write_text(f"{len(records)}\n")
+
+
+def token_batches(order: Sequence[int], records: Sequence[EncodedRecord], batch_tokens: int) -> Iterator[list[int]]:
+    """Consecutive runs of ``order`` (indices of ``records`` by growing length) whose padded size — the run's count
+    times its last, longest record — stays within ``batch_tokens``; a record longer than that goes alone."""
+    start = 0
+    while start < len(order):
+        size = 1
+        while (start + size < len(order)
+               and (size + 1) * len(records[order[start + size]].input_ids) <= batch_tokens):
+            size += 1
+        yield list(order[start : start + size])
+        start += size
+
+
+def _load_block(directory: Path, size: int) -> list[torch.Tensor]:
+    hidden: list[torch.Tensor | None] = [None] * size
+    for path in sorted(directory.glob("chunk-*.safetensors")):
+        try:
+            tensors = load_file(str(path))
+        except (SafetensorError, OSError) as error:
+            raise RuntimeError(f"{path}: unreadable cache chunk ({error}); delete it and run again") from error
+        for key, value in tensors.items():
+            hidden[int(key)] = value
+    if any(h is None for h in hidden):
+        raise RuntimeError(f"{directory}: cache block is incomplete; delete it and run again")
+    return hidden  # type: ignore[return-value]

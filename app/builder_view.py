@@ -14,7 +14,8 @@ from typing import Any
 
 from clef_local.app import schema_builder
 from clef_local.app.handlers import Handlers
-from clef_local.app.schema_builder import QUESTION_TYPES, QuestionDraft
+from clef_local.app.schema_builder import QuestionDraft
+from clef_local.runtime.schema import QUESTION_TYPES
 
 OPTION_HELP = {
     "choice": ("options, one per line", "label, or label: description", "card_payments: Card payments\nother"),

@@ -15,7 +15,6 @@ from dataclasses import dataclass, replace
 from importlib import resources
 from typing import Any
 
-QUESTION_TYPES = ("noul", "choice", "score")
 STATE_MODES = ("text", "JSON")
 EXAMPLES = {"ticket triage": "triage", "content moderation": "moderation", "agent routing": "routing"}
 DEFAULT_MODEL_NAME = "clef-local"

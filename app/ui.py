@@ -4,9 +4,9 @@
     clef-local ui --model ~/models/clef-flash --compare ~/models/clef-flash-int4
 
 Local by default (127.0.0.1, no share link). The page calls only the public Python API (``clef_local.load``,
-``ClefModel.decide / predict / describe``, ``clef_local.runtime.schema.validate_request``, :mod:`clef_local.quality.drift`,
-:mod:`clef_local.quality.report`). Stable ``elem_id``s (``q0-id``, ``add-question``, ``run``, ``results`` …) are part of
-the contract with the browser test.
+``ClefModel.decide / predict / describe``, ``clef_local.runtime.schema.validate_request``,
+:mod:`clef_local.quality.drift`, :mod:`clef_local.quality.report`). Stable ``elem_id``s (``q0-id``, ``add-question``,
+``run``, ``results`` …) are part of the contract with the browser test.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from clef_local.app.handlers import NO_VARIANT, Handlers
 from clef_local.app.models import ModelStore, find_variants, is_release
 from clef_local.app.results import COMPARE_HEADERS, SUMMARY_HEADERS
 from clef_local.app.schema_builder import EXAMPLES, STATE_MODES, QuestionDraft
+from clef_local.options import add_model_flags
 
 if TYPE_CHECKING:
     import gradio as gr
@@ -203,13 +204,10 @@ def build_app(model_path: str | Path | None = None, compare_path: str | Path | N
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="clef-local ui", description="Open the desktop app (a local web page): "
                                      "build schemas, run them, read the probabilities, compare a variant.")
-    parser.add_argument("--model", help="release directory (default: the built-in demo model)")
+    add_model_flags(parser, backend=False, device=False)
     parser.add_argument("--compare", help="a variant (or any release) to compare with, preselected in the page")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, this machine only)")
     parser.add_argument("--port", type=int, default=7860, help="port (default 7860)")
-    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
-                        help="backbone compute dtype (auto: as stored; float32 is faster than bf16 on CPUs "
-                             "without AMX)")
     return parser
 
 

@@ -17,7 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-from clef_local.data.jsonl import load_dataset, parse_folds, write_jsonl
+from clef_local.data.convert import load_dataset, parse_folds
+from clef_local.data.jsonl import write_jsonl
 from clef_local.demo.default import default_model_path
 
 SCHEMES = ("int8", "fp8", "int4", "int4-g32", "nf4")

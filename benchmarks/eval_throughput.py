@@ -3,8 +3,8 @@
     python benchmarks/eval_throughput.py                                  # demo model, 64 NLU++ requests, batch 8
     python benchmarks/eval_throughput.py --requests 8 --batch-size 8      # reduced (a busy 2-core CPU)
 
-Both go through :func:`clef_local.quality.evaluate.evaluate` on one loaded model (one warm-up request first), alternating
-``--rounds`` times (the faster run of each counts); prints
+Both go through :func:`clef_local.quality.evaluate.evaluate` on one loaded model (one warm-up request first),
+alternating ``--rounds`` times (the faster run of each counts); prints
 one table: batch size, requests, seconds, requests/s, tokens/s, and the batched/one-at-a-time ratio.
 """
 
@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import clef_local
-from clef_local.data.jsonl import load_dataset, parse_folds
+from clef_local.data.convert import load_dataset, parse_folds
 from clef_local.demo.default import default_model_path
 from clef_local.quality.evaluate import evaluate
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from clef_local.backends.loader import resident_census
 from clef_local.planning.census import FORMATS
+from clef_local.planning.choice import resident_census
 from clef_local.planning.estimate import best_fit, plan
 from clef_local.planning.hardware import GiB, named_device
 from clef_local.planning.planner import footprint_from_config

@@ -4,10 +4,10 @@
     python benchmarks/question_path_eval.py --head DIR --cache /tmp/qp-test  # from train-head --method question-path
 
 A head trained with ``clef-local train-head --method question-path`` reads the backbone only through the mean of
-each question's span (clef_local/training/question_path.py), and a question's span precedes its options: the backbone pass can
-stop there (~95 tokens per row instead of 1,679). The numbers are the head's own — tests/test_question_path.py
-checks the shortcut against the full forward — so this is the quick loop for recipes; the release-level figures
-come from ``benchmarks/demo_model.py``. A head whose other branches are not zero is refused.
+each question's span (clef_local/training/question_path.py), and a question's span precedes its options: the
+backbone pass can stop there (~95 tokens per row instead of 1,679). The numbers are the head's own —
+tests/test_question_path.py checks the shortcut against the full forward — so this is the quick loop for recipes; the
+release-level figures come from ``benchmarks/demo_model.py``. A head whose other branches are not zero is refused.
 """
 
 from __future__ import annotations

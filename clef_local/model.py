@@ -7,10 +7,11 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
+from clef_local.backends.base import Backend
 from clef_local.errors import ApiUsageError, ReleaseError
 from clef_local.formats.release import HEAD_WEIGHTS, Release, read_release
 from clef_local.runtime.answers import CONFIDENCE_MODES, Confidence, build_response, softmax_rows
@@ -18,13 +19,12 @@ from clef_local.runtime.batching import device_pad_waste, split_by_length
 from clef_local.runtime.encoding import REFERENCE_MAX_LENGTH, EncodedRecord, encode_request
 from clef_local.runtime.head_reach import batch_reach, head_reads_question_spans_only, question_reach
 from clef_local.runtime.layout import build_layout
-from clef_local.runtime.schema import DEFAULT_LIMITS, Limits, request_to_record, validate_request
+from clef_local.runtime.schema import DEFAULT_LIMITS, QUESTION_TYPES, Limits, request_to_record, validate_request
 from clef_local.runtime.tokenizer import ReleaseTokenizer
 
 log = logging.getLogger(__name__)
 
 CALIBRATION_KEY = "clef_local_calibration"  # config.json: {"temperatures": {"noul"|"choice"|"score": T}, ...}
-_TYPE_NAMES = ("noul", "choice", "score")
 
 
 def read_temperatures(config: dict[str, Any], where: str = "config.json") -> dict[str, float]:
@@ -34,10 +34,16 @@ def read_temperatures(config: dict[str, Any], where: str = "config.json") -> dic
         return {}
     temps = entry.get("temperatures") if isinstance(entry, dict) else None
     if not isinstance(temps, dict) or not all(
-            k in _TYPE_NAMES and isinstance(v, int | float) and 0 < v < float("inf") for k, v in temps.items()):
+            k in QUESTION_TYPES and isinstance(v, int | float) and 0 < v < float("inf") for k, v in temps.items()):
         raise ReleaseError(f"{where}: {CALIBRATION_KEY}.temperatures must map noul/choice/score to positive "
                            f"numbers, got {temps!r}; rerun clef-local calibrate or remove the key")
     return {k: float(v) for k, v in temps.items()}
+
+
+def _checked_confidence(mode: str) -> Confidence:
+    if mode not in CONFIDENCE_MODES:
+        raise ValueError(f"confidence must be one of {', '.join(CONFIDENCE_MODES)}, got {mode!r}")
+    return cast(Confidence, mode)
 
 
 @dataclass(frozen=True)
@@ -55,25 +61,24 @@ class Prediction:
 class ClefModel:
     """A loaded Clef release. ``decide`` takes a ``/v1/systemone`` request body and returns its response."""
 
-    def __init__(self, release: Release, backend: Any, tokenizer: ReleaseTokenizer, *,
+    def __init__(self, release: Release, backend: Backend, tokenizer: ReleaseTokenizer, *,
                  max_length: int | None = None, confidence: Confidence = "jev",
                  limits: Limits = DEFAULT_LIMITS) -> None:
-        if confidence not in CONFIDENCE_MODES:
-            raise ValueError(f"confidence must be one of {', '.join(CONFIDENCE_MODES)}, got {confidence!r}")
         self.release = release
         self.backend = backend
         self.tokenizer = tokenizer
         context = release.max_position_embeddings or REFERENCE_MAX_LENGTH
         # The reference's limit, lowered to the backbone's context when that is shorter.
         self.max_length = max_length or min(REFERENCE_MAX_LENGTH, context)
-        self.confidence: Confidence = confidence
+        self.confidence: Confidence = _checked_confidence(confidence)
         self.limits = limits
         # logits are divided by their question type's temperature before the softmax (clef-local calibrate)
         self.temperatures = read_temperatures(release.config, str(release.path / "config.json"))
         # how much padding a batch may carry on this device (clef_local.runtime.batching): tight on a CPU
-        self.pad_waste = device_pad_waste(getattr(backend, "device", "cpu"))
-        # a head that reads question spans only lets the backbone stop after the last one (clef_local.runtime.head_reach);
-        # set it to False to run every record in full (the same numbers, for comparisons)
+        self.pad_waste = device_pad_waste(backend.device)
+        # a head that reads question spans only lets the backbone stop after the last one
+        # (clef_local.runtime.head_reach); set it to False to run every record in full (the same numbers, for
+        # comparisons)
         self.stop_after_questions = head_reads_question_spans_only(release.path / HEAD_WEIGHTS)
 
     @property
@@ -89,20 +94,27 @@ class ClefModel:
         return record, encoded
 
     def predict(self, requests: Sequence[Any], *, truncate_state: bool = False, batch_size: int = 8,
-                progress: Callable[[int, int], None] | None = None) -> list[Prediction]:
+                progress: Callable[[int, int], None] | None = None,
+                batch_seconds: list[float] | None = None) -> list[Prediction]:
         """Probabilities for each request (in request order), run in padded batches of similar lengths.
 
-        ``progress(done, total)`` is called after each batch. See :meth:`predict_batches` for how batches are cut.
+        ``progress(done, total)`` is called after each batch; ``batch_seconds``, when given, receives each batch's
+        wall time (backbone and head; validation and encoding excluded). See :meth:`predict_batches` for how
+        batches are cut.
         """
         results: list[Prediction | None] = [None] * len(requests)
         done = 0
-        for chunk, predictions in self.predict_batches(requests, truncate_state=truncate_state,
-                                                       batch_size=batch_size):
+        batches = self.predict_batches(requests, truncate_state=truncate_state, batch_size=batch_size)
+        began = time.perf_counter()
+        for chunk, predictions in batches:
+            if batch_seconds is not None:
+                batch_seconds.append(time.perf_counter() - began)
             for i, prediction in zip(chunk, predictions, strict=True):
                 results[i] = prediction
             done += len(chunk)
             if progress is not None:
                 progress(done, len(requests))
+            began = time.perf_counter()
         return [r for r in results if r is not None]
 
     def predict_batches(self, requests: Sequence[Any], *, truncate_state: bool = False, batch_size: int = 8
@@ -111,8 +123,8 @@ class ClefModel:
 
         Every request is validated and encoded first (so a bad one raises before any batch runs). Batches hold up
         to ``batch_size`` requests sorted by token count, cut where padding would cost more than
-        ``self.pad_waste`` times the rows' own tokens (:mod:`clef_local.runtime.batching`): on a CPU, where padding is pure
-        loss, only equal lengths share one.
+        ``self.pad_waste`` times the rows' own tokens (:mod:`clef_local.runtime.batching`): on a CPU, where padding
+        is pure loss, only equal lengths share one.
         """
         if batch_size < 1:
             raise ValueError(f"batch_size must be ≥ 1, got {batch_size}")
@@ -136,7 +148,7 @@ class ClefModel:
         reach = batch_reach(records) if self.stop_after_questions else None
         logits = self.backend.logits(records, layout, self.tokenizer.pad_token_id, reach=reach)
         if self.temperatures:
-            temps = [self.temperatures.get(_TYPE_NAMES[q.question_type], 1.0) for r in records for q in r.questions]
+            temps = [self.temperatures.get(QUESTION_TYPES[q.question_type], 1.0) for r in records for q in r.questions]
             logits = logits / np.asarray(temps, dtype=np.float32)[:, None]
         probs = softmax_rows(logits)
         log.debug("%d records, %d questions in %.1f ms", len(records), layout.num_questions,
@@ -156,9 +168,7 @@ class ClefModel:
     def decide_batch(self, requests: Sequence[Any], *, confidence: Confidence | None = None,
                      truncate_state: bool = False, batch_size: int = 8) -> list[dict[str, Any]]:
         """Answer several requests in padded batches; the same numbers as one by one (within float noise)."""
-        mode = confidence or self.confidence
-        if mode not in CONFIDENCE_MODES:
-            raise ValueError(f"confidence must be one of {', '.join(CONFIDENCE_MODES)}, got {mode!r}")
+        mode = _checked_confidence(confidence or self.confidence)
         predictions = self.predict(requests, truncate_state=truncate_state, batch_size=batch_size)
         return [p.response(mode) for p in predictions]
 
@@ -179,7 +189,7 @@ class ClefModel:
             "confidence": self.confidence,
             "backbone_pass": "to the last question span" if self.stop_after_questions else "whole record",
             **self.backend.describe(),
-            **({"loader": decision.to_json()} if (decision := getattr(self.backend, "load_decision", None)) else {}),
+            **({"loader": decision.to_json()} if (decision := self.backend.load_decision) else {}),
         }
 
 
@@ -189,7 +199,7 @@ def load(path: str | Path, *, device: str = "auto", dtype: str | None = None, ba
     """Load a Clef release (or variant) directory.
 
     ``backend`` is ``"auto"``, ``"torch"``, ``"mlx"`` or ``"onnx"`` and ``device`` ``"auto"``, ``"cpu"``, ``"cuda"``
-    (``"cuda:N"``) or ``"mps"``; :mod:`clef_local.backends.loader` decides what ``"auto"`` means on this machine.
+    (``"cuda:N"``) or ``"mps"``; :mod:`clef_local.planning.choice` decides what ``"auto"`` means on this machine.
     ``dtype`` is the backbone's compute dtype (``None``: as stored, BF16 for real releases; ``"float32"`` for
     exact comparisons); the joint schema head always runs in float32. ``max_length`` defaults to the smaller of
     the reference's 16,384 and the backbone's context.

@@ -432,12 +432,10 @@ def _print_summary(summary: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point (``clef-local quantize``)."""
     from clef_local.export.validate import ValidationFailed
+    from clef_local.options import model_path
 
     args = build_parser().parse_args(argv)
-    if args.model is None:
-        from clef_local.demo.default import default_model_path
-
-        args.model = default_model_path()
+    args.model = model_path(args.model)
     scheme = args.format or BITS_TO_SCHEME[args.bits]
     try:
         summary = quantize_release(args.model, args.out, scheme, args.group_size, force=args.force,

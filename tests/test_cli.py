@@ -72,3 +72,29 @@ def test_help_is_fast_and_imports_no_torch(argv):
             "assert 'torch' not in sys.modules, 'torch imported by --help'")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+def test_every_command_maps_user_errors_to_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """A request file that is not JSON, a missing file, a missing model: ``error: ...`` and 2, no traceback."""
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json", encoding="utf-8")
+    assert main(["decide", "--request", str(bad), "--model", str(tmp_path)]) == 2
+    assert main(["eval", "--data", str(tmp_path / "missing.jsonl"), "--model", str(tmp_path)]) == 2
+    assert main(["inspect", "--model", str(tmp_path / "nowhere")]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 3 and all(line.startswith("error: ") for line in lines), lines
+    assert "not valid JSON" in lines[0] and "missing.jsonl" in lines[1]
+
+
+def test_global_flags_may_follow_the_command(monkeypatch: pytest.MonkeyPatch):
+    import logging
+
+    from clef_local import cli
+
+    assert cli.split_global_flags(["decide", "-v", "--example", "triage"]) == (logging.DEBUG, "decide",
+                                                                   ["--example", "triage"])
+    assert cli.split_global_flags(["-q", "doctor", "--json"]) == (logging.WARNING, "doctor", ["--json"])
+    assert cli.split_global_flags(["drift", "--gate", "x", "--", "-v"]) == (logging.INFO, "drift",
+                                                                        ["--gate", "x", "--", "-v"])
+    with pytest.raises(SystemExit):
+        main(["no-such-command"])

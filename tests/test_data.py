@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from clef_local.data.convert import load_dataset, main, parse_folds
 from clef_local.data.datasets import Example, banking77_examples, evenly
-from clef_local.data.jsonl import DataFormatError, load_dataset, main, parse_folds, read_jsonl, write_jsonl
+from clef_local.data.jsonl import DataFormatError, read_jsonl, write_jsonl
 
 
 def _datasets_or_skip() -> None:

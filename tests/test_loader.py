@@ -1,4 +1,4 @@
-"""Loader decisions with faked hardware (clef_local.backends.loader.decide is pure), and through clef_local.load."""
+"""Loader decisions with faked hardware (clef_local.planning.choice.decide is pure), and through clef_local.load."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 import clef_local
-from clef_local.backends.loader import DEQUANTIZE, choose, decide
 from clef_local.errors import ApiUsageError, InsufficientMemoryError
+from clef_local.planning.choice import DEQUANTIZE, choose, decide
 from clef_local.planning.hardware import GiB, Hardware, named_device
 
 CONFIGS = Path(__file__).resolve().parents[2] / "shared" / "configs"

@@ -18,7 +18,8 @@ def test_wheel_contains_mapped_subpackages(tmp_path: Path):
     (wheel,) = tmp_path.glob("clef_local-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     for module in ("clef_local/export/__init__.py", "clef_local/quant/__init__.py", "clef_local/app/__init__.py",
-                   "clef_local/runtime/head.py", "clef_local/backends/torch_backend.py", "clef_local/demo/examples/triage.json"):
+                   "clef_local/runtime/head.py", "clef_local/backends/torch_backend.py",
+                   "clef_local/demo/examples/triage.json"):
         assert module in names, f"{module} missing from {wheel.name}"
     # Nothing generic lands at the top of site-packages.
     assert not any(n.startswith(("app/", "quant/", "export/", "tests/", "benchmarks/")) for n in names)

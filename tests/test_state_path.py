@@ -12,10 +12,10 @@ import torch
 from safetensors.torch import load_file
 
 from clef_local.data.datasets import banking77_examples, banking77_intents
-from clef_local.runtime.encoding import QUESTION_TYPES
 from clef_local.runtime.head import HeadConfig, JointSchemaHead
 from clef_local.runtime.head_reach import head_reads_question_spans_only
 from clef_local.runtime.layout import build_layout
+from clef_local.runtime.schema import TYPE_IDS
 from clef_local.runtime.tokenizer import ReleaseTokenizer
 from clef_local.training.demo_data import training_examples, twin_records
 from clef_local.training.hidden_cache import cache_dtype
@@ -124,7 +124,7 @@ def test_a_choice_field_ignores_its_question_span_and_a_noul_does_not():
     torch.manual_seed(1)
     base = dict(memory=torch.randn(1, 20, hidden_size), memory_pad=torch.zeros(1, 20, dtype=torch.bool),
                 state_mask=torch.ones(1, 20, dtype=torch.bool),
-                types=torch.tensor([QUESTION_TYPES["noul"], QUESTION_TYPES["choice"]]),
+                types=torch.tensor([TYPE_IDS["noul"], TYPE_IDS["choice"]]),
                 question_record=torch.zeros(2, dtype=torch.long),
                 option_question=torch.tensor([0, 0, 1, 1, 1]), option_slot=torch.tensor([0, 1, 0, 1, 2]),
                 option_record=torch.zeros(5, dtype=torch.long), option_record_slot=torch.arange(5),
@@ -166,7 +166,7 @@ def test_train_state_path_writes_a_release_head(tiny_llama: Path, tmp_path: Path
     assert float(state["prior_logit_scale"]) == PRIOR_OFF
     assert bool(state["evidence_layers.0.attention.out_proj.weight"].any())  # routing is live: it reads the state
     rows = state["type_embedding.weight"].norm(dim=-1)
-    assert float(rows[QUESTION_TYPES["choice"]]) > CHOICE_DOMINANCE / 100 * float(rows[QUESTION_TYPES["noul"]])
+    assert float(rows[TYPE_IDS["choice"]]) > CHOICE_DOMINANCE / 100 * float(rows[TYPE_IDS["noul"]])
     assert not head_reads_question_spans_only(out / "joint_head.safetensors")
     assert len(result["history"]) == SMALL.epochs
     last = result["history"][-1]

@@ -1,274 +1,30 @@
-"""Choosing and building the backend that runs a release's backbone (DESIGN §6).
+"""Building the backend that runs a release's backbone: :mod:`clef_local.planning.choice` decides, this builds.
 
-Every backend class takes ``(release, *, device, dtype)`` and offers ``logits(records, layout, pad_token_id)`` (a
-float32 ``[questions, max_options]`` array, the head included) and ``describe()``; :class:`clef_local.model.ClefModel`
-does the rest (encoding, softmax, answers), so answers are built the same way on every backend.
-
-The choice is a pure function, :func:`decide`, of the hardware (:mod:`clef_local.planning.hardware`), the variant's scheme,
-the planner's footprint of the release (:mod:`clef_local.planning.planner`) and which backends are installed:
-
-- backend ``auto``: CUDA → torch (bitsandbytes for nf4/int8, ``torch._scaled_mm`` for fp8 on sm_89+, else the
-  weights are dequantized per call); Apple silicon → MLX (int4/int8 as ``mx.quantize`` arrays, nf4/fp8 dequantized);
-  a CPU → torch, or ONNX Runtime when the directory holds an ONNX export (``onnx/``). ``onnx`` is never picked
-  otherwise; an explicit backend that is not installed is an error naming the ones that are.
-- dtype ``None``: bfloat16 where it is fast (CUDA sm_80+, Apple, AMX CPUs), float16 on older CUDA cards, float32 on
-  a CPU without AMX (bf16 is slower than float32 there) and on MLX's Linux CPU build.
-- memory: the planner's need for the stored format on the chosen device at the model's context; when it does not
-  fit, :class:`~clef_local.errors.InsufficientMemoryError` says by how much and what to do instead.
-
-The kernel names are those of :mod:`clef_local.backends.quantized` (torch), which records them per layer.
+Backends implement :class:`clef_local.backends.base.Backend`; their modules are imported only when chosen, so a
+torch-free install never imports torch.
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import logging
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from clef_local.errors import ApiUsageError, InsufficientMemoryError
+from clef_local.backends.base import Backend
+from clef_local.errors import ApiUsageError
 from clef_local.formats.release import Release
-from clef_local.planning.census import WeightCensus
-from clef_local.planning.estimate import DTYPE_SIZE, Plan, best_fit, max_context, plan
-from clef_local.planning.hardware import GiB, Hardware
+from clef_local.planning.choice import BACKENDS, decide, importable, installed_backends, onnx_cuda
+from clef_local.planning.hardware import GiB
 
 log = logging.getLogger(__name__)
 
-# name -> (module, class); modules are imported only when chosen, so a torch-free install never imports torch.
-BACKENDS: dict[str, tuple[str, str]] = {
-    "torch": ("clef_local.backends.torch_backend", "TorchBackend"),
-    "mlx": ("clef_local.backends.mlx_backend", "MLXBackend"),
-    "onnx": ("clef_local.backends.onnx_backend", "OnnxBackend"),
-}
-PACKAGES = {"torch": ("torch", "pip install torch"), "mlx": ("mlx", "pip install 'clef-local[mlx]'"),
-            "onnx": ("onnxruntime", "pip install 'clef-local[onnx]'")}
-DENSE = "dense"
-DEQUANTIZE = "dequantize"  # clef_local.backends.quantized.DEQUANTIZE: W rebuilt per call, never cached
-# (backend, device kind) -> scheme -> kernel; the torch names are clef_local.backends.quantized's.
-KERNELS: dict[tuple[str, str], dict[str, str]] = {
-    ("torch", "cpu"): {"int4": DEQUANTIZE, "int8": "torch_int8pack_cpu", "nf4": "bnb_matmul_4bit",
-                       "fp8": DEQUANTIZE},
-    ("torch", "cuda"): {"int4": "tinygemm_cuda", "int8": "bnb_int8", "nf4": "bnb_matmul_4bit",
-                        "fp8": "scaled_mm_rowwise"},
-    ("mlx", "apple"): {"int4": "mlx_quantized_matmul", "int8": "mlx_quantized_matmul", "nf4": "dequantize_at_load",
-                       "fp8": "dequantize_at_load"},
-    ("onnx", "cpu"): {"int4": "MatMulNBits", "int8": "MatMulNBits", "nf4": DEQUANTIZE, "fp8": DEQUANTIZE},
-}
-# MLX's CPU build: the int4/int8 layers dequantize and matmul (clef_local.backends.mlx_backend's names)
-KERNELS[("mlx", "cpu")] = {**KERNELS[("mlx", "apple")], "int4": "mlx_dequantize_matmul",
-                           "int8": "mlx_dequantize_matmul"}
-KERNELS[("torch", "apple")] = KERNELS[("torch", "cpu")]
-# BF16 bytes of a quantized linear over its stored bytes (nf4 4.5 bits/weight, fp8 8): MLX dequantizes these at load.
-DEQUANTIZED_GROWTH = {"nf4": 16 / 4.5, "fp8": 2.0}
-
-
-@dataclass(frozen=True)
-class LoadDecision:
-    """What the loader chose and why; ``ClefModel.describe()`` shows it under ``"loader"``."""
-
-    backend: str
-    device: str
-    dtype: str
-    scheme: str  # "bf16" for a full-precision release
-    kernel: str  # the quantized layers' kernel (torch: the name quantized.py records per layer)
-    reason: str
-    need_bytes: int | None = None
-    available_bytes: int | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def installed_backends() -> dict[str, str | None]:
-    """{backend: None if usable here, else why not (with the install command)}; imports nothing heavy."""
-    out: dict[str, str | None] = {}
-    for name, (package, install) in PACKAGES.items():
-        module = BACKENDS[name][0]
-        if not _importable(package):
-            out[name] = f"{package} is not installed ({install})"
-        elif not _importable(module):
-            out[name] = f"{module} is not part of this clef-local"
-        else:
-            out[name] = None
-    return out
-
-
-def _importable(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def _onnx_cuda() -> bool:
-    """Whether ONNX Runtime here has its CUDA execution provider (onnxruntime-gpu)."""
-    if not _importable("onnxruntime"):
-        return False
-    import onnxruntime
-
-    return "CUDAExecutionProvider" in onnxruntime.get_available_providers()
-
-
-def default_dtype(hardware: Hardware, backend: str) -> tuple[str, str]:
-    """(compute dtype, why) for ``backend`` on ``hardware`` when none is asked for."""
-    if hardware.kind == "cuda":
-        if hardware.bf16:
-            return "bfloat16", f"bf16 on {hardware.capability_label or 'CUDA'}"
-        return "float16", f"{hardware.capability_label} has no fast bf16"
-    if hardware.kind == "apple" and backend == "mlx":
-        return "bfloat16", "bf16 on Apple silicon"
-    if backend == "mlx":
-        return "float32", "MLX's Linux CPU build is slow in bf16 (DESIGN §9)"
-    if hardware.fast_bf16:
-        return "bfloat16", "the CPU has AMX: bf16 is the fast path"
-    if hardware.bf16:
-        return "float32", "the CPU supports bf16 but has no AMX, where bf16 runs slower than float32"
-    return "float32", "the CPU has no bf16 support"
-
-
-def kernel_for(backend: str, hardware: Hardware, scheme: str, *, bitsandbytes: bool,
-               dtype: str = "bfloat16") -> str:
-    """The kernel the quantized layers of ``scheme`` run on (``dense`` for a full-precision release)."""
-    if scheme == "bf16":
-        return DENSE
-    kind = "cpu" if backend == "onnx" else hardware.kind
-    kernel = KERNELS[(backend, kind)][scheme]
-    if backend == "torch" and kind in ("cpu", "apple") and scheme in ("int4", "int8") and dtype == "float32":
-        return DEQUANTIZE  # torch's int4/int8 CPU kernels are slower than dequantizing with float32 activations
-    if backend == "torch" and hardware.kind == "cuda":
-        if scheme == "fp8" and not hardware.fp8:
-            return DEQUANTIZE  # torch._scaled_mm needs sm_89+
-        if scheme == "int4" and (dtype != "bfloat16" or not (hardware.compute_capability or (0, 0)) >= (8, 0)):
-            return DEQUANTIZE  # tinygemm needs sm_80+ and bfloat16 activations
-        if scheme == "int8" and not bitsandbytes:
-            return DEQUANTIZE
-    return kernel
-
-
-def choose(hardware: Hardware, scheme: str, *, backend: str = "auto", dtype: Any = None,
-           installed: Mapping[str, str | None], onnx_export: bool = False, bitsandbytes: bool = True,
-           onnx_cuda: bool = False) -> LoadDecision:
-    """The backend, device, dtype and kernel for ``scheme`` on ``hardware`` (no memory check); pure.
-    ``onnx_cuda``: ONNX Runtime offers its CUDA provider (onnxruntime-gpu), so ONNX runs on a CUDA card."""
-    if backend not in ("auto", *BACKENDS):
-        raise ApiUsageError(f"unknown backend {backend!r}; choose one of auto, {', '.join(BACKENDS)}")
-    usable = [name for name, why in installed.items() if why is None]
-    if backend != "auto":
-        if installed.get(backend) is not None:
-            raise ApiUsageError(f"backend {backend!r} is not available here: {installed[backend]}; available: "
-                                f"{', '.join(usable) or 'none'}")
-        name, reason = backend, f"backend={backend} was asked for"
-    elif hardware.kind == "cuda":
-        name, reason = "torch", f"CUDA ({hardware.name}) runs through torch"
-    elif hardware.kind == "apple" and "mlx" in usable:
-        name, reason = "mlx", "Apple silicon runs through MLX"
-    elif onnx_export and "onnx" in usable:
-        name, reason = "onnx", "the directory holds an ONNX export (onnx/) and onnxruntime is installed"
-    else:
-        name = "torch"
-        reason = ("Apple silicon without mlx: torch on the CPU (pip install 'clef-local[mlx]' for MLX)"
-                  if hardware.kind == "apple" else "a CPU runs through torch"
-                  + (f" (an ONNX export is here, but {installed.get('onnx')})" if onnx_export else ""))
-    if name == "torch" and installed.get("torch") is not None:
-        raise ApiUsageError(f"no backend for this machine: {installed['torch']}; available: {', '.join(usable)}")
-    if name == "torch" and scheme == "nf4" and not bitsandbytes:
-        raise ApiUsageError("nf4 variants run through bitsandbytes on torch: pip install 'clef-local[cuda]' "
-                            "(bitsandbytes), or load an int4 variant")
-    onnx_on_cpu = name == "onnx" and not (onnx_cuda and hardware.kind == "cuda")
-    device = "cpu" if onnx_on_cpu or (hardware.kind == "apple" and name == "torch") else hardware.device
-    dtype = None if dtype in (None, "auto") else str(dtype).removeprefix("torch.")  # a torch.dtype works too
-    if dtype is not None and dtype not in DTYPE_SIZE:
-        raise ApiUsageError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPE_SIZE)} or auto")
-    if dtype is None:
-        dtype, why = default_dtype(_as_cpu(hardware) if onnx_on_cpu else hardware, name)
-    else:
-        why = "dtype was asked for"
-    kernel = kernel_for(name, hardware, scheme, bitsandbytes=bitsandbytes, dtype=dtype)
-    if name == "mlx" and scheme in ("nf4", "fp8"):
-        reason += f"; {scheme} is dequantized at load on MLX (more memory than the stored variant)"
-    return LoadDecision(backend=name, device=device, dtype=dtype, scheme=scheme, kernel=kernel,
-                        reason=f"{reason}; {dtype}: {why}")
-
-
-def _as_cpu(hardware: Hardware) -> Hardware:
-    """The host CPU of ``hardware`` (a backend that runs there: ONNX Runtime, torch on a Mac without MLX)."""
-    if hardware.kind == "cpu":
-        return hardware
-    return replace(hardware, kind="cpu", device="cpu", fast_bf16=False, total_bytes=hardware.host_total_bytes,
-                   free_bytes=hardware.host_free_bytes, compute_capability=None, fp8=False, unified_memory=False)
-
-
-def resident_census(census: WeightCensus, backend: str) -> WeightCensus:
-    """The weights as the backend holds them: MLX dequantizes nf4/fp8 at load (to bf16)."""
-    if backend == "mlx" and census.fmt in ("nf4", "fp8"):
-        return replace(census, quantized_linears=int(census.quantized_linears * DEQUANTIZED_GROWTH[census.fmt]))
-    return census
-
-
-def decide(hardware: Hardware, scheme: str, footprint: Any, *, context: int, backend: str = "auto",
-           dtype: Any = None, installed: Mapping[str, str | None], onnx_export: bool = False,
-           bitsandbytes: bool = True, check_memory: bool = True, source: str = "DIR",
-           onnx_cuda: bool = False) -> LoadDecision:
-    """:func:`choose`, then the planner's check: raises :class:`InsufficientMemoryError` (with a suggestion) when
-    the stored format does not fit at ``context`` tokens. ``footprint`` is a :class:`clef_local.planning.planner.Footprint`
-    (``censuses`` per format, ``dims``); ``source`` names the directory in the suggestion. Pure."""
-    decision = choose(hardware, scheme, backend=backend, dtype=dtype, installed=installed, onnx_export=onnx_export,
-                      bitsandbytes=bitsandbytes, onnx_cuda=onnx_cuda)
-    if not check_memory or footprint is None:
-        return decision
-    target = hardware if decision.device != "cpu" or hardware.kind == "cpu" else _as_cpu(hardware)
-    plans = {fmt: _resident_plan(c, footprint, target, decision, context) for fmt, c in footprint.censuses.items()}
-    mine = plans[scheme]
-    decision = replace(decision, need_bytes=mine.need, available_bytes=mine.available)
-    if not mine.fits:
-        raise InsufficientMemoryError(refusal(mine, plans, footprint, target, decision, context, source))
-    return decision
-
-
-def _resident_plan(census: WeightCensus, footprint: Any, hardware: Hardware, decision: LoadDecision,
-                   context: int) -> Plan:
-    return plan(resident_census(census, decision.backend), footprint.dims, hardware, context=context,
-                dtype=decision.dtype, host_embeddings=_host_embeddings(decision), media=decision.backend == "torch")
-
-
-def _host_embeddings(decision: LoadDecision) -> bool:
-    """Torch on CUDA keeps ``embed_tokens``/``lm_head`` in host memory (TorchBackbone); other backends do not."""
-    return decision.backend == "torch" and decision.device.startswith("cuda")
-
-
-_BITS_FLAG = {"int4": "--bits 4", "int8": "--bits 8", "nf4": "--format nf4", "fp8": "--format fp8"}
-
-
-def refusal(mine: Plan, plans: Mapping[str, Plan], footprint: Any, hardware: Hardware, decision: LoadDecision,
-            context: int, source: str) -> str:
-    """"needs 17.2 GiB, 11.0 GiB free on cuda:0; try --bits 4 (...)": the numbers and what to do instead."""
-    head = (f"{mine.fmt} on {decision.backend} needs {mine.need / GiB:.1f} GiB at {context:,} tokens, "
-            f"{mine.available / GiB:.1f} GiB free on {hardware.device} ({hardware.name})")
-    smaller = best_fit({f: p for f, p in plans.items() if f != mine.fmt})
-    if smaller is not None:
-        return (f"{head}; try {_BITS_FLAG[smaller.fmt]}: clef-local quantize {_BITS_FLAG[smaller.fmt]} --model "
-                f"{source} --out {source}-{smaller.fmt} (needs {smaller.need / GiB:.1f} GiB)")
-    census = resident_census(mine.census, decision.backend)
-    longest = max_context(census, footprint.dims, hardware, dtype=decision.dtype,
-                          host_embeddings=_host_embeddings(decision),
-                          media=decision.backend == "torch", limit=context)
-    hints = []
-    if mine.fmt in ("bf16", "int8", "fp8") and mine.fmt == footprint.stored:
-        hints.append("a 4-bit variant of the source (clef-local quantize --bits 4)")
-    if longest:
-        hints.append(f"max_length={longest} (a context of {longest:,} tokens fits)")
-    hints.append("a device with more memory (clef-local plan --device ... shows which)")
-    return f"{head}; try " + ", or ".join(hints)
-
 
 def build_backend(release: Release, *, backend: str = "auto", device: str = "auto", dtype: Any = None,
-                  context: int | None = None, check_memory: bool = True) -> Any:
-    """The backend object for ``release``: chosen by :func:`decide` for this machine (``device`` ``auto``, ``cpu``,
-    ``cuda[:N]``, ``mps``), checked against the planner at ``context`` tokens (default: the model's context, at
-    most 16,384), logged, and recorded as ``backend.load_decision``."""
+                  context: int | None = None, check_memory: bool = True) -> Backend:
+    """The backend for ``release``: chosen by :func:`clef_local.planning.choice.decide` for this machine
+    (``device`` ``auto``, ``cpu``, ``cuda[:N]``, ``mps``), checked against the planner at ``context`` tokens
+    (default: the model's context, at most 16,384), logged, and recorded as ``backend.load_decision``."""
     from clef_local.planning.census import stored_format
     from clef_local.planning.hardware import detect
     from clef_local.planning.planner import DEFAULT_CONTEXT, footprint_from_release
@@ -283,8 +39,8 @@ def build_backend(release: Release, *, backend: str = "auto", device: str = "aut
     onnx_export = (Path(release.path) / "onnx").is_dir()
     decision = decide(hardware, scheme, footprint, context=context, backend=backend, dtype=dtype,
                       installed=installed_backends(), onnx_export=onnx_export,
-                      bitsandbytes=_importable("bitsandbytes"), check_memory=check_memory, source=str(release.path),
-                      onnx_cuda=hardware.kind == "cuda" and (backend == "onnx" or onnx_export) and _onnx_cuda())
+                      bitsandbytes=importable("bitsandbytes"), check_memory=check_memory, source=str(release.path),
+                      onnx_cuda=hardware.kind == "cuda" and (backend == "onnx" or onnx_export) and onnx_cuda())
     log.info("backend %s on %s, %s, %s kernel: %s%s", decision.backend, decision.device, decision.dtype,
              decision.kernel, decision.reason,
              f" (needs {decision.need_bytes / GiB:.2f} of {decision.available_bytes / GiB:.1f} GiB)"
@@ -293,6 +49,7 @@ def build_backend(release: Release, *, backend: str = "auto", device: str = "aut
     cls = getattr(importlib.import_module(module_name), class_name)
     # an ONNX export runs in the precision it was exported in unless a dtype was asked for
     asked = dtype not in (None, "auto")
-    runner = cls(release, device=decision.device, dtype=decision.dtype if decision.backend != "onnx" or asked else None)
+    runner: Backend = cls(release, device=decision.device,
+                          dtype=decision.dtype if decision.backend != "onnx" or asked else None)
     runner.load_decision = decision
     return runner

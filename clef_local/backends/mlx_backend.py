@@ -40,6 +40,7 @@ from clef_local.formats.release import HEAD_WEIGHTS, Release
 from clef_local.runtime.layout import HeadLayout
 
 if TYPE_CHECKING:
+    from clef_local.planning.choice import LoadDecision
     from clef_local.runtime.encoding import EncodedRecord
 
 log = logging.getLogger(__name__)
@@ -294,6 +295,7 @@ class MLXBackend:
     """Runs the backbone (mlx-lm) and the head (MLX, float32) for a padded batch of encoded records."""
 
     name = "mlx"
+    load_decision: LoadDecision | None = None  # set by clef_local.backends.loader
 
     def __init__(self, release: Release, *, device: str = "auto", dtype: str | None = None) -> None:
         self.release = release

@@ -26,6 +26,7 @@ from clef_local.formats.release import Release, read_json
 from clef_local.runtime.layout import pad_batch
 
 if TYPE_CHECKING:
+    from clef_local.planning.choice import LoadDecision
     from clef_local.runtime.encoding import EncodedRecord
     from clef_local.runtime.layout import HeadLayout
 
@@ -68,6 +69,7 @@ class OnnxBackend:
     """Runs ``onnx/model.onnx`` through ONNX Runtime and the head in numpy float32."""
 
     name = "onnx"
+    load_decision: LoadDecision | None = None  # set by clef_local.backends.loader
 
     def __init__(self, release: Release, *, device: str = "cpu", dtype: str | None = None) -> None:
         import onnxruntime as ort

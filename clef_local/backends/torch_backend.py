@@ -24,6 +24,7 @@ from clef_local.formats.release import QWEN3_5, Release, load_head
 from clef_local.runtime.layout import HeadLayout, pad_batch
 
 if TYPE_CHECKING:
+    from clef_local.planning.choice import LoadDecision
     from clef_local.runtime.encoding import EncodedRecord
 
 log = logging.getLogger(__name__)
@@ -144,6 +145,7 @@ class TorchBackend:
     """Runs the backbone and the head for a padded batch of encoded records."""
 
     name = "torch"
+    load_decision: LoadDecision | None = None  # set by clef_local.backends.loader
 
     def __init__(self, release: Release, *, device: str = "cpu", dtype: str | torch.dtype | None = None) -> None:
         self.release = release

@@ -97,7 +97,7 @@ def components(probe: bool = True) -> list[Component]:
 
 def report(probe: bool = True) -> dict[str, Any]:
     """Hardware, components, the backends the loader can use, and what ``auto`` would pick here."""
-    from clef_local.backends.loader import choose, installed_backends
+    from clef_local.planning.choice import choose, installed_backends
     from clef_local.planning.hardware import detect
 
     hardware = detect()

@@ -24,8 +24,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from clef_local.quality.drift import KINDS, gold_index
+from clef_local.options import add_network_flag, add_runtime_flags, load_options
 from clef_local.quality.metrics import labelled_report
+from clef_local.quality.results import gold_index
+from clef_local.runtime.schema import QUESTION_TYPES
 
 if TYPE_CHECKING:
     from clef_local.data.datasets import Example
@@ -121,18 +123,16 @@ def _questions(examples: Sequence[Example], predictions: Sequence[Prediction],
                 continue
             k = len(question.option_ids)
             gold = None if label is None else gold_index(question.option_ids, label)
-            out.append((KINDS[question.question_type], np.asarray(p[:k], dtype=np.float64), gold,
+            out.append((QUESTION_TYPES[question.question_type], np.asarray(p[:k], dtype=np.float64), gold,
                         list(question.option_ids)))
     return out
 
 
 def raw_predictions(model: ClefModel, examples: Sequence[Example], batch_size: int = 8) -> list[Prediction]:
     """Predictions at temperature 1 (any stored calibration switched off for the run)."""
-    from clef_local.quality.drift import predict_all
-
     saved, model.temperatures = model.temperatures, {}
     try:
-        return predict_all(model, [e.request for e in examples], batch_size=batch_size)
+        return model.predict([e.request for e in examples], batch_size=batch_size)
     finally:
         model.temperatures = saved
 
@@ -145,14 +145,14 @@ def fit(candidate: Sequence[Prediction], examples: Sequence[Example], *,
         rows = _questions(examples, candidate, need_labels=True)
         if not rows:
             raise ValueError("no labelled questions to fit on; pass data with \"labels\" or use --match REFERENCE")
-        for kind in KINDS:
+        for kind in QUESTION_TYPES:
             chosen = [(p, g) for k, p, g, _ in rows if k == kind and g is not None]
             if chosen:
                 temps[kind] = fit_temperature_nll([p for p, _ in chosen], [g for _, g in chosen])
         return temps
     ref_rows = _questions(examples, reference, need_labels=False)
     cand_rows = _questions(examples, candidate, need_labels=False)
-    for kind in KINDS:
+    for kind in QUESTION_TYPES:
         pairs = [(r[1], c[1]) for r, c in zip(ref_rows, cand_rows, strict=True) if r[0] == kind]
         if pairs:
             temps[kind] = fit_temperature_match([r for r, _ in pairs], [c for _, c in pairs])
@@ -164,7 +164,7 @@ def before_after(predictions: Sequence[Prediction], examples: Sequence[Example],
     """Labelled metrics per type at T = 1 and at the fitted T (from the same T = 1 predictions)."""
     rows = _questions(examples, predictions, need_labels=True)
     out: dict[str, dict[str, Any]] = {}
-    for kind in KINDS:
+    for kind in QUESTION_TYPES:
         chosen = [(p, g, o) for k, p, g, o in rows if k == kind and g is not None]
         t = temps.get(kind, 1.0)
         entry: dict[str, Any] = {"temperature": t, "fitted": kind in temps}
@@ -211,18 +211,18 @@ def main(argv: list[str] | None = None) -> int:
                         "(default: the fit data)")
     parser.add_argument("--limit", type=int, help="first N requests of each file")
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
+    add_runtime_flags(parser)  # the variant and --match's reference alike
     parser.add_argument("--out-config", type=Path, help="write the updated config.json here, leaving the model as is")
     parser.add_argument("--dry-run", action="store_true", help="fit and measure, store nothing")
     parser.add_argument("--report", type=Path, help="HTML report with ECE before/after")
     parser.add_argument("--json", type=Path, help="the result as JSON")
-    parser.add_argument("--allow-network", action="store_true", help="do not block network access during the run")
+    add_network_flag(parser)
     args = parser.parse_args(argv)
     from clef_local.airgap import airgap
     from clef_local.data.jsonl import DataFormatError, read_jsonl
     from clef_local.errors import ClefError
 
-    dtype = None if args.dtype == "auto" else args.dtype
+    options = load_options(args)
     try:
         with airgap(not args.allow_network) as network:
             import clef_local
@@ -230,10 +230,10 @@ def main(argv: list[str] | None = None) -> int:
             examples = read_jsonl(args.data, limit=args.limit)
             reference = None
             if args.match:
-                ref_model = clef_local.load(args.match, dtype=dtype)
+                ref_model = clef_local.load(args.match, **options)
                 reference = raw_predictions(ref_model, examples, args.batch_size)
                 del ref_model
-            model = clef_local.load(args.model, dtype=dtype)
+            model = clef_local.load(args.model, **options)
             temps = fit(raw_predictions(model, examples, args.batch_size), examples, reference=reference)
             measure_files = args.measure or [args.data]
             measured = [e for path in measure_files for e in read_jsonl(path, limit=args.limit)]

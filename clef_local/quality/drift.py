@@ -1,6 +1,6 @@
-"""Calibration drift of a candidate (a quantized variant) against its reference on the same requests (DESIGN §8).
+"""Calibration drift of a candidate (a quantized variant) against its reference on the same requests.
 
-Public API (stable; the UI imports these lazily):
+How drift is measured is in docs/quality.md. Public API (the UI imports these lazily):
 
 - ``question_drift(p_ref, p_cand, kind, *, question_id="", request_index=-1) -> QuestionDrift``: one question's
   two option distributions (model order) compared: ``kl`` = KL(ref ‖ cand) in nats (eps-safe, ≥ 0), ``js`` (Jensen-
@@ -14,52 +14,33 @@ Public API (stable; the UI imports these lazily):
   candidate_name=None, reference_predictions=None) -> DriftResult``: runs the requests through both loaded models
   (``ClefModel``), ``labels`` (one ``{qid: option | bool | level}`` per request, or None) adds both models'
   accuracy/macro-F1/NLL/Brier/ECE and their deltas; ``progress(done, total)`` is called after each batch.
-- ``predict_all(model, requests, *, batch_size=8, progress=None) -> list[Prediction]`` and
-  ``drift_from_predictions(ref_preds, cand_preds, requests, *, labels=None, …) -> DriftResult``: the two halves of
-  ``run_drift``, so one reference pass serves many candidates.
-- ``DriftResult.to_json() / DriftResult.from_json(dict)``: the JSON the report re-renders
-  (``clef_local.quality.report.write_report(results, html_path, *, markdown_path=None, json_path=None, title=None,
-  floor=None, network=None)``).
+- ``drift_from_predictions(ref_preds, cand_preds, requests, *, labels=None, …) -> DriftResult``: the second half of
+  ``run_drift`` (predictions come from ``ClefModel.predict``), so one reference pass serves many candidates.
 
-The command line (``clef-local drift``) lives in :mod:`clef_local.quality.drift_cli`; ``main`` here forwards to it.
+The result types live in :mod:`clef_local.quality.results`; the command line (``clef-local drift``) in
+:mod:`clef_local.quality.drift_cli`.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from clef_local.quality.metrics import labelled_report
+from clef_local.quality.results import DriftResult, Progress, QuestionDrift, QuestionRow, gold_index
+from clef_local.runtime.schema import QUESTION_TYPES
 
 if TYPE_CHECKING:
     from clef_local.model import ClefModel, Prediction
 
 log = logging.getLogger(__name__)
 
-KINDS = ("noul", "choice", "score")
 _EPS = 1e-12
-Progress = Callable[[int, int], None]
-
-
-@dataclass(frozen=True)
-class QuestionDrift:
-    """One question's candidate distribution against the reference's."""
-
-    kind: str
-    kl: float
-    js: float
-    max_abs: float
-    rms: float
-    flipped: bool
-    score_shift: float | None = None
-    question_id: str = ""
-    request_index: int = -1
 
 
 def _as_dist(p: np.ndarray, name: str) -> np.ndarray:
@@ -79,8 +60,8 @@ def _kl(p: np.ndarray, q: np.ndarray) -> float:
 def question_drift(p_ref: np.ndarray, p_cand: np.ndarray, kind: str, *, question_id: str = "",
                    request_index: int = -1) -> QuestionDrift:
     """Compare one question's reference and candidate option probabilities (same options, same order)."""
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    if kind not in QUESTION_TYPES:
+        raise ValueError(f"kind must be one of {', '.join(QUESTION_TYPES)}, got {kind!r}")
     p, q = _as_dist(p_ref, "p_ref"), _as_dist(p_cand, "p_cand")
     if p.shape != q.shape:
         raise ValueError(f"p_ref has {p.size} options and p_cand {q.size}; compare the same question's vectors")
@@ -96,10 +77,6 @@ def question_drift(p_ref: np.ndarray, p_cand: np.ndarray, kind: str, *, question
                          question_id=question_id, request_index=request_index)
 
 
-def _kind_name(question_type: int) -> str:
-    return KINDS[question_type]
-
-
 def compare_predictions(ref: Sequence[Prediction], cand: Sequence[Prediction]) -> list[QuestionDrift]:
     """Per-question drift of two aligned prediction lists (the same requests through both models)."""
     if len(ref) != len(cand):
@@ -108,7 +85,7 @@ def compare_predictions(ref: Sequence[Prediction], cand: Sequence[Prediction]) -
     for n, (r, c) in enumerate(zip(ref, cand, strict=True)):
         for question, p, q in zip(r.encoded.questions, r.probabilities, c.probabilities, strict=True):
             k = len(question.option_ids)
-            out.append(question_drift(p[:k], q[:k], _kind_name(question.question_type),
+            out.append(question_drift(p[:k], q[:k], QUESTION_TYPES[question.question_type],
                                       question_id=question.question_id, request_index=n))
     return out
 
@@ -140,66 +117,6 @@ def summarize(drifts: Sequence[QuestionDrift]) -> dict[str, Any]:
     }
 
 
-def gold_index(option_ids: Sequence[str], label: Any) -> int:
-    """The model-order index of a label (``True``/``False`` for noul, an option id for choice, a level for score)."""
-    key = ("true" if label else "false") if isinstance(label, bool) else str(label)
-    try:
-        return list(option_ids).index(key)
-    except ValueError:
-        raise ValueError(f"label {label!r} is not one of the question's options {list(option_ids)[:8]}…; "
-                         "fix the labels or the question's criteria") from None
-
-
-@dataclass
-class QuestionRow:
-    """One question as the report needs it: both distributions, the drift, the gold index (None: unlabelled)."""
-
-    request_index: int
-    question_id: str
-    kind: str
-    options: list[str]
-    p_ref: list[float]
-    p_cand: list[float]
-    drift: QuestionDrift
-    gold: int | None = None
-    state: str = ""
-
-
-@dataclass
-class DriftResult:
-    """One candidate against the reference: summary overall and per type, labelled metrics, every question."""
-
-    reference: str
-    candidate: str
-    summary: dict[str, Any]
-    by_type: dict[str, dict[str, Any]]
-    rows: list[QuestionRow]
-    labelled: dict[str, dict[str, Any]] = field(default_factory=dict)  # type → {reference, candidate, delta}
-    timing: dict[str, float] = field(default_factory=dict)
-    meta: dict[str, Any] = field(default_factory=dict)  # network state, dtypes, data source, …
-
-    def worst(self, n: int = 10) -> list[QuestionRow]:
-        """The ``n`` questions with the largest KL (flips first when KL ties)."""
-        return sorted(self.rows, key=lambda r: (r.drift.kl, r.drift.flipped), reverse=True)[:n]
-
-    def to_json(self) -> dict[str, Any]:
-        return {"format": "clef-local-drift/1", "reference": self.reference, "candidate": self.candidate,
-                "summary": self.summary, "by_type": self.by_type, "labelled": self.labelled,
-                "timing": self.timing, "meta": self.meta,
-                "rows": [{**{k: v for k, v in asdict(r).items() if k != "drift"}, "drift": asdict(r.drift)}
-                         for r in self.rows]}
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> DriftResult:
-        if data.get("format") != "clef-local-drift/1":
-            raise ValueError(f"not a clef-local drift JSON (format {data.get('format')!r}); write one with "
-                             "`clef-local drift --json`")
-        rows = [QuestionRow(**{**r, "drift": QuestionDrift(**r["drift"])}) for r in data["rows"]]
-        return cls(reference=data["reference"], candidate=data["candidate"], summary=data["summary"],
-                   by_type=data["by_type"], rows=rows, labelled=data.get("labelled", {}),
-                   timing=data.get("timing", {}), meta=data.get("meta", {}))
-
-
 def _state_snippet(record: Mapping[str, Any], limit: int = 160) -> str:
     from clef_local.runtime.encoding import render
 
@@ -210,7 +127,7 @@ def _state_snippet(record: Mapping[str, Any], limit: int = 160) -> str:
 def labelled_metrics(rows: Sequence[QuestionRow]) -> dict[str, dict[str, Any]]:
     """Per question type (and "all"): both models' accuracy, macro-F1, NLL, Brier, ECE, adaptive ECE, deltas."""
     out: dict[str, dict[str, Any]] = {}
-    for kind in (*KINDS, "all"):
+    for kind in (*QUESTION_TYPES, "all"):
         chosen = [r for r in rows if r.gold is not None and (kind == "all" or r.kind == kind)]
         if not chosen:
             continue
@@ -239,11 +156,11 @@ def drift_from_predictions(ref_preds: Sequence[Prediction], cand_preds: Sequence
             k = len(question.option_ids)
             label = labels[n].get(question.question_id) if labels is not None else None
             gold = None if label is None else gold_index(question.option_ids, label)
-            rows.append(QuestionRow(n, question.question_id, _kind_name(question.question_type),
+            rows.append(QuestionRow(n, question.question_id, QUESTION_TYPES[question.question_type],
                                     list(question.option_ids), [float(x) for x in p[:k]],
                                     [float(x) for x in q[:k]], drifts[index], gold, snippet))
             index += 1
-    by_type = {kind: summarize([d for d in drifts if d.kind == kind]) for kind in KINDS
+    by_type = {kind: summarize([d for d in drifts if d.kind == kind]) for kind in QUESTION_TYPES
                if any(d.kind == kind for d in drifts)}
     return DriftResult(reference=reference_name, candidate=candidate_name, summary=summarize(drifts),
                        by_type=by_type, rows=rows, labelled=labelled_metrics(rows), meta=dict(meta or {}))
@@ -264,14 +181,6 @@ def head_difference(reference: str | Path, candidate: str | Path) -> str | None:
         return None
     return (f"{candidate}: {' and '.join(differ)} differ from {reference}'s — this compares two different heads, "
             f"not a quantization; re-export the variant from this reference")
-
-
-def predict_all(model: ClefModel, requests: Sequence[Mapping[str, Any]], *, batch_size: int = 8,
-                progress: Progress | None = None, truncate_state: bool = False) -> list[Prediction]:
-    """``model.predict`` with ``progress(done, total)`` (kept for the UI and scripts that import it from here).
-
-    A request longer than the model's context raises ``MaxTokensExceededError`` unless ``truncate_state``."""
-    return model.predict(requests, truncate_state=truncate_state, batch_size=batch_size, progress=progress)
 
 
 def run_drift(reference: ClefModel, candidate: ClefModel, requests: Sequence[Mapping[str, Any]], *,
@@ -296,10 +205,10 @@ def run_drift(reference: ClefModel, candidate: ClefModel, requests: Sequence[Map
     started = time.perf_counter()
     ref_preds = reference_predictions
     if ref_preds is None:
-        ref_preds = predict_all(reference, requests, batch_size=batch_size, progress=step)
+        ref_preds = reference.predict(requests, batch_size=batch_size, progress=step)
         offset = len(requests)
     ref_seconds = time.perf_counter() - started
-    cand_preds = predict_all(candidate, requests, batch_size=batch_size, progress=step)
+    cand_preds = candidate.predict(requests, batch_size=batch_size, progress=step)
     cand_seconds = time.perf_counter() - started - ref_seconds
     result = drift_from_predictions(ref_preds, cand_preds, requests, labels=labels,
                                     reference_name=reference_name or str(reference.path),
@@ -308,8 +217,3 @@ def run_drift(reference: ClefModel, candidate: ClefModel, requests: Sequence[Map
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``clef-local drift``: see :mod:`clef_local.quality.drift_cli`."""
-    from clef_local.quality.drift_cli import main as cli_main
-
-    return cli_main(argv)

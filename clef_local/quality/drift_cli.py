@@ -23,8 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from clef_local.quality.drift import DriftResult, drift_from_predictions, head_difference, predict_all
+from clef_local.options import add_network_flag, add_runtime_flags
+from clef_local.quality.drift import drift_from_predictions, head_difference
 from clef_local.quality.metrics import LABEL_DELTAS
+from clef_local.quality.results import DriftResult
 
 _GATE = re.compile(r"^\s*(?:(noul|choice|score|all)\.)?([a-z_0-9]+)\s*(<=|>=|<|>)\s*([-+0-9.eE]+)\s*$")
 _ALIASES = {"flips": "flip_rate", "flip_count": "flips", "kl": "kl_mean", "js": "js_mean"}
@@ -97,7 +99,7 @@ def _run(path: str | Path, requests: list[dict[str, Any]], *, dtype: str | None,
     model = clef_local.load(path, dtype=dtype, backend=backend, device=device)
     bar = _progress(desc, len(requests), show)
     try:
-        return predict_all(model, requests, batch_size=batch_size, progress=lambda d, _t: bar.update(d - bar.n))
+        return model.predict(requests, batch_size=batch_size, progress=lambda d, _t: bar.update(d - bar.n))
     finally:
         bar.close()
         del model
@@ -121,15 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--floor-dtype", choices=["float32", "bfloat16", "float16"],
                         help="the noise floor's dtype (default: float32, or bfloat16 when --dtype is float32)")
     parser.add_argument("--floor-backend", choices=["torch", "mlx", "onnx"], help="the noise floor's backend")
-    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
-                        help="compute dtype of every model (auto: as stored)")
-    parser.add_argument("--backend", choices=["auto", "torch", "mlx", "onnx"], default="auto")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--batch-size", type=int, default=8)
+    add_runtime_flags(parser)  # every model (reference, candidates) runs with the same ones
+    parser.add_argument("--batch-size", type=int, default=8, help="requests per forward pass (default 8)")
     parser.add_argument("--report", type=Path, help="write the HTML report")
     parser.add_argument("--json", type=Path, help="write the results as JSON (re-render with clef-local report)")
     parser.add_argument("--md", type=Path, help="write the tables as Markdown")
-    parser.add_argument("--allow-network", action="store_true", help="do not block network access during the run")
+    add_network_flag(parser)
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     return parser
 

@@ -15,15 +15,16 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from clef_local.data.datasets import Example
-from clef_local.quality.drift import KINDS, gold_index
+from clef_local.options import add_model_flags, add_network_flag, load_options, model_path
 from clef_local.quality.metrics import labelled_report
+from clef_local.quality.results import EvalResult, EvalRow, gold_index
+from clef_local.runtime.schema import QUESTION_TYPES
 
 if TYPE_CHECKING:
     from clef_local.model import ClefModel, Prediction
@@ -31,46 +32,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class EvalRow:
-    """One labelled question: its type, option ids, probabilities (model order) and gold index."""
-
-    kind: str
-    options: list[str]
-    probs: list[float]
-    gold: int
-
-
-@dataclass
-class EvalResult:
-    """Metrics of one model on one data set: per type, latency and throughput, and the rows behind them."""
-
-    model: str
-    data: str
-    requests: int
-    questions: int
-    metrics: dict[str, dict[str, float]]  # type (and "all") → labelled_report
-    speed: dict[str, float]
-    rows: list[EvalRow] = field(default_factory=list)
-    meta: dict[str, Any] = field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"format": "clef-local-eval/1", **{k: v for k, v in asdict(self).items() if k != "rows"},
-                "rows": [asdict(r) for r in self.rows]}
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> EvalResult:
-        if data.get("format") != "clef-local-eval/1":
-            raise ValueError(f"not a clef-local eval JSON (format {data.get('format')!r}); write one with "
-                             "`clef-local eval --json`")
-        fields = {k: v for k, v in data.items() if k not in ("format", "rows")}
-        return cls(**fields, rows=[EvalRow(**r) for r in data.get("rows", [])])
-
-
 def metrics_by_type(rows: Sequence[EvalRow]) -> dict[str, dict[str, float]]:
     """:func:`clef_local.quality.metrics.labelled_report` per question type present, and over all questions."""
     out = {}
-    for kind in (*KINDS, "all"):
+    for kind in (*QUESTION_TYPES, "all"):
         chosen = [r for r in rows if kind in ("all", r.kind)]
         if chosen:
             out[kind] = labelled_report([np.asarray(r.probs) for r in chosen], [r.gold for r in chosen],
@@ -89,39 +54,20 @@ def _progress_bar(total: int, enabled: bool) -> Any:
     return tqdm(total=total, unit="req", disable=not enabled, file=sys.stderr, desc="eval")
 
 
-def timed_predict(model: ClefModel, requests: Sequence[dict[str, Any]], *, batch_size: int = 8,
-                  progress: Callable[[int, int], None] | None = None,
-                  truncate_state: bool = False) -> tuple[list[Prediction], list[float]]:
-    """Predictions in request order, plus the wall time of each batch (backbone and head; encoding excluded)."""
-    results: list[Prediction | None] = [None] * len(requests)
-    times: list[float] = []
-    done = 0
-    batches = model.predict_batches(requests, truncate_state=truncate_state, batch_size=batch_size)
-    began = time.perf_counter()
-    for chunk, predictions in batches:
-        times.append(time.perf_counter() - began)
-        for i, prediction in zip(chunk, predictions, strict=True):
-            results[i] = prediction
-        done += len(chunk)
-        if progress is not None:
-            progress(done, len(requests))
-        began = time.perf_counter()
-    return [r for r in results if r is not None], times
-
-
 def evaluate(model: ClefModel, examples: Sequence[Example], *, batch_size: int = 8, data_name: str = "",
              progress: Callable[[int, int], None] | None = None) -> tuple[EvalResult, list[Prediction]]:
     """Run labelled examples through ``model``; metrics per type, latency and throughput."""
     requests = [e.request for e in examples]
     started = time.perf_counter()
-    predictions, batch_times = timed_predict(model, requests, batch_size=batch_size, progress=progress)
+    batch_times: list[float] = []
+    predictions = model.predict(requests, batch_size=batch_size, progress=progress, batch_seconds=batch_times)
     wall = time.perf_counter() - started
     rows = []
     for example, pred in zip(examples, predictions, strict=True):
         for question, p in zip(pred.encoded.questions, pred.probabilities, strict=True):
             if question.question_id in example.labels:
                 k = len(question.option_ids)
-                rows.append(EvalRow(KINDS[question.question_type], list(question.option_ids),
+                rows.append(EvalRow(QUESTION_TYPES[question.question_type], list(question.option_ids),
                                     [float(x) for x in p[:k]],
                                     gold_index(question.option_ids, example.labels[question.question_id])))
     questions = sum(len(p.encoded.questions) for p in predictions)
@@ -163,17 +109,14 @@ def main(argv: list[str] | None = None) -> int:
     """``clef-local eval``: metrics, latency and throughput of a model on labelled JSONL."""
     parser = argparse.ArgumentParser(prog="clef-local eval", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="release or variant directory (default: the built-in demo model)")
+    add_model_flags(parser)
     parser.add_argument("--data", type=Path, required=True, help="labelled JSONL (see `clef-local data convert`)")
     parser.add_argument("--limit", type=int, help="first N requests only")
     parser.add_argument("--batch-size", type=int, default=8, help="requests per forward pass (default 8)")
-    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
-    parser.add_argument("--backend", choices=["auto", "torch", "mlx", "onnx"], default="auto")
-    parser.add_argument("--device", default="auto")
     parser.add_argument("--out", type=Path, help="write each request's response and labels as JSONL")
     parser.add_argument("--report", type=Path, help="write an HTML report")
     parser.add_argument("--json", type=Path, help="write the metrics (and rows, for `clef-local report`) as JSON")
-    parser.add_argument("--allow-network", action="store_true", help="do not block network access during the run")
+    add_network_flag(parser)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     if args.batch_size < 1:
@@ -185,14 +128,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with airgap(not args.allow_network) as network:
             import clef_local
-            from clef_local.demo.default import default_model_path
 
             examples = read_jsonl(args.data, limit=args.limit)
             if not examples:
                 raise DataFormatError(f"{args.data}: no requests")
-            path = Path(args.model) if args.model else default_model_path()
-            model = clef_local.load(path, dtype=None if args.dtype == "auto" else args.dtype,
-                                    backend=args.backend, device=args.device)
+            model = clef_local.load(model_path(args.model), **load_options(args))
             bar = _progress_bar(len(examples), not args.no_progress)
             result, predictions = evaluate(model, examples, batch_size=args.batch_size, data_name=str(args.data),
                                            progress=lambda done, _total: bar.update(done - bar.n))

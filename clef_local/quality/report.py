@@ -3,8 +3,9 @@
 ``write_report(results, html_path, *, evals=(), calibration=(), floor=None, markdown_path=None, json_path=None,
 title=None, network=None) -> Path``: ``results`` are :class:`~clef_local.quality.drift.DriftResult` s of any number of
 candidates against one reference (one table, one line each; ``floor``, the reference against itself in another
-dtype or backend, is shown beside them); ``evals`` :class:`~clef_local.quality.evaluate.EvalResult` s; ``calibration``
-the dicts of :func:`clef_local.quality.calibrate.CalibrationResult.to_json`. ``network`` ("off"/"on") is stated at the top.
+dtype or backend, is shown beside them); ``evals`` :class:`~clef_local.quality.results.EvalResult` s;
+``calibration`` the dicts of :func:`clef_local.quality.calibrate.CalibrationResult.to_json`. ``network``
+("off"/"on") is stated at the top.
 
     clef-local report --json drift.json [eval.json …] --html report.html [--md report.md]
 """
@@ -22,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from clef_local.quality.drift import KINDS, DriftResult
-from clef_local.quality.evaluate import EvalResult
+from clef_local.quality.results import DriftResult, EvalResult
+from clef_local.runtime.schema import QUESTION_TYPES
 
 BUNDLE = "clef-local-report/1"
 DRIFT_COLUMNS = (("questions", "questions", "d"), ("kl_mean", "KL mean", "g"), ("kl_p99", "KL p99", "g"),
@@ -67,7 +68,7 @@ def labelled_table_rows(results: Sequence[DriftResult]) -> list[list[str]]:
     rows = [["type", "metric", "reference", *[f"{_name(r.candidate)} (Δ)" for r in results]]]
     if not results:
         return rows
-    for kind in (*KINDS, "all"):
+    for kind in (*QUESTION_TYPES, "all"):
         first = results[0].labelled.get(kind)
         if not first:
             continue
@@ -145,7 +146,7 @@ def _drift_plots(results: Sequence[DriftResult]) -> list[tuple[str, str]]:
               ("p reference vs p candidate", plots.scatter_png(
                   [(_name(r.candidate), np.concatenate([q.p_ref for q in r.rows]),
                     np.concatenate([q.p_cand for q in r.rows])) for r in results if r.rows]))]
-    for kind in KINDS:
+    for kind in QUESTION_TYPES:
         labelled = [[q for q in r.rows if q.kind == kind and q.gold is not None] for r in results]
         if not labelled or not labelled[0]:
             continue
@@ -163,7 +164,7 @@ def _eval_plots(evals: Sequence[EvalResult]) -> list[tuple[str, str]]:
     from clef_local.quality import plots
 
     images = []
-    for kind in KINDS:
+    for kind in QUESTION_TYPES:
         series = [(_name(e.model), *_conf_correct([r.probs for r in e.rows if r.kind == kind],
                                                   [r.gold for r in e.rows if r.kind == kind]))
                   for e in evals if any(r.kind == kind for r in e.rows)]

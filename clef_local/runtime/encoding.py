@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from clef_local.errors import ApiUsageError, MaxTokensExceededError
+from clef_local.runtime.schema import TYPE_IDS
 
 SYSTEM_PROMPT = (
     "Read the complete state and schema. Decide every field jointly. "
@@ -24,7 +25,6 @@ SUFFIX = "\n<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nJOINT SCHE
 SCHEMA_HEADER = "\n\nSCHEMA FIELDS:\n"
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 VIDEO_PLACEHOLDER = "<|vision_start|><|video_pad|><|vision_end|>"
-QUESTION_TYPES = {"noul": 0, "choice": 1, "score": 2}
 NOUL_DEFAULTS = {
     "true": "The proposition is true or the answer is yes.",
     "false": "The proposition is false or the answer is no.",
@@ -134,7 +134,7 @@ def encode_request(
             options.append((option_id, pieces.add(option_semantics(option_id, description))))
             pieces.add("\n")
         pieces.add("END FIELD\n")
-        layout.append((str(question_id), QUESTION_TYPES[question["type"]], question_piece, options))
+        layout.append((str(question_id), TYPE_IDS[question["type"]], question_piece, options))
     suffix = pieces.add(SUFFIX)
 
     ids_of = tokenizer.encode_pieces(pieces.order)

@@ -9,7 +9,7 @@ Structural problems raise :class:`~clef_local.errors.RequestValidationError` (HT
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
@@ -38,6 +38,9 @@ DEFAULT_LIMITS = Limits()
 # Structured text (objects, arrays) is allowed wherever the API takes text; the encoder renders it as JSON.
 Text = str | dict[str, Any] | list[Any]
 QuestionType = Literal["noul", "choice", "score"]
+# The question types in the head's order: row i of its type embedding is QUESTION_TYPES[i] (docs/format.md §4).
+QUESTION_TYPES: tuple[QuestionType, ...] = get_args(QuestionType)
+TYPE_IDS: dict[str, int] = {name: i for i, name in enumerate(QUESTION_TYPES)}
 
 
 class LimitValidationError(RequestValidationError, LimitExceededError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
 import threading
@@ -57,6 +58,37 @@ def serve(model_specs: Sequence[str] = (), *, host: str = "127.0.0.1", port: int
     uvicorn.run(app, host=host, port=port, log_level=log_level,
                 timeout_graceful_shutdown=int(config.graceful_timeout_s), server_header=False)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Serve the SystemOne HTTP API (POST /v1/systemone) with dynamic batching."""
+    from clef_local.options import add_confidence_flag, add_network_flag, add_runtime_flags
+
+    parser = argparse.ArgumentParser(prog="clef-local serve", description=main.__doc__)
+    parser.add_argument("--model", action="append", metavar="NAME=DIR",
+                        help="a release to serve under NAME (repeatable; the first also answers the Jev aliases "
+                             "jev-latest and jev-preview); default: the built-in default model as clef-local")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, this machine only)")
+    parser.add_argument("--port", type=int, default=8077, help="port (default 8077)")
+    parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: no auth)")
+    parser.add_argument("--max-batch", type=int, default=8, help="most requests in one batch (1: no batching)")
+    parser.add_argument("--max-wait-ms", type=float, default=5.0,
+                        help="how long a batch waits for more requests after its first (default 5)")
+    parser.add_argument("--max-queue", type=int, default=64,
+                        help="most requests waiting; beyond it the server answers 429 with Retry-After")
+    add_confidence_flag(parser)
+    add_runtime_flags(parser, backend=False)
+    add_network_flag(parser)
+    args = parser.parse_args(argv)
+
+    from clef_local.airgap import airgap
+
+    with airgap(not args.allow_network):  # loopback and the listening socket stay allowed
+        return serve(args.model or (), host=args.host, port=args.port, api_key=args.api_key,
+                     max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, max_queue=args.max_queue,
+                     confidence=args.confidence, dtype=args.dtype,
+                     device=None if args.device == "auto" else args.device,
+                     log_level="debug" if logging.getLogger().getEffectiveLevel() <= logging.DEBUG else "info")
 
 
 class ThreadedServer:

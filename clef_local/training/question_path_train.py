@@ -28,8 +28,9 @@ from clef_local.data.datasets import Example, Twin
 from clef_local.errors import ReleaseError
 from clef_local.formats.release import read_json
 from clef_local.quality.metrics import ece
-from clef_local.runtime.encoding import QUESTION_TYPES, option_semantics
+from clef_local.runtime.encoding import option_semantics
 from clef_local.runtime.head import HeadConfig, JointSchemaHead
+from clef_local.runtime.schema import TYPE_IDS
 from clef_local.runtime.tokenizer import ReleaseTokenizer
 from clef_local.training.head_losses import logit_temperature, question_loss, twin_loss
 from clef_local.training.question_path import (
@@ -133,7 +134,7 @@ def build_questions(tokenizer: ReleaseTokenizer, encoded, gold, means, table: Le
             options.append(table.lookup(record, j))
             views.append(False)
             gold_id = question.option_ids[labels[j]] if labels[j] >= 0 else None
-            if (universe and question.question_type == QUESTION_TYPES["choice"] and gold_id in universe
+            if (universe and question.question_type == TYPE_IDS["choice"] and gold_id in universe
                     and set(question.option_ids) <= set(universe) and len(question.option_ids) < len(universe)):
                 vecs.append(record_means[j])
                 types.append(question.question_type)

@@ -37,8 +37,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from clef_local.runtime.encoding import QUESTION_TYPES, EncodedRecord
+from clef_local.runtime.encoding import EncodedRecord
 from clef_local.runtime.head import EvidenceRoutingLayer, JointSchemaHead
+from clef_local.runtime.schema import TYPE_IDS
 from clef_local.runtime.tokenizer import ReleaseTokenizer
 from clef_local.training.hidden_cache import cache_hidden_states
 from clef_local.training.question_path import field_layer_outputs, freeze_branches
@@ -47,7 +48,7 @@ from clef_local.training.splicing import state_records
 # 1e4: a choice field moves by ~1e-4 of its size when q_i changes completely; float32 layer norms over values of
 # this size stay exact to ~1e-7, and the logits move by < 1e-3.
 CHOICE_DOMINANCE = 1e4
-CHOICE = QUESTION_TYPES["choice"]
+CHOICE = TYPE_IDS["choice"]
 
 
 def zeroed_parameters(head: JointSchemaHead) -> list[str]:

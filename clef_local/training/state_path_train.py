@@ -24,8 +24,9 @@ from tqdm import tqdm
 from clef_local.data.datasets import Example, Twin
 from clef_local.formats.release import read_json
 from clef_local.quality.metrics import ece
-from clef_local.runtime.encoding import QUESTION_TYPES, render
+from clef_local.runtime.encoding import render
 from clef_local.runtime.head import HeadConfig, JointSchemaHead
+from clef_local.runtime.schema import TYPE_IDS
 from clef_local.runtime.tokenizer import ReleaseTokenizer
 from clef_local.training.head_losses import logit_temperature, question_loss, twin_loss
 from clef_local.training.question_path import LexicalTable, apply_temperature, question_means
@@ -168,7 +169,7 @@ def make_batch(rows: Sequence[int], questions: Questions, split: Split, memories
 
 
 def _needs_means(record) -> bool:
-    return any(q.question_type != QUESTION_TYPES["choice"] for q in record.questions)
+    return any(q.question_type != TYPE_IDS["choice"] for q in record.questions)
 
 
 @dataclass
@@ -243,7 +244,7 @@ def train_state_path(backbone_dir: Path, examples: Sequence[Example], out: Path,
     partner = dict(split.twin_pairs)
     transform = None
     if config.whitening > 0:
-        read_span = [(a, b) for a, b in split.twin_pairs if int(questions.types[a]) != QUESTION_TYPES["choice"]]
+        read_span = [(a, b) for a, b in split.twin_pairs if int(questions.types[a]) != TYPE_IDS["choice"]]
         transform = twin_whitening(questions.means, read_span, config.whitening)
         questions.means = questions.means @ transform
         log.info("whitening the span means by %d twin pairs (strength %g)", len(read_span), config.whitening)

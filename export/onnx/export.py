@@ -19,7 +19,8 @@ Why the joint schema head runs in numpy (:mod:`clef_local.backends.numpy_head`) 
 head's batched form indexes by a per-request layout (span means over ragged spans, scatters into padded option and
 question tensors); as a graph that is a dozen index inputs whose shapes change with every request, traced through
 sparse CSR matmuls the exporter does not take, for a computation that costs well under a millisecond per question. In
-numpy it is 200 lines that mirror :mod:`clef_local.runtime.head` line by line and are tested against it within float32 noise.
+numpy it is 200 lines that mirror :mod:`clef_local.runtime.head` line by line and are tested against it within
+float32 noise.
 
 Why the backbone's weight files stay in the directory: the head needs ``lm_head`` (kept as ``output_embedding.npy``),
 the directory stays a release that :func:`clef_local.formats.release.read_release` and the torch backend read (which is
@@ -182,10 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("onnx_ir").setLevel(logging.WARNING)  # one line per deduplicated initializer otherwise
-    if args.model is None:
-        from clef_local.demo.default import default_model_path
+    from clef_local.options import model_path
 
-        args.model = default_model_path()
+    args.model = model_path(args.model)
     try:
         summary = export_onnx(args.model, args.out, args.format, force=args.force, validate=not args.no_validate,
                               probes=args.probes)

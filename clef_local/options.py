@@ -1,0 +1,68 @@
+"""The flags every command shares, defined once: which model, on which backend, device and compute dtype, and
+whether the network stays off. Each command module's parser calls these, so the help reads the same everywhere."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+BACKENDS = ("auto", "torch", "mlx", "onnx")
+CONFIDENCES = ("jev", "reference")
+
+DTYPE_HELP = ("backbone compute dtype (default auto: the loader's choice for this machine — bfloat16 on GPUs, Apple "
+              "silicon and AMX CPUs, float32 on other CPUs); the head always runs in float32")
+BACKEND_HELP = "runtime for the backbone (default auto: chosen from the hardware and the variant, see `doctor`)"
+DEVICE_HELP = "auto, cpu, cuda, cuda:N or mps (default auto)"
+
+
+def add_model_flags(parser: argparse.ArgumentParser, *, model_help: str | None = None, backend: bool = True,
+                    device: bool = True, dtype: bool = True) -> None:
+    """``--model`` (and ``--backend``, ``--device``, ``--dtype`` unless switched off) on ``parser``."""
+    parser.add_argument("--model", type=Path,
+                        help=model_help or "release or variant directory (default: the built-in demo model)")
+    add_runtime_flags(parser, backend=backend, device=device, dtype=dtype)
+
+
+def add_runtime_flags(parser: argparse.ArgumentParser, *, backend: bool = True, device: bool = True,
+                      dtype: bool = True) -> None:
+    """``--backend``, ``--device``, ``--dtype`` (for commands whose model flag is their own)."""
+    if dtype:
+        parser.add_argument("--dtype", choices=DTYPES, default="auto", help=DTYPE_HELP)
+    if backend:
+        parser.add_argument("--backend", choices=BACKENDS, default="auto", help=BACKEND_HELP)
+    if device:
+        parser.add_argument("--device", default="auto", help=DEVICE_HELP)
+
+
+def add_network_flag(parser: argparse.ArgumentParser) -> None:
+    """``--allow-network``: commands that load a model run air-gapped unless it is given."""
+    parser.add_argument("--allow-network", action="store_true",
+                        help="do not block network access (default: air-gapped, loopback only)")
+
+
+def add_confidence_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--confidence", choices=CONFIDENCES, default="jev",
+                        help="jev: distance from uniform (default); reference: peak probability")
+
+
+def load_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``clef_local.load`` keyword arguments of the runtime flags present on ``args``."""
+    out: dict[str, Any] = {}
+    if hasattr(args, "dtype"):
+        out["dtype"] = None if args.dtype == "auto" else args.dtype
+    if hasattr(args, "backend"):
+        out["backend"] = args.backend
+    if hasattr(args, "device"):
+        out["device"] = args.device
+    return out
+
+
+def model_path(value: str | Path | None) -> Path:
+    """``--model``'s directory, or the built-in default model (built into the user cache on first use)."""
+    if value:
+        return Path(value).expanduser()
+    from clef_local.demo.default import default_model_path
+
+    return default_model_path()

@@ -20,7 +20,8 @@ import torch
 
 from clef_local.backends.quantized import kernel_counts, prepare_quantized, quantized_prefixes, swap_linears
 from clef_local.errors import ReleaseError
-from clef_local.formats.release import QWEN3_5, Release, load_head
+from clef_local.formats.release import QWEN3_5, Release
+from clef_local.runtime.head import load_head
 from clef_local.runtime.layout import HeadLayout, pad_batch
 
 if TYPE_CHECKING:

@@ -10,15 +10,10 @@ import logging
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from clef_local.errors import ReleaseError
 from clef_local.formats.head_config import HeadConfig
-
-if TYPE_CHECKING:
-    import torch
-
-    from clef_local.runtime.head import JointSchemaHead
 
 log = logging.getLogger(__name__)
 
@@ -180,24 +175,3 @@ def check_head_tensors(file: Path, expected: dict[str, tuple[int, ...]]) -> None
         problems.append("mis-shaped tensors: " + ", ".join(shapes))
     if problems:
         raise ReleaseError(f"{file} does not match {HEAD_CONFIG}: " + "; ".join(problems))
-
-
-def load_head(release: Release, *, device: str | torch.device = "cpu",
-              dtype: torch.dtype | None = None) -> JointSchemaHead:
-    """The release's joint schema head, strictly loaded, in float32 unless told otherwise, in eval mode."""
-    import torch
-    from safetensors.torch import load_file
-
-    from clef_local.runtime.head import JointSchemaHead
-
-    file = release.path / HEAD_WEIGHTS
-    with torch.device("meta"):
-        head = JointSchemaHead(release.head_config)
-    check_head_tensors(file, {name: tuple(t.shape) for name, t in head.state_dict().items()})
-    try:
-        state = load_file(str(file), device=str(device))
-    except Exception as exc:  # truncated data past a valid header
-        raise ReleaseError(f"{file}: cannot read tensor data ({exc})") from exc
-    dtype = dtype or torch.float32
-    head.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
-    return head.eval()

@@ -18,7 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from clef_local.errors import ReleaseError
 from clef_local.formats.head_config import HeadConfig
+from clef_local.formats.release import HEAD_WEIGHTS, Release, check_head_tensors
 from clef_local.runtime.layout import HeadLayout
 
 __all__ = ["HeadConfig", "JointSchemaHead"]
@@ -252,3 +254,21 @@ def _to_padded(option_values: torch.Tensor, layout: HeadLayout) -> torch.Tensor:
 
 def _padded_softmax(option_values: torch.Tensor, layout: HeadLayout) -> torch.Tensor:
     return torch.softmax(_to_padded(option_values, layout), dim=-1)
+
+
+def load_head(release: Release, *, device: str | torch.device = "cpu",
+              dtype: torch.dtype | None = None) -> JointSchemaHead:
+    """The release's joint schema head, strictly loaded, in float32 unless told otherwise, in eval mode."""
+    from safetensors.torch import load_file
+
+    file = release.path / HEAD_WEIGHTS
+    with torch.device("meta"):
+        head = JointSchemaHead(release.head_config)
+    check_head_tensors(file, {name: tuple(t.shape) for name, t in head.state_dict().items()})
+    try:
+        state = load_file(str(file), device=str(device))
+    except Exception as exc:  # truncated data past a valid header
+        raise ReleaseError(f"{file}: cannot read tensor data ({exc})") from exc
+    dtype = dtype or torch.float32
+    head.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
+    return head.eval()

@@ -28,18 +28,8 @@ from clef_local.formats.manifest import read_manifest, verify
 from clef_local.runtime.schema import validate_request
 
 
-def _datasets_or_skip() -> None:
-    from clef_local.data.datasets import datasets_dir
-
-    try:
-        datasets_dir()
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
-
-
 @pytest.fixture(scope="module")
 def probes() -> list[dict]:
-    _datasets_or_skip()
     return probe_requests()
 
 
@@ -165,7 +155,6 @@ def test_failed_validation_fails_the_export_and_removes_the_temp(tiny_llama: Pat
 @pytest.mark.skipif(importlib.util.find_spec("clef_local.backends.quantized") is None,
                     reason="the variant loader (clef_local.backends.quantized) is not there yet")
 def test_export_with_validation_end_to_end(tiny_llama: Path, tmp_path: Path, capsys) -> None:
-    _datasets_or_skip()
     out = tmp_path / "int4"
     assert quantize_main(["--model", str(tiny_llama), "--bits", "4", "--out", str(out)]) == 0
     printed = capsys.readouterr().out

@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from clef_local.data.probes import probe_requests
 from clef_local.export import validate
 from clef_local.export.quantize import main as quantize_main
 from clef_local.export.quantize import quantize_release
@@ -19,7 +20,6 @@ from clef_local.export.validate import (
     THRESHOLDS,
     ValidationFailed,
     compare,
-    probe_requests,
     validate_export,
     validate_variant,
     validation_table,

@@ -6,7 +6,7 @@
 # On the lent H200 (no network, 64 MiB carried per call): the GGUF travels in two parts. A call's carried paths
 # replace .gpu/ in the repo copy, but /tmp survives while the machine is warm (30 s), so call 1 carries
 # .gpu/gguf.part-01 and runs `mkdir -p /tmp/clef-gguf && cp .gpu/gguf.part-01 /tmp/clef-gguf/`; call 2 carries
-# .gpu/wheels .gpu/datasets .gpu/gguf.part-00 .gpu/gguf.sha256 and runs this script.
+# .gpu/wheels .gpu/gguf.part-00 .gpu/gguf.sha256 and runs this script (BANKING77 / NLU++ ship in clef_local/data).
 # Measured 2026-11-30 on the H200: conversion + default recipe (cache, 8 epochs, full evaluation) took ~5 min.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,7 +22,6 @@ if [ -d .gpu/wheels ] && [ -z "${NO_WHEELS:-}" ]; then  # NO_WHEELS=1: a local d
   export PYTHONPATH=/tmp/site
   python3 -m pip install -q --no-deps --no-build-isolation -e .
 fi
-[ -d .gpu/datasets ] && export CLEF_LOCAL_DATASETS="$PWD/.gpu/datasets"
 GGUF="$WORK/SmolLM2-135M-Instruct.Q4_1.gguf"
 if [ -f .gpu/gguf.sha256 ]; then
   parts=()

@@ -28,7 +28,7 @@ from clef_local.testing import build_tiny_release, load_reference_oracle
 
 HEADS = {
     "tiny": HeadConfig(hidden_size=64, width=32, routing_layers=1, layers=2, heads=4, feedforward=64),
-    # Clef-flash's head (shared/configs/clef-flash.joint_head_config.json).
+    # Clef-flash's head (clef_local/planning/configs/clef-flash.joint_head_config.json).
     "clef-flash": HeadConfig(hidden_size=4096, width=1024, routing_layers=2, layers=4, heads=16, feedforward=4096),
 }
 CASES = [(1, 10), (8, 10), (64, 10), (4, 255)]

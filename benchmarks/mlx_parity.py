@@ -7,7 +7,7 @@
 Both backends compute in float32 on the CPU and each runs in its own worker process: torch as installed, MLX with
 Debian's OpenBLAS preloaded (DESIGN §9: the Linux ``mlx-cpu`` wheel's reference BLAS is ~6× slower for fp32 matmuls;
 ``--no-openblas`` turns that off). Per release: max |Δp| over all questions of the probe set
-(``clef_local.export.validate.probe_requests``), decision flips (argmax changes), mean KL(torch‖mlx), and the
+(``clef_local.data.probes.probe_requests``), decision flips (argmax changes), mean KL(torch‖mlx), and the
 median latency of ``repeats`` decides of a 3-question request after one warm-up, as ms and as the MLX/torch ratio.
 """
 
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="tiny llama and qwen3_5 releases instead")
     parser.add_argument("--schemes", nargs="*", default=["int4", "int8"], help="variants to export and compare")
     parser.add_argument("--variants", nargs="*", default=[], help="SCHEME=DIR of existing variants of --model")
-    parser.add_argument("--probes", type=int, default=4, help="probe requests (export.validate.probe_requests)")
+    parser.add_argument("--probes", type=int, default=4, help="probe requests (clef_local.data.probes.probe_requests)")
     parser.add_argument("--repeats", type=int, default=3, help="timed decides of the 3-question request")
     parser.add_argument("--no-openblas", action="store_true", help="run MLX on its own reference BLAS")
     parser.add_argument("--torch-kernel", choices=["auto", "kernel"], default="auto",
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         worker(args.worker, args.backend, args.requests, args.repeats, args.torch_kernel)
         return 0
 
-    from clef_local.export.validate import probe_requests
+    from clef_local.data.probes import probe_requests
 
     rows = []
     latency: list[tuple[str, dict[str, float]]] = []

@@ -1,6 +1,6 @@
 """The README's sizing table: Clef-flash (9B) and Clef (27B) on 24/48/80/141 GB cards and 36/64/128 GB Macs.
 
-    python benchmarks/plan_table.py                                  # ../shared/configs, 16,384 tokens, batch 1
+    python benchmarks/plan_table.py                                  # packaged configs, 16,384 tokens, batch 1
     python benchmarks/plan_table.py --context 4096 --configs DIR
 
 Estimates only (clef_local.planning.planner; no tensor is loaded): the memory each format needs (cards: embed_tokens and
@@ -17,7 +17,7 @@ from clef_local.planning.census import FORMATS
 from clef_local.planning.choice import resident_census
 from clef_local.planning.estimate import best_fit, plan
 from clef_local.planning.hardware import GiB, named_device
-from clef_local.planning.planner import footprint_from_config
+from clef_local.planning.planner import CONFIGS_DIR, footprint_from_config
 
 DEVICES = ("rtx4090", "l40s", "h100", "h200", "mac-36", "mac-64", "mac-128")
 LABELS = {"rtx4090": "24 GB (RTX 4090)", "l40s": "48 GB (L40S)", "h100": "80 GB (H100)", "h200": "141 GB (H200)",
@@ -27,7 +27,8 @@ MODELS = (("Clef-flash 9B", "clef-flash"), ("Clef 27B", "clef"))
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--configs", type=Path, default=Path(__file__).resolve().parents[2] / "shared" / "configs")
+    parser.add_argument("--configs", type=Path, default=CONFIGS_DIR,
+                        help="folder holding clef-flash.config.json and clef.config.json (default: the packaged ones)")
     parser.add_argument("--context", type=int, default=16_384)
     args = parser.parse_args(argv)
     card, mac = named_device("rtx4090"), named_device("mac-64")

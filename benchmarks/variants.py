@@ -25,8 +25,9 @@ from _timing import median_ms
 
 import clef_local
 from clef_local.data.datasets import banking77_examples, banking77_intents
+from clef_local.data.probes import probe_requests
 from clef_local.export.quantize import quantize_release
-from clef_local.export.validate import compare, probe_requests
+from clef_local.export.validate import compare
 from clef_local.quality.drift import head_difference
 from clef_local.quality.metrics import classification_report
 

@@ -110,8 +110,9 @@ _CANARY = (
     '"""Canary of a tiny test release: stands for the reference code that clef-local must never run."""\n\n'
     "raise RuntimeError(\"clef-local must never import a release's joint_schema_model.py\")\n"
 )
-# The keys of Clef-flash's text and vision configs (shared/configs/clef-flash.config.json) that the shrinking
-# below does not override, kept here so an installed package builds the same bytes as a checkout.
+# The keys of Clef-flash's text config (clef_local/planning/configs/clef-flash.config.json) that the shrinking
+# below does not override, written out so the tiny release's bytes never change with that file
+# (tests/test_testing.py checks the two agree).
 _REAL_TEXT = {
     "attention_bias": False, "attention_dropout": 0.0, "hidden_act": "silu", "mlp_only_layers": [],
     "model_type": "qwen3_5_text", "mtp_use_dedicated_embeddings": False, "rms_norm_eps": 1e-06,
@@ -251,7 +252,7 @@ def _write_backbone(out: Path, backbone: str, ids: dict[str, int], vocab_size: i
 
 
 def _qwen_config_dict(ids: dict[str, int], vocab_size: int) -> dict[str, Any]:
-    """Clef-flash's real config (``shared/configs``), shrunk; its keys are kept."""
+    """Clef-flash's real config (``clef_local/planning/configs``), shrunk; its keys are kept."""
     text = json.loads(json.dumps(_REAL_TEXT))
     text.update(
         hidden_size=64, intermediate_size=128, num_hidden_layers=4, full_attention_interval=4,

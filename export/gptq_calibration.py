@@ -95,8 +95,9 @@ def calibration_dtype(source: Path, device: str) -> tuple[str | None, str]:
 
 
 def calibration_requests(n: int = REQUESTS, seed: int = SEED, root: Path | None = None) -> list[dict[str, Any]]:
-    """``n`` requests from the training splits, in the validation probes' shapes (:func:`~.validate.probe_requests`)."""
-    from clef_local.export.validate import probe_requests
+    """``n`` requests from the training splits, in the validation probes' shapes
+    (:func:`clef_local.data.probes.probe_requests`)."""
+    from clef_local.data.probes import probe_requests
 
     return probe_requests(n, seed, root, split="train")
 

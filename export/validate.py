@@ -4,7 +4,8 @@ Per question: KL(ref ‖ var) of the option distributions, a flip (the argmax ch
 probe set: mean KL, max KL, flip rate and max |Δp|; mean KL and flip rate have per-scheme thresholds
 (:data:`THRESHOLDS`, the targets of issue 4: int8/fp8 mean KL ≤ 0.002 and flips ≤ 1%, int4/nf4 mean KL ≤ 0.03 and
 flips ≤ 5%); max KL and max |Δp| are reported. The reference and the variant are loaded one after the other, so
-the peak memory is the larger of the two, not their sum.
+the peak memory is the larger of the two, not their sum. The probe set is
+:func:`clef_local.data.probes.probe_requests`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import gc
 import json
 import logging
 import math
-import random
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from clef_local.data.probes import probe_requests
 from clef_local.errors import ClefError
 
 log = logging.getLogger(__name__)
@@ -33,50 +34,11 @@ THRESHOLDS: dict[str, dict[str, float]] = {
     "int4": {"mean_kl": 0.03, "flip_rate": 0.05},
     "nf4": {"mean_kl": 0.03, "flip_rate": 0.05},
 }
-SCORE_QUESTION = ("How urgent is the customer's request?",
-                  ["not urgent", "can wait a few days", "should be handled today", "needs action right now"])
-CARD_QUESTION = "Is the customer's message about a card (a debit or credit card)?"
 _EPS = 1e-12
-_SPLITS = {"test": range(16, 20), "train": range(0, 16)}  # the BANKING77 split and its NLU++ folds
 
 
 class ValidationFailed(ClefError):
     """The variant's decisions moved more than the scheme's thresholds allow (or the variant did not load)."""
-
-
-def probe_requests(n: int = 64, seed: int = 0, root: Path | None = None, *, split: str = "test"
-                   ) -> list[dict[str, Any]]:
-    """``n`` SystemOne requests from ``clef_local.data.datasets``, the same for the same ``seed``.
-
-    Half are BANKING77 messages as a choice over 8–16 intents (the gold one included), a quarter NLU++ banking
-    messages with 4 noul questions each, the rest BANKING77 messages with a score question (urgency, 4 levels) and
-    a noul question. ``split`` "test" (validation) draws BANKING77 test and NLU++ folds 16–19; "train"
-    (calibration) BANKING77 train and folds 0–15. FileNotFoundError when the datasets cannot be found.
-    """
-    from clef_local.data.datasets import banking77_intents, banking77_request, banking77_rows, nlupp_intents, nlupp_rows
-
-    if split not in _SPLITS:
-        raise ValueError(f"split must be one of {', '.join(_SPLITS)}, not {split!r}")
-    rng = random.Random(seed)
-    intents = list(banking77_intents(root))
-    rows = banking77_rows(split, root)
-    n_choice, n_noul = n // 2, n // 4
-    requests = []
-    for text, gold in rng.sample(rows, n_choice):
-        options = [gold, *rng.sample([i for i in intents if i != gold], rng.randint(7, 15))]
-        rng.shuffle(options)
-        requests.append(banking77_request(text, options))
-    questions = nlupp_intents(root)
-    names = sorted(questions)
-    for text, _gold in rng.sample(nlupp_rows(_SPLITS[split], root), n_noul):
-        chosen = rng.sample(names, 4)
-        requests.append({"model": "clef-local", "state": text,
-                         "questions": {q: {"type": "noul", "instructions": questions[q]} for q in chosen}})
-    for text, _gold in rng.sample(rows, n - n_choice - n_noul):
-        requests.append({"model": "clef-local", "state": text, "questions": {
-            "urgency": {"type": "score", "instructions": SCORE_QUESTION[0], "criteria": list(SCORE_QUESTION[1])},
-            "about_card": {"type": "noul", "instructions": CARD_QUESTION}}})
-    return requests
 
 
 def compare(reference: Sequence[Sequence[np.ndarray]], variant: Sequence[Sequence[np.ndarray]]) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Labelled JSONL: round trip, per-line errors, and the BANKING77 / NLU++ converters on the shared datasets."""
+"""Labelled JSONL: round trip, per-line errors, and the BANKING77 / NLU++ converters on the packaged datasets."""
 
 from __future__ import annotations
 
@@ -8,17 +8,27 @@ from pathlib import Path
 import pytest
 
 from clef_local.data.convert import load_dataset, main, parse_folds
-from clef_local.data.datasets import Example, banking77_examples, evenly
+from clef_local.data.datasets import DATASETS_ENV, Example, banking77_examples, datasets_dir, evenly
 from clef_local.data.jsonl import DataFormatError, read_jsonl, write_jsonl
 
 
-def _datasets_or_skip() -> None:
-    from clef_local.data.datasets import datasets_dir
+def test_datasets_are_packaged(monkeypatch, tmp_path: Path):
+    """Without $CLEF_LOCAL_DATASETS the data is the package's own copy (a clone or wheel needs nothing beside it)."""
+    import clef_local.data
 
-    try:
+    monkeypatch.delenv(DATASETS_ENV, raising=False)
+    root = datasets_dir()
+    assert root == Path(clef_local.data.__file__).resolve().parent
+    assert (root / "banking77" / "LICENSE").is_file() and (root / "nlupp" / "LICENSE").is_file()
+    assert len(list((root / "nlupp" / "banking").glob("fold*.json"))) == 20
+    assert len(json.loads((root / "banking77" / "categories.json").read_text())) == 77
+    for line in ("BANKING77", "NLU++", "CC BY 4.0", "Casanueva"):
+        assert line in (root / "README.md").read_text(encoding="utf-8")
+    monkeypatch.setenv(DATASETS_ENV, str(root))
+    assert datasets_dir() == root
+    monkeypatch.setenv(DATASETS_ENV, str(tmp_path))  # an override without banking77/ is an error, not a fallback
+    with pytest.raises(FileNotFoundError, match=DATASETS_ENV):
         datasets_dir()
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
 
 
 def test_roundtrip(tmp_path: Path):
@@ -57,7 +67,6 @@ def test_parse_folds():
 
 
 def test_banking77_and_nlupp_loaders():
-    _datasets_or_skip()
     full = load_dataset("banking77", limit=3)
     assert len(full) == 3 and len(full[0].request["questions"]["intent"]["criteria"]) == 77
     gold = full[0].labels["intent"]
@@ -77,7 +86,6 @@ def test_banking77_and_nlupp_loaders():
 
 
 def test_convert_cli(tmp_path: Path, capsys):
-    _datasets_or_skip()
     out = tmp_path / "b.jsonl"
     assert main(["convert", "--dataset", "banking77", "--split", "test", "--limit", "4", "--k", "5",
                  "--out", str(out)]) == 0

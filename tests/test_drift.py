@@ -139,6 +139,21 @@ REQUESTS = [
 ]
 
 
+def test_builtin_probe_set_does_not_import_export() -> None:
+    """``clef-local drift`` without ``--data`` takes the probes from clef_local.data, not from the export package."""
+    import subprocess
+    import sys
+
+    code = ("import argparse, sys\n"
+            "from clef_local.quality.drift_cli import _requests\n"
+            "requests, labels, source = _requests(argparse.Namespace(data=None, limit=8))\n"
+            "assert len(requests) == 8 and labels is None and 'built-in probe set' in source\n"
+            "print(sorted(m for m in sys.modules if m.startswith('clef_local.export')))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
 def test_run_drift_self_is_zero_and_temperature_keeps_argmax(tiny_llama: Path, tempered: Path):
     import clef_local
 

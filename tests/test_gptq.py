@@ -12,9 +12,9 @@ from safetensors.torch import load_file
 import clef_local
 from clef_local import quant
 from clef_local.data.datasets import banking77_rows, nlupp_rows
+from clef_local.data.probes import probe_requests
 from clef_local.export.gptq_calibration import _record_layer_calls, _run_layer, calibration_requests
 from clef_local.export.quantize import ExportError, main, quantize_release
-from clef_local.export.validate import probe_requests
 from clef_local.quant import gptq
 
 CASES = [("int8", None, "mse"), ("fp8", None, "mse"), ("int4", 32, "mse"), ("int4", 64, "mse"), ("int4", 64, "mlx"),

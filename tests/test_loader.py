@@ -11,9 +11,9 @@ import clef_local
 from clef_local.errors import ApiUsageError, InsufficientMemoryError
 from clef_local.planning.choice import DEQUANTIZE, choose, decide
 from clef_local.planning.hardware import GiB, Hardware, named_device
+from clef_local.planning.planner import CONFIGS_DIR
 
-CONFIGS = Path(__file__).resolve().parents[2] / "shared" / "configs"
-needs_configs = pytest.mark.skipif(not (CONFIGS / "clef-flash.config.json").is_file(), reason="no shared configs")
+CONFIGS = CONFIGS_DIR  # the packaged Clef / Clef-flash shapes
 ALL = {"torch": None, "mlx": None, "onnx": None}
 NO_MLX = {"torch": None, "mlx": "mlx is not installed (pip install 'clef-local[mlx]')", "onnx": None}
 CARD_24 = named_device("rtx4090")  # 24 GB, sm_89
@@ -92,7 +92,6 @@ def test_unavailable_backends_name_the_available_ones() -> None:
         choose(CARD_24, "nf4", installed=ALL, bitsandbytes=False)
 
 
-@needs_configs
 def test_24gb_card_refuses_bf16_clef_and_suggests_4_bits(flash, clef) -> None:
     l4 = named_device("l4")  # a "24 GB" sm_89 card with 22.5 GiB usable
     with pytest.raises(InsufficientMemoryError) as info:
@@ -106,7 +105,6 @@ def test_24gb_card_refuses_bf16_clef_and_suggests_4_bits(flash, clef) -> None:
     assert decide(l4, "bf16", flash, context=16384, installed=ALL).need_bytes < l4.free_bytes
 
 
-@needs_configs
 def test_24gb_card_and_27b(clef) -> None:
     with pytest.raises(InsufficientMemoryError, match="try --bits 4"):
         decide(CARD_24, "int8", clef, context=4096, installed=ALL, source="clef")
@@ -115,7 +113,6 @@ def test_24gb_card_and_27b(clef) -> None:
         decide(CARD_24, "int4", clef, context=65536, installed=ALL)
 
 
-@needs_configs
 def test_80gb_card_holds_bf16_clef(clef) -> None:
     d = decide(CARD_80, "bf16", clef, context=16384, installed=ALL)
     assert (d.backend, d.dtype, d.kernel) == ("torch", "bfloat16", "dense")
@@ -123,7 +120,6 @@ def test_80gb_card_holds_bf16_clef(clef) -> None:
     assert decide(CARD_80, "fp8", clef, context=16384, installed=ALL).kernel == "scaled_mm_rowwise"
 
 
-@needs_configs
 def test_36gb_mac(flash, clef) -> None:
     assert decide(MAC_36, "bf16", flash, context=8192, installed=ALL).backend == "mlx"
     assert decide(MAC_36, "int4", clef, context=4096, installed=ALL).kernel == "mlx_quantized_matmul"
@@ -131,7 +127,6 @@ def test_36gb_mac(flash, clef) -> None:
         decide(MAC_36, "nf4", clef, context=4096, installed=ALL)  # dequantized at load: bf16-sized
 
 
-@needs_configs
 def test_8gb_cpu_box(flash) -> None:
     with pytest.raises(InsufficientMemoryError) as info:
         decide(CPU_8, "int4", flash, context=4096, installed=ALL)

@@ -32,7 +32,7 @@ THREE = {"model": "clef-local", "state": "My card payment was declined twice at 
 
 @pytest.fixture(scope="module")
 def probes() -> list[dict]:
-    from clef_local.export.validate import probe_requests
+    from clef_local.data.probes import probe_requests
 
     return probe_requests(4, seed=3)
 
@@ -274,8 +274,8 @@ print(json.dumps([[list(map(float, p)) for p in r.probabilities] for r in model.
 @pytest.mark.slow
 def test_demo_model_parity(demo_release: Path, tmp_path: Path) -> None:
     """bf16 reference (run in float32), int4 and int8 of the demo model: MLX vs torch on 2 probes + THREE."""
+    from clef_local.data.probes import probe_requests
     from clef_local.export.quantize import quantize_release
-    from clef_local.export.validate import probe_requests
 
     requests = [THREE, *probe_requests(2, seed=5)]
     env = dict(os.environ)

@@ -127,7 +127,7 @@ def test_numpy_head_matches_torch_head(tiny_llama: Path) -> None:
     import clef_local
     from clef_local.backends.numpy_head import NumpyHead
     from clef_local.backends.torch_backend import collate
-    from clef_local.export.validate import probe_requests
+    from clef_local.data.probes import probe_requests
     from clef_local.runtime.layout import build_layout
 
     model = clef_local.load(tiny_llama, backend="torch", dtype="float32")
@@ -150,8 +150,8 @@ def test_numpy_head_matches_torch_head(tiny_llama: Path) -> None:
     pytest.param("llama", "fp16", marks=pytest.mark.slow)])
 def test_parity_with_torch_backend(exports: Exports, backbone: str, fmt: str) -> None:
     """fp32/int8/int4: rel |Δh| ≤ 1e-4, |Δp| ≤ 1e-3; fp16 (on the CPU provider here): 1e-2 and 2e-2."""
+    from clef_local.data.probes import probe_requests
     from clef_local.export.onnx.validate import TOLERANCES, run_parity
-    from clef_local.export.validate import probe_requests
 
     out = exports(backbone, fmt)
     result = run_parity(out, probe_requests(PROBES, seed=3))
@@ -256,7 +256,8 @@ def test_cuda_provider_matches_cpu(exports: Exports) -> None:
     """benchmarks/gpu_check.sh runs this (pytest -m cuda) where onnxruntime-gpu is installed."""
     import clef_local
     from clef_local.backends.onnx_backend import OnnxBackend
-    from clef_local.export.validate import compare, probe_requests
+    from clef_local.data.probes import probe_requests
+    from clef_local.export.validate import compare
 
     requests = probe_requests(PROBES, seed=5)
     for fmt in ("fp32", "int4", "int8"):

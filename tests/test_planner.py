@@ -13,10 +13,16 @@ from clef_local.formats.release import read_release
 from clef_local.planning.census import census_from_release, read_safetensors_header
 from clef_local.planning.estimate import ModelDims, activations, best_fit, max_context, plan
 from clef_local.planning.hardware import GiB, named_device
-from clef_local.planning.planner import footprint_from_config, footprint_from_release, main
+from clef_local.planning.planner import (
+    CONFIGS_DIR,
+    footprint_from_config,
+    footprint_from_release,
+    main,
+    packaged_config,
+    resolve_config,
+)
 
-CONFIGS = Path(__file__).resolve().parents[2] / "shared" / "configs"
-needs_configs = pytest.mark.skipif(not (CONFIGS / "clef-flash.config.json").is_file(), reason="no shared configs")
+CONFIGS = CONFIGS_DIR  # the packaged Clef / Clef-flash shapes
 
 
 def _stored_bytes(files: list[Path]) -> int:
@@ -84,7 +90,6 @@ def test_weight_bytes_of_the_demo_model_are_exact(demo_release: Path) -> None:
     assert census.lm_head == 0  # SmolLM2 ties lm_head to embed_tokens
 
 
-@needs_configs
 def test_config_census_matches_design_facts() -> None:
     flash = footprint_from_config(CONFIGS / "clef-flash.config.json", ("bf16", "int4")).censuses
     params = flash["bf16"].params
@@ -109,7 +114,6 @@ def test_activation_terms_for_a_llama() -> None:
     assert activations(dims, 2048, 1, "bfloat16").per_token < acts.per_token
 
 
-@needs_configs
 def test_qwen3_5_linear_attention_dominates_the_torch_prefill() -> None:
     footprint = footprint_from_config(CONFIGS / "clef-flash.config.json", ("bf16",))
     acts = activations(footprint.dims, 16384, 1, "bfloat16")
@@ -117,7 +121,6 @@ def test_qwen3_5_linear_attention_dominates_the_torch_prefill() -> None:
     assert 2 * GiB < acts.total < 6 * GiB
 
 
-@needs_configs
 def test_best_fit_and_max_context_on_named_devices() -> None:
     footprint = footprint_from_config(CONFIGS / "clef.config.json")
     card = named_device("rtx4090")
@@ -128,6 +131,22 @@ def test_best_fit_and_max_context_on_named_devices() -> None:
     longest = max_context(footprint.censuses["int4"], footprint.dims, card)
     assert plan(footprint.censuses["int4"], footprint.dims, card, context=longest).fits
     assert not plan(footprint.censuses["int4"], footprint.dims, card, context=longest + 256).fits
+
+
+def test_plan_command_resolves_the_packaged_config_names(capsys: pytest.CaptureFixture[str]) -> None:
+    assert resolve_config("clef") == packaged_config("clef") == CONFIGS_DIR / "clef.config.json"
+    assert resolve_config("clef-flash").is_file() and (CONFIGS_DIR / "clef-flash.joint_head_config.json").is_file()
+    assert resolve_config(str(CONFIGS_DIR / "clef.config.json")) == CONFIGS_DIR / "clef.config.json"  # a path works
+    assert main(["--config", "clef-flash", "--device", "h100", "--context", "4096", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["model"] == "clef-flash" and out["best"] == "bf16"
+    assert main(["--config", str(CONFIGS_DIR / "clef.config.json"), "--device", "rtx4090"]) == 0
+    assert "best precision that fits: int4" in capsys.readouterr().out
+    assert main(["--config", "clef-max", "--device", "h100"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown config 'clef-max'" in err and "clef, clef-flash" in err
+    with pytest.raises(ValueError, match="packaged ones are clef, clef-flash"):
+        packaged_config("clef.config.json")
 
 
 def test_plan_command_on_a_tiny_release(tiny_qwen: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -5,22 +5,19 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
 
+from clef_local.planning.planner import CONFIGS_DIR
 from clef_local.quant import predicate
 
-# shared/ sits beside the checkout (here and in CI); the tests skip without it.
-CONFIGS = Path(__file__).resolve().parents[2] / "shared" / "configs"
+CONFIGS = CONFIGS_DIR  # the packaged Clef / Clef-flash shapes
 
 
 def _meta_shapes(config_name: str) -> dict[str, tuple[int, ...]]:
     transformers = pytest.importorskip("transformers")
     path = CONFIGS / config_name
-    if not path.is_file():
-        pytest.skip(f"{path} missing")
     config = transformers.Qwen3_5Config.from_dict(json.loads(path.read_text()))
     with torch.device("meta"):
         model = transformers.Qwen3_5ForConditionalGeneration(config)

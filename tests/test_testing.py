@@ -215,3 +215,12 @@ def test_deterministic(releases: dict[str, Path], tmp_path: Path) -> None:
     llama = build_tiny_release(tmp_path / "llama", "llama", shards=3)
     for shard in sorted(llama.glob("model-*.safetensors")):
         assert _sha256(shard) == _sha256(releases["llama"] / shard.name)
+
+
+def test_real_text_keys_match_the_packaged_clef_flash_config() -> None:
+    """The tiny Qwen release copies the unshrunk keys of Clef-flash's packaged text config verbatim."""
+    from clef_local.planning.planner import packaged_config
+    from clef_local.testing import _REAL_TEXT
+
+    text = json.loads(packaged_config("clef-flash").read_text(encoding="utf-8"))["text_config"]
+    assert {key: text[key] for key in _REAL_TEXT} == _REAL_TEXT

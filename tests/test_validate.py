@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from clef_local.data.probes import probe_requests
 from clef_local.export import validate
 from clef_local.export.quantize import main as quantize_main
 from clef_local.export.quantize import quantize_release
@@ -19,7 +20,6 @@ from clef_local.export.validate import (
     THRESHOLDS,
     ValidationFailed,
     compare,
-    probe_requests,
     validate_export,
     validate_variant,
     validation_table,
@@ -28,18 +28,8 @@ from clef_local.formats.manifest import read_manifest, verify
 from clef_local.runtime.schema import validate_request
 
 
-def _datasets_or_skip() -> None:
-    from clef_local.data.datasets import datasets_dir
-
-    try:
-        datasets_dir()
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
-
-
 @pytest.fixture(scope="module")
 def probes() -> list[dict]:
-    _datasets_or_skip()
     return probe_requests()
 
 
@@ -165,7 +155,6 @@ def test_failed_validation_fails_the_export_and_removes_the_temp(tiny_llama: Pat
 @pytest.mark.skipif(importlib.util.find_spec("clef_local.backends.quantized") is None,
                     reason="the variant loader (clef_local.backends.quantized) is not there yet")
 def test_export_with_validation_end_to_end(tiny_llama: Path, tmp_path: Path, capsys) -> None:
-    _datasets_or_skip()
     out = tmp_path / "int4"
     assert quantize_main(["--model", str(tiny_llama), "--bits", "4", "--out", str(out)]) == 0
     printed = capsys.readouterr().out

@@ -1,6 +1,7 @@
 """Labelled evaluation data as SystemOne requests: BANKING77 (choice) and NLU++ banking (noul per intent).
 
-The files are read from ``../shared/datasets`` of a checkout or from ``$CLEF_LOCAL_DATASETS``; nothing is
+The files ship inside the package (``clef_local/data/banking77`` and ``clef_local/data/nlupp``, CC BY 4.0, see
+``clef_local/data/README.md``); ``$CLEF_LOCAL_DATASETS`` may name another folder with the same layout. Nothing is
 downloaded. Each :class:`Example` is a request plus the gold answer of each question (``labels``: the option id
 of a choice, ``True``/``False`` of a noul, the level index of a score).
 """
@@ -14,9 +15,11 @@ import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cache
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
+DATASETS_ENV = "CLEF_LOCAL_DATASETS"  # overrides the packaged datasets folder
 BANKING77_INSTRUCTIONS = "Which banking intent does the customer's message express?"
 NLUPP_DOMAINS = ("general", "banking")  # the banking folds use these intents (hotels ones never occur there)
 
@@ -54,15 +57,27 @@ class Twin:
     same: dict[str, str]
 
 
+def packaged_datasets_dir() -> Path:
+    """The folder inside the installed package that holds ``banking77/`` and ``nlupp/``."""
+    packaged = resources.files("clef_local.data")
+    if not isinstance(packaged, Path):  # e.g. imported from a zip: the CSV/JSON files are not on disk
+        raise FileNotFoundError(f"the packaged datasets are not a folder on disk ({packaged}); set "
+                                f"{DATASETS_ENV} to a folder holding banking77/ and nlupp/")
+    return packaged
+
+
 def datasets_dir() -> Path:
-    """``$CLEF_LOCAL_DATASETS``, else ``shared/datasets`` beside this checkout or the working directory."""
-    candidates = [os.environ.get("CLEF_LOCAL_DATASETS")]
-    candidates += [str(Path(__file__).resolve().parents[2] / "shared" / "datasets"), "../shared/datasets"]
-    for candidate in candidates:
-        if candidate and (Path(candidate) / "banking77").is_dir():
-            return Path(candidate)
-    raise FileNotFoundError("BANKING77/NLU++ not found: set CLEF_LOCAL_DATASETS to the folder holding banking77/ "
-                            "and nlupp/ (../shared/datasets in a checkout)")
+    """``$CLEF_LOCAL_DATASETS`` when set, else the datasets packaged with clef-local.
+
+    A ``$CLEF_LOCAL_DATASETS`` without ``banking77/`` is an error rather than a silent fallback, so an override
+    that is mistyped does not quietly evaluate on other data.
+    """
+    override = os.environ.get(DATASETS_ENV)
+    root = Path(override) if override else packaged_datasets_dir()
+    if not (root / "banking77").is_dir() or not (root / "nlupp").is_dir():
+        where = f"{DATASETS_ENV}={override}" if override else f"the packaged folder {root}"
+        raise FileNotFoundError(f"BANKING77/NLU++ not found in {where}: it must hold banking77/ and nlupp/")
+    return root
 
 
 @cache

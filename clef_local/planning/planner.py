@@ -1,12 +1,14 @@
 """``clef-local plan``: will a release or variant fit a device, in which format, before loading a tensor (DESIGN §6).
 
     clef-local plan --model ~/models/clef-flash                       # every format on this machine
-    clef-local plan --config clef.config.json --device rtx4090 --context 16384 --explain
+    clef-local plan --config clef --device rtx4090 --context 16384 --explain   # packaged Clef shape
+    clef-local plan --config path/to/config.json --device h100
     clef-local plan --model DIR-int4 --device mac-36 --json
 
 Weights come from the safetensors headers (exact; a variant is read as stored) or, for a bare ``config.json``, from
 the architecture built on the meta device (:mod:`clef_local.planning.census`); activations, overhead and the verdict
-from :mod:`clef_local.planning.estimate`. The library entry point is :func:`plan_release`.
+from :mod:`clef_local.planning.estimate`. The library entry point is :func:`plan_release`. The shapes of Clef and
+Clef-flash ship in ``clef_local/planning/configs`` (:func:`packaged_config`; ``--config clef`` / ``clef-flash``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,31 @@ from clef_local.planning.estimate import DTYPE_SIZE, ModelDims, Plan, best_fit, 
 from clef_local.planning.hardware import GiB, Hardware, resolve_device
 
 DEFAULT_CONTEXT = 16_384  # the reference's max_length (DESIGN §2.1)
+CONFIGS_DIR = Path(__file__).resolve().parent / "configs"  # NAME.config.json + NAME.joint_head_config.json
+PACKAGED_CONFIGS = ("clef", "clef-flash")  # the published shapes of Cloudflare/clef and Cloudflare/clef-flash
+
+
+def packaged_config(name: str) -> Path:
+    """The packaged ``NAME.config.json`` of ``clef`` or ``clef-flash`` (its joint head config lies beside it)."""
+    if name not in PACKAGED_CONFIGS:
+        raise ValueError(f"unknown config {name!r}: the packaged ones are {', '.join(PACKAGED_CONFIGS)}")
+    return CONFIGS_DIR / f"{name}.config.json"
+
+
+def resolve_config(value: str | Path) -> Path:
+    """A ``--config`` value as a file: a packaged name (``clef``, ``clef-flash``) or a path to a ``config.json``.
+
+    A bare word that is neither a packaged name nor an existing file is an error listing the known names; anything
+    that looks like a path (a separator or a ``.json`` suffix) is returned for the reader to check.
+    """
+    text = str(value)
+    if text in PACKAGED_CONFIGS:
+        return packaged_config(text)
+    path = Path(text).expanduser()
+    if path.exists() or "/" in text or "\\" in text or text.endswith(".json"):
+        return path
+    raise ValueError(f"unknown config {text!r}: give a path to a config.json or one of the packaged names "
+                     f"({', '.join(PACKAGED_CONFIGS)})")
 
 
 @dataclass(frozen=True)
@@ -136,7 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--model", type=Path, help="release or variant directory (default: the demo model)")
-    source.add_argument("--config", type=Path, help="a bare config.json (architecture only, no weights)")
+    source.add_argument("--config", help="a bare config.json (architecture only, no weights), or the packaged "
+                        f"shape of {' / '.join(PACKAGED_CONFIGS)} by name")
     parser.add_argument("--head-config", type=Path, help="joint_head_config.json for --config (default: beside it)")
     parser.add_argument("--format", default="all", choices=[*FORMATS, "all"], help="format to plan (default: all)")
     parser.add_argument("--group-size", type=int, default=DEFAULT_GROUP_SIZE, help="int4 group / nf4 block size")
@@ -162,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         hardware = resolve_device(args.device)
         if args.config is not None:
-            footprint = footprint_from_config(args.config, formats, args.group_size, args.head_config)
+            footprint = footprint_from_config(resolve_config(args.config), formats, args.group_size,
+                                              args.head_config)
         else:
             if args.model is None:
                 from clef_local.demo.default import default_model_path

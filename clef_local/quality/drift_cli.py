@@ -4,7 +4,7 @@
         [--limit N] [--gate "flips<=0.01,kl_mean<=0.002"] [--floor] [--report r.html] [--json r.json] [--md r.md]
 
 Without ``--data`` a built-in probe set is used (64 BANKING77 / NLU++ requests, see
-``clef_local.export.validate.probe_requests``). Gates are comma-separated ``metric OP value`` (OP one of ``<= < >=
+``clef_local.data.probes.probe_requests``). Gates are comma-separated ``metric OP value`` (OP one of ``<= < >=
 >``); a metric may be prefixed by a question type (``choice.kl_mean<=0.01``). Metrics: the drift summary's
 (``kl_mean kl_p50 kl_p99 kl_max js_mean max_abs_max max_abs_mean rms_mean flip_rate score_shift_mean
 score_shift_mean_abs``; ``flips`` means the flip *rate*, ``flip_count`` the count) and, with labels, the
@@ -142,7 +142,7 @@ def _requests(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict
             raise ValueError(f"{args.data}: no requests")
         labels = [e.labels for e in examples]
         return [e.request for e in examples], (labels if any(labels) else None), str(args.data)
-    from clef_local.export.validate import probe_requests
+    from clef_local.data.probes import probe_requests
 
     n = args.limit or 64
     return probe_requests(n), None, f"built-in probe set ({n} requests)"

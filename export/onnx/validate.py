@@ -1,7 +1,7 @@
 """Validation of an ONNX export (optimum's habit): the exported graph against the torch backend, per output.
 
 Both backends run the same directory (the export's own release files: the source's weights, or the variant's), the
-torch one in float32, on the probe set of :func:`clef_local.export.validate.probe_requests`, in padded batches of 8
+torch one in float32, on the probe set of :func:`clef_local.data.probes.probe_requests`, in padded batches of 8
 (so the dynamic batch axis is exercised with real padding), plus one probe alone and inside a batch of 3 (the
 ``batch_consistency`` check). Outputs and tolerances (:data:`TOLERANCES`):
 
@@ -118,7 +118,8 @@ def checks(result: Mapping[str, Any], tolerances: Mapping[str, float]) -> list[d
 def validate_onnx(directory: Path, fmt: str, n: int = 64, seed: int = 0) -> dict[str, Any]:
     """Run :func:`run_parity` on ``n`` probes, write ``onnx/validation.json``, raise ``ValidationFailed`` when a
     tolerance is exceeded; skipped (and recorded) when the probe set cannot be read."""
-    from clef_local.export.validate import ValidationFailed, probe_requests
+    from clef_local.data.probes import probe_requests
+    from clef_local.export.validate import ValidationFailed
 
     started = time.perf_counter()
     target = directory / "onnx" / VALIDATION

@@ -102,3 +102,81 @@ def test_describe_reports_the_release(qwen_model):
     assert info["head_config"]["width"] == 32 and info["head_dtype"] == "float32"
     assert info["backbone_dtype"] == "float32" and info["vision_tower"] is True
     assert info["context"] == 16384
+
+
+def _rewrite_header(file: Path, edit) -> None:
+    """Rewrite ``file``'s JSON header with ``edit(header, last)`` (``last``: the tensor whose data ends the file),
+    keeping its data section as it is."""
+    raw = file.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    last = max((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][1])
+    edit(header, header[last])
+    new = json.dumps(header).encode()
+    file.write_bytes(len(new).to_bytes(8, "little") + new + raw[8 + n :])
+
+
+def _truncate(file: Path) -> None:
+    file.write_bytes(file.read_bytes()[:-100])
+
+
+def _offsets_past_the_end(file: Path) -> None:
+    def edit(header, last):
+        last["data_offsets"] = [x + 1_000_000 for x in last["data_offsets"]]
+
+    _rewrite_header(file, edit)
+
+
+def _wrong_shape(file: Path) -> None:
+    def edit(header, last):
+        last["shape"] = [*last["shape"][:-1], last["shape"][-1] + 1] if last["shape"] else [2]
+
+    _rewrite_header(file, edit)
+
+
+def _garble_header(file: Path) -> None:
+    raw = file.read_bytes()
+    file.write_bytes(raw[:8] + b"#" + raw[9:])  # the JSON object's opening brace
+
+
+CORRUPTIONS = {
+    "truncated": (_truncate, r"truncated: data section of \d+ bytes, the header's offsets need \d+"),
+    "offsets-past-the-end": (_offsets_past_the_end, r"past the end of the data section"),
+    "wrong-shape": (_wrong_shape, r"spans \d+ bytes, its dtype and shape \(\w+ \[[\d, ]*\]\) need \d+"),
+    "garbled-header": (_garble_header, r"garbled header: "),
+}
+
+
+@pytest.mark.parametrize("weights", ["model.safetensors", "joint_head.safetensors"])
+@pytest.mark.parametrize("corruption", list(CORRUPTIONS))
+def test_a_corrupted_weight_file_fails_to_load_with_one_line(release_copy: Path, weights: str,
+                                                             corruption: str) -> None:
+    """Truncated data, bogus offsets, a shape that does not fill its span, a garbled header: one ReleaseError naming
+    the file and what is wrong, from clef_local.load and from the torch backend itself (which checks every header
+    before safetensors or transformers read a byte of data)."""
+    from clef_local.backends.torch_backend import TorchBackend
+
+    file = release_copy / weights
+    corrupt, message = CORRUPTIONS[corruption]
+    corrupt(file)
+    release = read_release(release_copy)  # no manifest: the configs and the file list are all it checks
+    for load in (lambda: clef_local.load(release_copy, dtype="float32"),
+                 lambda: TorchBackend(release, dtype="float32")):
+        with pytest.raises(ReleaseError, match=message) as info:
+            load()
+        assert str(info.value).startswith(f"{file}: ") and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("corruption", list(CORRUPTIONS))
+def test_cli_decide_on_a_corrupted_release_prints_one_error_line(release_copy: Path, corruption: str) -> None:
+    import subprocess
+    import sys
+
+    file = release_copy / "model.safetensors"
+    CORRUPTIONS[corruption][0](file)
+    result = subprocess.run([sys.executable, "-m", "clef_local.cli", "decide", "--model", str(release_copy),
+                             "--example", "triage"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {file}: "), result.stderr
+    assert result.stdout == ""

@@ -1,8 +1,8 @@
 """A release's backbone tensors for the MLX backend: read without torch, quantized layers mapped onto MLX arrays.
 
-Safetensors files are read with numpy (the format is an 8-byte header length, a JSON header and raw little-endian
-data), so BF16 and F8_E4M3 tensors, which numpy cannot name, come back as their bit patterns and are decoded here
-exactly (BF16 → float32 is a 16-bit shift; e4m3fn through a 256-entry table).
+Safetensors files are read with numpy (:func:`clef_local.formats.safetensors.read_arrays`: the header checked, the
+data memory-mapped), so BF16 and F8_E4M3 tensors, which numpy cannot name, come back as their bit patterns and are
+decoded here exactly (BF16 → float32 is a 16-bit shift; e4m3fn through a 256-entry table).
 
 Quantized linears (DESIGN §5; the scheme is ``config.json`` ``quantization_config.clef_local.scheme``) become one
 :class:`QuantizedLayer` each:
@@ -32,15 +32,10 @@ from typing import Any
 import numpy as np
 
 from clef_local.errors import ReleaseError
+from clef_local.formats.safetensors import DTYPES, read_arrays, read_header
 
 log = logging.getLogger(__name__)
 
-# safetensors dtype name -> numpy dtype of the stored bits (BF16 and F8 as raw integers, decoded later)
-_STORED = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F8_E4M3": np.uint8,
-    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "U16": np.uint16,
-    "U32": np.uint32, "U64": np.uint64, "BOOL": np.bool_,
-}
 FLOATING = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3"})
 SCHEMES = ("int4", "int8", "nf4", "fp8")
 DEQUANTIZED = frozenset({"nf4", "fp8"})
@@ -62,7 +57,8 @@ class Stored:
         if self.dtype == "F8_E4M3":
             return E4M3_TABLE[self.array]
         if self.dtype not in FLOATING:
-            raise ReleaseError(f"a {self.dtype} tensor has no float value (expected a floating tensor)")
+            what = "MLX backend cannot decode it" if DTYPES[self.dtype].floating else "expected a floating tensor"
+            raise ReleaseError(f"a {self.dtype} tensor has no float value ({what})")
         return self.array.astype(np.float32)
 
 
@@ -82,26 +78,10 @@ E4M3_TABLE = _e4m3fn_table()
 
 
 def read_safetensors(file: Path) -> dict[str, Stored]:
-    """Every tensor of a safetensors file as a numpy array over a read-only memory map (no copy, no torch)."""
-    try:
-        with open(file, "rb") as handle:
-            size = int.from_bytes(handle.read(8), "little")
-            header = json.loads(handle.read(size))
-        data = np.memmap(file, dtype=np.uint8, mode="r", offset=8 + size)
-    except (OSError, ValueError) as exc:  # ValueError: bad JSON or an empty data section
-        raise ReleaseError(f"{file}: not a readable safetensors file ({exc})") from exc
-    out: dict[str, Stored] = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        stored = _STORED.get(info["dtype"])
-        if stored is None:
-            raise ReleaseError(f"{file}: tensor {name} has unsupported dtype {info['dtype']}")
-        start, end = info["data_offsets"]
-        if end > data.size:
-            raise ReleaseError(f"{file}: tensor {name} ends at byte {end}, past the file's data ({data.size})")
-        out[name] = Stored(data[start:end].view(stored).reshape(info["shape"]), info["dtype"])
-    return out
+    """Every tensor of a safetensors file as a numpy array over a read-only memory map (no copy, no torch), after
+    :func:`clef_local.formats.safetensors.read_header` has checked the header against the file."""
+    header = read_header(file)
+    return {name: Stored(array, header[name].dtype) for name, array in read_arrays(file, header=header).items()}
 
 
 def variant_scheme(config: Mapping[str, Any]) -> tuple[str | None, int | None]:

@@ -13,9 +13,7 @@ widened to float32 exactly), so the ``safetensors`` package is not needed either
 
 from __future__ import annotations
 
-import json
 import math
-import mmap
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,12 +22,11 @@ import numpy as np
 
 from clef_local.errors import ReleaseError
 from clef_local.formats.head_config import HeadConfig
+from clef_local.formats.safetensors import DTYPES, read_arrays, read_header
 from clef_local.runtime.layout import HeadLayout
 
 _MAX_LOG_SCALE = math.log(100.0)
 _LN_EPS = 1e-5
-_NP_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I64": np.int64, "I32": np.int32,
-              "I16": np.int16, "I8": np.int8, "U8": np.uint8, "U16": np.uint16, "U32": np.uint32, "BOOL": np.bool_}
 
 
 def bf16_to_float32(bits: np.ndarray) -> np.ndarray:
@@ -39,28 +36,18 @@ def bf16_to_float32(bits: np.ndarray) -> np.ndarray:
 
 def read_safetensors(file: Path, select: Callable[[str], bool] | None = None) -> dict[str, np.ndarray]:
     """Every tensor of a safetensors file as a numpy array (BF16 as float32), without torch or ``safetensors``;
-    with ``select``, only the tensors whose names it accepts (the file is memory-mapped: the rest is never read)."""
-    try:
-        with file.open("rb") as handle:
-            raw = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
-        (header_len,) = np.frombuffer(raw[:8], dtype="<u8")
-        header = json.loads(raw[8 : 8 + int(header_len)])
-    except (OSError, ValueError) as exc:
-        raise ReleaseError(f"{file}: not a readable safetensors file ({exc})") from exc
-    base = 8 + int(header_len)
+    with ``select``, only the tensors whose names it accepts (the file is memory-mapped: the rest is never read).
+    The header is checked first (:func:`clef_local.formats.safetensors.read_header`)."""
+    header = read_header(file)
     out: dict[str, np.ndarray] = {}
-    for name, info in header.items():
-        if name == "__metadata__" or (select is not None and not select(name)):
-            continue
-        begin, end = (base + int(x) for x in info["data_offsets"])
-        dtype = info["dtype"]
+    for name, raw in read_arrays(file, select, header=header).items():
+        dtype = header[name].dtype
         if dtype == "BF16":
-            array = bf16_to_float32(np.frombuffer(raw[begin:end], dtype="<u2"))
-        elif dtype in _NP_DTYPES:
-            array = np.frombuffer(raw[begin:end], dtype=np.dtype(_NP_DTYPES[dtype]).newbyteorder("<")).copy()
+            out[name] = bf16_to_float32(raw)
+        elif DTYPES[dtype].exact:
+            out[name] = np.array(raw)  # a copy: the map is not kept open
         else:
             raise ReleaseError(f"{file}: tensor {name} has dtype {dtype}, which the numpy head cannot read")
-        out[name] = array.reshape(info["shape"])
     return out
 
 

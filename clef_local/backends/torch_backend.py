@@ -20,7 +20,9 @@ import torch
 
 from clef_local.backends.quantized import kernel_counts, prepare_quantized, quantized_prefixes, swap_linears
 from clef_local.errors import ReleaseError
-from clef_local.formats.release import QWEN3_5, Release
+from clef_local.formats.release import QWEN3_5, SINGLE_WEIGHTS, WEIGHTS_INDEX, Release, find_weight_files
+from clef_local.formats.safetensors import DTYPES as SAFETENSORS_DTYPES
+from clef_local.formats.safetensors import read_header
 from clef_local.runtime.head import load_head
 from clef_local.runtime.layout import HeadLayout, pad_batch
 
@@ -31,13 +33,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# safetensors header dtype names -> torch dtypes (what a release or variant may hold)
-SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
-    "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "U16": torch.uint16, "U32": torch.uint32,
-    "U64": torch.uint64, "BOOL": torch.bool,
-}
 
 
 def resolve_dtype(name: str | torch.dtype | None, release: Release) -> torch.dtype:
@@ -80,11 +75,16 @@ class TorchBackbone:
         self.scheme = variant_scheme(config)
         self.device = torch.device(device)
         self.dtype = dtype
+        path = Path(path)
+        if weight_files is None and (self.scheme is not None or (path / SINGLE_WEIGHTS).is_file()
+                                     or (path / WEIGHTS_INDEX).is_file()):
+            weight_files = find_weight_files(path)  # a variant must have them; a bare backbone may hold other files
+        weight_files = tuple(weight_files or ())
+        # Every header checked against its file first: a truncated or garbled file is one ReleaseError naming it,
+        # never a traceback from inside safetensors or transformers.
+        for file in weight_files:
+            read_header(file)
         if self.scheme is not None:
-            if weight_files is None:
-                from clef_local.formats.release import _weight_files
-
-                weight_files = _weight_files(path)
             log.info("loading %s %s variant from %s in %s", cls.__name__, self.scheme, path, dtype)
             model = load_variant_backbone(cls, path, weight_files, self.scheme, dtype)
         else:
@@ -198,24 +198,22 @@ def collate(records: list[EncodedRecord], pad_token_id: int, device: torch.devic
     return torch.from_numpy(ids).to(device), torch.from_numpy(mask).to(device)
 
 
-def read_headers(files: Sequence[Path]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """{tensor name: (shape, dtype)} from the safetensors headers of ``files`` (no tensor data is read)."""
-    from safetensors import safe_open
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype name (:data:`clef_local.formats.safetensors.DTYPES`)."""
+    dtype = getattr(torch, SAFETENSORS_DTYPES[name].torch, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ReleaseError(f"safetensors dtype {name} has no torch dtype in torch {torch.__version__}")
+    return dtype
 
+
+def read_headers(files: Sequence[Path]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """{tensor name: (shape, dtype)} from the safetensors headers of ``files``, each checked against its file
+    (:func:`clef_local.formats.safetensors.read_header`: a truncated or garbled file is a ``ReleaseError``); no
+    tensor data is read."""
     headers: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     for file in files:
-        try:
-            with safe_open(str(file), framework="pt") as handle:
-                for name in handle.keys():  # noqa: SIM118 (safe_open handles are not iterable)
-                    info = handle.get_slice(name)
-                    dtype = SAFETENSORS_DTYPES.get(info.get_dtype())
-                    if dtype is None:
-                        raise ReleaseError(f"{file}: tensor {name} has unsupported dtype {info.get_dtype()}")
-                    headers[name] = (tuple(info.get_shape()), dtype)
-        except ReleaseError:
-            raise
-        except Exception as exc:  # safetensors raises SafetensorError/OSError on truncated or garbled files
-            raise ReleaseError(f"{file}: not a readable safetensors file ({exc})") from exc
+        for name, info in read_header(file).tensors.items():
+            headers[name] = (info.shape, torch_dtype(info.dtype))
     return headers
 
 

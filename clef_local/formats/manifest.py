@@ -18,24 +18,18 @@ import argparse
 import hashlib
 import json
 import logging
-import struct
 import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from clef_local.errors import ReleaseError
+from clef_local.formats.safetensors import SafetensorsError, read_header
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "clef_local_manifest.json"
 FORMAT = 1
-# safetensors dtype names → bytes per element
-_DTYPE_BYTES = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
-    "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
-}  # fmt: skip
-_MAX_HEADER = 100_000_000  # safetensors' own limit on the JSON header
 
 
 def sha256(path: Path, block: int = 1 << 20) -> str:
@@ -91,44 +85,14 @@ def read_manifest(directory: str | Path) -> dict[str, Any] | None:
 def safetensors_problem(path: Path) -> str | None:
     """Why ``path`` is not a complete safetensors file (header length, JSON header, data section), or None.
 
-    Reads only the 8-byte length and the JSON header: the data section must be exactly as long as the largest
-    tensor end offset, and every tensor's byte span must match its dtype and shape.
+    Reads only the 8-byte length and the JSON header (:func:`clef_local.formats.safetensors.read_header`): the
+    data section must be exactly as long as the largest tensor end offset, and every tensor's byte span must match
+    its dtype and shape.
     """
-    size = path.stat().st_size
-    with path.open("rb") as f:
-        prefix = f.read(8)
-        if len(prefix) < 8:
-            return f"truncated: {size} bytes, shorter than the 8-byte header length"
-        (header_len,) = struct.unpack("<Q", prefix)
-        if header_len > _MAX_HEADER or 8 + header_len > size:
-            return f"truncated or garbled: header of {header_len} bytes does not fit in {size} bytes"
-        raw = f.read(header_len)
     try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        return f"garbled header: {exc}"
-    if not isinstance(header, dict):
-        return "garbled header: not a JSON object"
-    needed = 0
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            begin, end = (int(x) for x in info["data_offsets"])
-            count = 1
-            for dim in info["shape"]:
-                count *= int(dim)
-            itemsize = _DTYPE_BYTES.get(info["dtype"])
-        except (KeyError, TypeError, ValueError):
-            return f"garbled header entry for tensor {name!r}"
-        if itemsize is not None and end - begin != count * itemsize:
-            return f"tensor {name!r} spans {end - begin} bytes, its dtype and shape need {count * itemsize}"
-        needed = max(needed, end)
-    data = size - 8 - header_len
-    if data < needed:
-        return f"truncated: data section of {data} bytes, the header's offsets need {needed}"
-    if data > needed:
-        return f"data section of {data} bytes is longer than the {needed} bytes the header's offsets need"
+        read_header(path)
+    except SafetensorsError as exc:
+        return exc.reason
     return None
 
 

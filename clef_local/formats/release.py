@@ -106,7 +106,9 @@ class Release:
         return sum(f.stat().st_size for f in self.weight_files)
 
 
-def _weight_files(path: Path) -> tuple[Path, ...]:
+def find_weight_files(path: Path) -> tuple[Path, ...]:
+    """The backbone weight files of the directory ``path``: the shards named by ``model.safetensors.index.json``
+    (sorted, each present), else ``model.safetensors``; neither is a :class:`ReleaseError`."""
     index = path / WEIGHTS_INDEX
     if index.is_file():
         weight_map = read_json(index).get("weight_map")
@@ -146,7 +148,7 @@ def read_release(path: str | Path) -> Release:
     head_config = read_head_config(path / HEAD_CONFIG)
     if not (path / HEAD_WEIGHTS).is_file():
         raise ReleaseError(f"{path / HEAD_WEIGHTS} is missing")
-    release = Release(path=path, config=config, head_config=head_config, weight_files=_weight_files(path))
+    release = Release(path=path, config=config, head_config=head_config, weight_files=find_weight_files(path))
     if head_config.hidden_size != release.hidden_size:
         raise ReleaseError(
             f"{path / HEAD_CONFIG}: hidden_size {head_config.hidden_size} does not match the backbone's "
@@ -156,14 +158,11 @@ def read_release(path: str | Path) -> Release:
 
 
 def check_head_tensors(file: Path, expected: dict[str, tuple[int, ...]]) -> None:
-    """Compare a head file's tensor names and shapes with ``expected``; name every difference."""
-    from safetensors import safe_open
+    """Check a head file's header against the file, then compare its tensor names and shapes with ``expected``;
+    name every difference."""
+    from clef_local.formats.safetensors import read_header
 
-    try:
-        with safe_open(str(file), framework="numpy") as handle:  # headers only: no torch needed
-            found = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}  # noqa: SIM118
-    except Exception as exc:  # safetensors raises SafetensorError/OSError on truncated or garbled files
-        raise ReleaseError(f"{file}: not a readable safetensors file ({exc})") from exc
+    found = {name: info.shape for name, info in read_header(file).tensors.items()}  # checked against the file
     problems = []
     if missing := sorted(set(expected) - set(found)):
         problems.append("missing tensors: " + ", ".join(missing))

@@ -24,30 +24,19 @@ from __future__ import annotations
 import functools
 import json
 import math
-import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from clef_local.errors import ReleaseError
+from clef_local.formats.safetensors import TensorInfo, read_header
 
 FORMATS = ("bf16", "int8", "fp8", "int4", "nf4")  # best precision first
 DEFAULT_GROUP_SIZE = 64
-DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I16": 2,
-               "I8": 1, "U8": 1, "U16": 2, "U32": 4, "U64": 8, "BOOL": 1}
 TORCH_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 _MARKERS = (".scales", ".biases", ".weight_scale", ".weight.absmax", ".weight.quant_map", ".weight.quant_state",
             ".weight.nested_absmax", ".weight.nested_quant_map")
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """One tensor of a safetensors header."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
 
 
 @dataclass(frozen=True)
@@ -98,22 +87,9 @@ def should_quantize(name: str, shape: tuple[int, ...], group_size: int | None) -
 
 
 def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
-    """{name: TensorInfo} from one safetensors file's header (8-byte length + JSON); no tensor data is read."""
-    try:
-        with path.open("rb") as handle:
-            (length,) = struct.unpack("<Q", handle.read(8))
-            if length > 100_000_000:
-                raise ReleaseError(f"{path}: safetensors header length {length} is not plausible")
-            header = json.loads(handle.read(length))
-    except (OSError, struct.error, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ReleaseError(f"{path}: not a readable safetensors header ({exc})") from exc
-    out: dict[str, TensorInfo] = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        start, end = entry["data_offsets"]
-        out[name] = TensorInfo(entry["dtype"], tuple(entry["shape"]), int(end) - int(start))
-    return out
+    """{name: TensorInfo} from one safetensors file's header, checked against the file
+    (:func:`clef_local.formats.safetensors.read_header`); no tensor data is read."""
+    return read_header(path).tensors
 
 
 def _role(name: str) -> str:
@@ -218,7 +194,7 @@ def census_from_release(path: Path, weight_files: Iterable[Path], config: Mappin
                            f"full-precision release it came from (--model SOURCE --format {fmt})")
     float_dtypes = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
     source_dtype = next((float_dtypes[t.dtype] for t in headers.values() if t.dtype in float_dtypes), "bfloat16")
-    shapes = {name: (t.shape, DTYPE_BYTES[t.dtype]) for name, t in headers.items()}
+    shapes = {name: (t.shape, t.spec.itemsize) for name, t in headers.items()}
     return census_from_shapes(shapes, fmt, head=head, head_stored=head_stored, group_size=group_size,
                               source="safetensors headers (shapes) + scheme formulas", source_dtype=source_dtype)
 

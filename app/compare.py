@@ -14,7 +14,7 @@ from typing import Any
 from clef_local.app.schema_builder import example_request
 
 # Other states for each built-in example, so the probe covers a few inputs per schema (offline, no dataset).
-_PROBE_STATES = {
+_PROBE_STATES: dict[str, list[Any]] = {
     "triage": [
         "I can't log in since I changed my phone number. Please help me get into my account.",
         "My transfer to my sister has been pending for three days, where is the money?",
@@ -35,7 +35,7 @@ _PROBE_STATES = {
 
 def probe_requests() -> list[dict[str, Any]]:
     """The built-in probe: each example request with its own state and three others (12 requests)."""
-    out = []
+    out: list[dict[str, Any]] = []
     for name, states in _PROBE_STATES.items():
         base = example_request(name)
         out.append(base)

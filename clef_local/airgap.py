@@ -99,16 +99,16 @@ def _install() -> None:
                                       "air-gapped; pass --allow-network to permit it)")
         return original_getaddrinfo(host, port, *args, **kwargs)
 
-    socket.socket.connect = connect  # type: ignore[method-assign]
-    socket.socket.connect_ex = connect_ex  # type: ignore[method-assign]
-    socket.create_connection = create_connection  # type: ignore[assignment]
+    socket.socket.connect = connect  # type: ignore[method-assign,assignment]
+    socket.socket.connect_ex = connect_ex  # type: ignore[method-assign,assignment]
+    socket.create_connection = create_connection
     socket.getaddrinfo = getaddrinfo
 
 
 def _uninstall() -> None:
     socket.socket.connect = _saved.pop("connect")  # type: ignore[method-assign]
     socket.socket.connect_ex = _saved.pop("connect_ex")  # type: ignore[method-assign]
-    socket.create_connection = _saved.pop("create_connection")  # type: ignore[assignment]
+    socket.create_connection = _saved.pop("create_connection")
     socket.getaddrinfo = _saved.pop("getaddrinfo")
 
 
@@ -117,9 +117,9 @@ def _set_hub_constants(value: bool | None) -> bool | None:
     constants = sys.modules.get("huggingface_hub.constants")
     if constants is None or not hasattr(constants, "HF_HUB_OFFLINE"):
         return None
-    previous = bool(constants.HF_HUB_OFFLINE)
+    previous = bool(getattr(constants, "HF_HUB_OFFLINE"))  # noqa: B009 (a module attribute mypy cannot see)
     if value is not None:
-        constants.HF_HUB_OFFLINE = value
+        setattr(constants, "HF_HUB_OFFLINE", value)  # noqa: B010
     return previous
 
 

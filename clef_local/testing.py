@@ -369,6 +369,8 @@ def load_reference_oracle() -> Any:
     name = "clef_reference_oracle"
     if name not in sys.modules:
         module_spec = importlib.util.spec_from_file_location(name, path)
+        if module_spec is None or module_spec.loader is None:
+            raise ModuleNotFoundError(f"{path}: cannot be imported as a module")
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[name] = module
         module_spec.loader.exec_module(module)

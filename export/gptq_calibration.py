@@ -81,17 +81,17 @@ def calibration_dtype(source: Path, device: str) -> tuple[str | None, str]:
     """
     import torch
 
-    from clef_local.export.validate import _available_memory
     from clef_local.formats.release import read_release
+    from clef_local.planning.hardware import host_memory
 
     release = read_release(source)
     params = release.weight_bytes // 2  # BF16/FP16 releases: 2 bytes a weight
     needed = int(FLOAT32_HEADROOM * 4 * params)
     on_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
-    free = torch.cuda.mem_get_info()[0] if on_cuda else _available_memory()
-    if free is not None and needed > free:
+    free = torch.cuda.mem_get_info()[0] if on_cuda else host_memory()[1]
+    if needed > free:
         return None, f"float32 needs ~{needed / 1e9:.1f} GB, {free / 1e9:.1f} GB free: the source's dtype"
-    return "float32", f"float32 (~{needed / 1e9:.1f} GB of {'?' if free is None else f'{free / 1e9:.1f}'} GB free)"
+    return "float32", f"float32 (~{needed / 1e9:.1f} GB of {free / 1e9:.1f} GB free)"
 
 
 def calibration_requests(n: int = REQUESTS, seed: int = SEED, root: Path | None = None) -> list[dict[str, Any]]:
@@ -202,7 +202,7 @@ def gptq_tensors(source: Path, scheme: str, group_size: int | None, options: dic
     from tqdm import tqdm
 
     import clef_local
-    from clef_local.backends.torch_backend import read_headers
+    from clef_local.backends.torch_backend import TorchBackend, read_headers
     from clef_local.quant import get as get_scheme
     from clef_local.quant import gptq, nf4, predicate
 
@@ -223,6 +223,8 @@ def gptq_tensors(source: Path, scheme: str, group_size: int | None, options: dic
     spec = get_scheme(scheme)
     group = spec.predicate_group_size(group_size)
     model = clef_local.load(source, backend="torch", device=device, dtype=dtype)
+    if not isinstance(model.backend, TorchBackend):
+        raise ExportError(f"GPTQ calibration runs on the torch backend, not {model.backend.name}")
     backbone = model.backend.backbone
     layers = getattr(backbone.text_model, "layers", None)
     if not isinstance(layers, torch.nn.ModuleList) or not len(layers):

@@ -179,7 +179,7 @@ def _quantize_shards(source: Path, tmp: Path, shards: list[str], scheme: Scheme,
     quantized: list[str] = []
     skipped: dict[str, str] = {}
     weight_map: dict[str, str] = {}
-    sizes = Counter()
+    sizes: Counter[str] = Counter()
     params = 0
     four_bit: bool | None = None
     with tqdm(total=total, unit="tensor", disable=None, dynamic_ncols=True) as bar:

@@ -23,6 +23,7 @@ import numpy as np
 
 from clef_local.data.probes import probe_requests
 from clef_local.errors import ClefError
+from clef_local.planning.hardware import host_memory
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +81,8 @@ def _result(reference_dir: Path, variant_dir: Path, requests: Sequence[dict[str,
                         "ok": limit is None or (math.isfinite(metrics[name]) and metrics[name] <= limit)}
     failed = [f"{name} {c['value']:.6g} > {c['threshold']:g}" for name, c in checks.items() if not c["ok"]]
     for name, c in checks.items():
-        limit = "reported" if c["threshold"] is None else f"≤ {c['threshold']:g}"
-        log.info("validation %s %-10s %.6g (%s)", "✓" if c["ok"] else "✗", name, c["value"], limit)
+        shown = "reported" if c["threshold"] is None else f"≤ {c['threshold']:g}"
+        log.info("validation %s %-10s %.6g (%s)", "✓" if c["ok"] else "✗", name, c["value"], shown)
     return {"reference": str(reference_dir), "variant": str(variant_dir), "requests": len(requests),
             "questions": metrics["questions"], "flips": metrics["flips"], "dtype": dtype or "as stored",
             "metrics": {k: metrics[k] for k in METRICS}, "thresholds": dict(thresholds), "checks": checks,
@@ -115,16 +116,6 @@ def validation_table(result: Mapping[str, Any]) -> Any:
     return table
 
 
-def _available_memory() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def _skip(variant_dir: Path, reason: str) -> dict[str, Any]:
     log.warning("validation skipped: %s", reason)
     result = {"skipped": reason}
@@ -146,8 +137,8 @@ def validate_export(reference_dir: Path, variant_dir: Path, scheme: str, n: int 
     except (FileNotFoundError, OSError, ValueError) as exc:
         return _skip(variant_dir, f"probe set unavailable ({exc})")
     needed = int(1.2 * read_release(reference_dir).weight_bytes)
-    available = _available_memory()
-    if available is not None and needed > available:
+    available = host_memory()[1]
+    if needed > available:
         return _skip(variant_dir, f"the reference needs about {needed / 1e9:.1f} GB, {available / 1e9:.1f} GB free")
     try:
         ref = _probabilities(reference_dir, requests, dtype, 8)

@@ -112,7 +112,7 @@ def test_validate_export_records_and_raises(tiny_llama: Path, copies, requests, 
 
 def test_validation_is_skipped_and_recorded(tiny_llama: Path, copies, tmp_path: Path, monkeypatch) -> None:
     same = shutil.copytree(copies["same"], tmp_path / "same")
-    monkeypatch.setattr(validate, "_available_memory", lambda: 1000)
+    monkeypatch.setattr(validate, "host_memory", lambda: (1000, 1000))
     assert "GB free" in validate_export(tiny_llama, same, "int8")["skipped"]
     monkeypatch.undo()
 

@@ -88,7 +88,7 @@ def variant_scheme(config: Mapping[str, Any]) -> tuple[str | None, int | None]:
     """(scheme, group size) of a variant's ``config.json``; (None, None) for a full-precision release."""
     quant = config.get("quantization_config")
     member = quant.get("clef_local") if isinstance(quant, dict) else None
-    if not isinstance(member, dict):
+    if not isinstance(quant, dict) or not isinstance(member, dict):
         return None, None
     scheme = member.get("scheme")
     if scheme not in SCHEMES:

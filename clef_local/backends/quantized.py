@@ -139,11 +139,12 @@ def repack_int4(packed: dict[str, torch.Tensor], group_size: int, dtype: torch.d
     repack (tested), with a transient memory of one block (the unpacking makes 8 bytes per weight), not one layer."""
     out_f, words = packed["weight"].shape
     step = max(64, rows // (words * int4.PACK) // 64 * 64)
-    weight = scales_and_zeros = None
+    weight: torch.Tensor | None = None
+    scales_and_zeros: torch.Tensor | None = None
     for start in range(0, out_f, step):  # written into preallocated tensors: a list + cat left 15 MiB more RSS
         block = convert({k: v[start:start + step] for k, v in packed.items()}, group_size, dtype)
-        if weight is None:  # the kernel layouts' leading dimension is proportional to the rows (1 or 1/8 per row)
-            per_row = block.weight.shape[0] / min(step, out_f)
+        if weight is None or scales_and_zeros is None:  # the kernel layouts' leading dimension is proportional
+            per_row = block.weight.shape[0] / min(step, out_f)  # to the rows (1 or 1/8 per row)
             weight = block.weight.new_empty((int(out_f * per_row), *block.weight.shape[1:]))
             scales_and_zeros = block.scales_and_zeros.new_empty((block.scales_and_zeros.shape[0], out_f, 2))
         weight[int(start * per_row):int((start + step) * per_row)] = block.weight
@@ -165,6 +166,10 @@ class Int4Linear(QuantizedLinear):
 
     scheme = "int4"
     KEYS: ClassVar[dict[str, str]] = {"weight": "weight", "scales": "scales", "biases": "biases"}
+    # buffers registered in __init__; the CUDA kernel's repack sets them to None
+    weight: torch.Tensor | None
+    scales: torch.Tensor | None
+    biases: torch.Tensor | None
     REQUIRED = ("weight", "scales", "biases")
 
     def _check(self, specs: Mapping[str, TensorSpec]) -> None:
@@ -183,6 +188,8 @@ class Int4Linear(QuantizedLinear):
         return int4.dequantize(packed, self.group_size, dtype)
 
     def prepare(self) -> None:
+        if self.scales is None:
+            raise RuntimeError("int4 layer prepared twice (its MLX-layout buffers were released)")
         device = self.scales.device
         if device.type == "cuda":
             self._prepare_tinygemm(device)
@@ -250,6 +257,8 @@ class _PerRowLinear(QuantizedLinear):
 
     KEYS: ClassVar[dict[str, str]] = {"weight": "weight", "weight_scale": "weight_scale"}
     REQUIRED = ("weight", "weight_scale")
+    weight: torch.Tensor  # buffers registered in __init__
+    weight_scale: torch.Tensor
     WEIGHT_DTYPE: ClassVar[torch.dtype]
 
     def _check(self, specs: Mapping[str, TensorSpec]) -> None:

@@ -47,7 +47,7 @@ def probe_requests(n: int = 64, seed: int = 0, root: Path | None = None, *, spli
         chosen = rng.sample(names, 4)
         requests.append({"model": "clef-local", "state": text,
                          "questions": {q: {"type": "noul", "instructions": questions[q]} for q in chosen}})
-    for text, _gold in rng.sample(rows, n - n_choice - n_noul):
+    for text, _intent in rng.sample(rows, n - n_choice - n_noul):
         requests.append({"model": "clef-local", "state": text, "questions": {
             "urgency": {"type": "score", "instructions": SCORE_QUESTION[0], "criteria": list(SCORE_QUESTION[1])},
             "about_card": {"type": "noul", "instructions": CARD_QUESTION}}})

@@ -166,7 +166,8 @@ def stored_format(config: Mapping[str, Any]) -> str:
     quant = config.get("quantization_config")
     if not isinstance(quant, Mapping):
         return "bf16"
-    member = quant.get("clef_local") if isinstance(quant.get("clef_local"), Mapping) else quant
+    inner = quant.get("clef_local")
+    member = inner if isinstance(inner, Mapping) else quant
     scheme = member.get("scheme") or ("nf4" if member.get("bnb_4bit_quant_type") == "nf4" else None)
     if scheme not in FORMATS:
         raise ReleaseError(f"config.json: unknown quantization scheme in quantization_config ({dict(quant)!r})")

@@ -115,7 +115,7 @@ class CalibrationResult:
 
 def _questions(examples: Sequence[Example], predictions: Sequence[Prediction],
                need_labels: bool) -> list[tuple[str, np.ndarray, int | None, list[str]]]:
-    out = []
+    out: list[tuple[str, np.ndarray, int | None, list[str]]] = []
     for example, pred in zip(examples, predictions, strict=True):
         for question, p in zip(pred.encoded.questions, pred.probabilities, strict=True):
             label = example.labels.get(question.question_id)

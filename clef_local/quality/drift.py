@@ -160,8 +160,8 @@ def drift_from_predictions(ref_preds: Sequence[Prediction], cand_preds: Sequence
                                     list(question.option_ids), [float(x) for x in p[:k]],
                                     [float(x) for x in q[:k]], drifts[index], gold, snippet))
             index += 1
-    by_type = {kind: summarize([d for d in drifts if d.kind == kind]) for kind in QUESTION_TYPES
-               if any(d.kind == kind for d in drifts)}
+    by_type: dict[str, dict[str, Any]] = {kind: summarize([d for d in drifts if d.kind == kind])
+                                          for kind in QUESTION_TYPES if any(d.kind == kind for d in drifts)}
     return DriftResult(reference=reference_name, candidate=candidate_name, summary=summarize(drifts),
                        by_type=by_type, rows=rows, labelled=labelled_metrics(rows), meta=dict(meta or {}))
 

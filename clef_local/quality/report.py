@@ -201,7 +201,8 @@ def render_html(results: Sequence[DriftResult], *, evals: Sequence[EvalResult] =
                 calibration: Sequence[Mapping[str, Any]] = (), floor: DriftResult | None = None,
                 title: str | None = None, network: str | None = None) -> str:
     """The report as one HTML string (no external resources)."""
-    network = network or next((r.meta["network"] for r in [*results, *evals] if "network" in r.meta), "unknown")
+    metas = [r.meta for r in results] + [e.meta for e in evals]
+    network = network or next((meta["network"] for meta in metas if "network" in meta), "unknown")
     reference = _name(results[0].reference) if results else ""
     title = title or (f"clef-local drift report: {reference}" if results else "clef-local report")
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"

@@ -72,9 +72,9 @@ def question_options(question: dict[str, Any]) -> list[tuple[str, Any]]:
         overrides = criteria or {}
         return [(key, overrides[key] if key in overrides else NOUL_DEFAULTS[key]) for key in ("true", "false")]
     if kind == "choice":
-        return sorted((str(key), value) for key, value in criteria.items())
+        return sorted((str(key), value) for key, value in (criteria or {}).items())
     if kind == "score":
-        return [(str(level), text) for level, text in enumerate(criteria)]
+        return [(str(level), text) for level, text in enumerate(criteria or ())]
     raise ApiUsageError(f"unknown question type {kind!r}; expected noul, choice or score")
 
 

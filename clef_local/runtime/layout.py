@@ -67,10 +67,18 @@ def _span_tokens(spans: list[tuple[int, int]], offsets: list[int]) -> tuple[np.n
 
 def build_layout(records: Sequence[EncodedRecord], seq_len: int) -> HeadLayout:
     """Index arrays for ``records`` right-padded to ``seq_len`` tokens."""
-    q_record, q_slot, q_type = [], [], []
-    o_question, o_slot, o_record, o_record_slot = [], [], [], []
-    q_spans, o_spans, q_offsets, o_offsets = [], [], [], []
-    last_index = []
+    q_record: list[int] = []
+    q_slot: list[int] = []
+    q_type: list[int] = []
+    o_question: list[int] = []
+    o_slot: list[int] = []
+    o_record: list[int] = []
+    o_record_slot: list[int] = []
+    q_spans: list[tuple[int, int]] = []
+    o_spans: list[tuple[int, int]] = []
+    q_offsets: list[int] = []
+    o_offsets: list[int] = []
+    last_index: list[int] = []
     q_count = 0
     for r, record in enumerate(records):
         offset = r * seq_len

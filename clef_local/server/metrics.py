@@ -160,6 +160,7 @@ class MetricsMiddleware:
         finally:
             route = getattr(scope.get("route"), "path", None)
             if route is None:
-                route = scope.get("path") if scope.get("path") in self.static_paths else "other"
+                route = scope["path"] if scope.get("path") in self.static_paths else "other"
+            route = str(route)
             self.metrics.requests.inc(route, str(status[0]))
             self.metrics.latency.observe(time.perf_counter() - started, route)

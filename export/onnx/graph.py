@@ -249,7 +249,7 @@ def insert_nbits(model: onnx_ir.Model, nbits: dict[str, NBitsWeight]) -> int:
             metadata_props=dict(node.metadata_props))
         ir.convenience.replace_nodes_and_values(graph, node, [node], [new], node.outputs, new.outputs)
         new.outputs[0].name = node.outputs[0].name if node.outputs[0].name else new.outputs[0].name
-        if not w.uses() and w.name in graph.initializers:
+        if not w.uses() and w.name is not None and w.name in graph.initializers:
             graph.initializers.pop(w.name)
         found[path] = found.get(path, 0) + 1
     missing = sorted(set(nbits) - set(found))

@@ -48,12 +48,17 @@ def run_parity(directory: Path, requests: list[dict[str, Any]], batch_size: int 
     from tqdm import tqdm
 
     import clef_local
+    from clef_local.backends.onnx_backend import OnnxBackend
+    from clef_local.backends.torch_backend import TorchBackend
     from clef_local.export.validate import compare
     from clef_local.runtime.answers import softmax_rows
     from clef_local.runtime.layout import build_layout
 
     ref_model = clef_local.load(directory, backend="torch", dtype="float32")
     onnx_model = clef_local.load(directory, backend="onnx")
+    torch_backend, onnx_backend = ref_model.backend, onnx_model.backend
+    if not isinstance(torch_backend, TorchBackend) or not isinstance(onnx_backend, OnnxBackend):
+        raise TypeError(f"expected the torch and onnx backends, got {torch_backend.name} and {onnx_backend.name}")
     encoded = [ref_model.encode(r, truncate_state=True)[1] for r in requests]
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i].input_ids))
     pad = ref_model.tokenizer.pad_token_id
@@ -66,12 +71,12 @@ def run_parity(directory: Path, requests: list[dict[str, Any]], batch_size: int 
             layout = build_layout(records, max(len(r.input_ids) for r in records))
             ids, mask = _collate(records, pad)
             with torch.inference_mode():
-                ref_h = ref_model.backend.hidden_states(torch.from_numpy(ids), torch.from_numpy(mask)).numpy()
-                ref_logits = ref_model.backend.logits(records, layout, pad)
-            var_h = onnx_model.backend.hidden_states(ids, mask)
+                ref_h = torch_backend.hidden_states(torch.from_numpy(ids), torch.from_numpy(mask)).numpy()
+                ref_logits = torch_backend.logits(records, layout, pad)
+            var_h = onnx_backend.hidden_states(ids, mask)
             diff, scale = _masked_rel(ref_h, var_h, mask)
             hidden_diff, hidden_scale = max(hidden_diff, diff), max(hidden_scale, scale)
-            var_logits = onnx_model.backend.logits(records, layout, pad)
+            var_logits = onnx_backend.logits(records, layout, pad)
             for logits, sink in ((ref_logits, ref_probs), (var_logits, var_probs)):
                 probs = softmax_rows(logits)
                 row = 0
@@ -83,9 +88,9 @@ def run_parity(directory: Path, requests: list[dict[str, Any]], batch_size: int 
     # one record alone vs the same record padded among three (ONNX only): the batch axis is really dynamic
     trio = [encoded[order[0]], encoded[order[len(order) // 2]], encoded[order[-1]]]
     ids, mask = _collate(trio, pad)
-    together = onnx_model.backend.hidden_states(ids, mask)
+    together = onnx_backend.hidden_states(ids, mask)
     alone_ids, alone_mask = _collate(trio[:1], pad)
-    alone = onnx_model.backend.hidden_states(alone_ids, alone_mask)
+    alone = onnx_backend.hidden_states(alone_ids, alone_mask)
     length = alone.shape[1]
     batch_diff, batch_scale = _masked_rel(alone[0], together[0, :length], alone_mask[0])
     metrics = compare(ref_probs, var_probs)

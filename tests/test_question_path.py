@@ -14,6 +14,7 @@ from clef_local.runtime.encoding import encode_request
 from clef_local.runtime.head import HeadConfig, JointSchemaHead
 from clef_local.runtime.layout import build_layout
 from clef_local.runtime.tokenizer import ReleaseTokenizer
+from clef_local.training.common import encode_examples
 from clef_local.training.demo_data import training_examples, twin_records
 from clef_local.training.hidden_cache import cache_dtype
 from clef_local.training.question_path import (
@@ -25,7 +26,6 @@ from clef_local.training.question_path import (
     zeroed_parameters,
 )
 from clef_local.training.question_path_train import PathConfig, build_questions, train_question_path
-from clef_local.training.train_head import encode_examples
 
 SMALL = PathConfig(width=32, heads=4, feedforward=64, epochs=3, batch_questions=16)
 

@@ -17,6 +17,7 @@ from clef_local.runtime.head_reach import head_reads_question_spans_only
 from clef_local.runtime.layout import build_layout
 from clef_local.runtime.schema import TYPE_IDS
 from clef_local.runtime.tokenizer import ReleaseTokenizer
+from clef_local.training.common import encode_examples
 from clef_local.training.demo_data import training_examples, twin_records
 from clef_local.training.hidden_cache import cache_dtype
 from clef_local.training.question_path import PRIOR_OFF, LexicalTable, question_means
@@ -32,7 +33,6 @@ from clef_local.training.state_path import (
     zeroed_parameters,
 )
 from clef_local.training.state_path_train import Distractors, StatePathConfig, train_state_path
-from clef_local.training.train_head import encode_examples
 
 SMALL = StatePathConfig(width=32, heads=4, feedforward=64, epochs=2, batch_records=6, distractor_records=4,
                         canonical_distractors=2)

@@ -32,6 +32,16 @@ from clef_local.runtime.encoding import option_semantics
 from clef_local.runtime.head import HeadConfig, JointSchemaHead
 from clef_local.runtime.schema import TYPE_IDS
 from clef_local.runtime.tokenizer import ReleaseTokenizer
+from clef_local.training.common import (
+    encode_examples,
+    load_init_head,
+    max_length,
+    optimizer_step,
+    parameter_groups,
+    save_head,
+    units_to_batches,
+    warmup_cosine,
+)
 from clef_local.training.head_losses import logit_temperature, question_loss, twin_loss
 from clef_local.training.question_path import (
     PRIOR_OFF,
@@ -43,16 +53,6 @@ from clef_local.training.question_path import (
     question_path_head,
     question_path_logits,
     zeroed_parameters,
-)
-from clef_local.training.train_head import (
-    _max_length,
-    _parameter_groups,
-    _units_to_batches,
-    _warmup_cosine,
-    encode_examples,
-    load_init_head,
-    optimizer_step,
-    save_head,
 )
 
 log = logging.getLogger(__name__)
@@ -242,7 +242,7 @@ def train_question_path(backbone_dir: Path, examples: Sequence[Example], out: Pa
     backbone_config = read_json(backbone_dir / "config.json")
     text_config = backbone_config.get("text_config") or backbone_config
     records = [*examples, *(e for twin in twins for e in (twin.first, twin.second)), *canonical]
-    pairs_ = encode_examples(tokenizer, records, _max_length(backbone_dir))
+    pairs_ = encode_examples(tokenizer, records, max_length(backbone_dir))
     encoded, gold = [e for e, _ in pairs_], [g for _, g in pairs_]
     embedding = TorchBackbone(backbone_dir, backbone_config, device="cpu",
                               dtype=torch.float32).output_embedding.detach()
@@ -275,10 +275,10 @@ def train_question_path(backbone_dir: Path, examples: Sequence[Example], out: Pa
     head, head_config = _initial_head(init, backbone_dir, int(text_config["hidden_size"]), config, device)
     trainable = {id(p) for p in head.parameters() if p.requires_grad}
     groups = [{**g, "params": [p for p in g["params"] if id(p) in trainable]}
-              for g in _parameter_groups(head, config.weight_decay)]
+              for g in parameter_groups(head, config.weight_decay)]
     optimizer = torch.optim.AdamW(groups, lr=config.lr)
     steps = config.epochs * math.ceil(sum(map(len, fit)) / config.batch_questions)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_cosine(steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(steps))
     questions = Questions(*(t.to(device) for t in (questions.means, questions.types, questions.gold,
                                                   questions.options, questions.full_view)))
     log.info("question path: %d questions (%d full views), %d units, %d for validation",
@@ -287,7 +287,7 @@ def train_question_path(backbone_dir: Path, examples: Sequence[Example], out: Pa
     for epoch in range(config.epochs):
         head.train()
         rng.shuffle(fit)
-        total, batches = 0.0, _units_to_batches(fit, config.batch_questions)
+        total, batches = 0.0, units_to_batches(fit, config.batch_questions)
         for rows in tqdm(batches, desc=f"epoch {epoch + 1}/{config.epochs}", leave=False):
             total += optimizer_step(_loss(head, questions, rows, lexical, partner, config, row_weight), optimizer,
                                     scheduler,
@@ -338,7 +338,7 @@ def evaluate(head, questions: Questions, units: Sequence[list[int]], lexical, pa
     if not rows:
         return {}
     losses, hits, full_hits, moved, nll, confidence = [], [], [], [], [], []
-    for chunk in _units_to_batches(units, 1024):
+    for chunk in units_to_batches(units, 1024):
         index = torch.tensor(chunk, device=lexical.device)
         batch, target = questions.batch(index, lexical)
         logits = question_path_logits(head, batch)
@@ -391,7 +391,7 @@ def run_from_cli(parser, args, examples: Sequence[Example], twins: Sequence[Twin
     if args.cache_only:
         records = [*examples, *(e for twin in twins for e in (twin.first, twin.second))]
         encoded = [e for e, _ in encode_examples(ReleaseTokenizer(args.backbone), records,
-                                                 _max_length(args.backbone))]
+                                                 max_length(args.backbone))]
         question_means(args.backbone, encoded, work / "question-means", device=args.device)
         print(f"cached the question-span means of {len(encoded)} records under {work / 'question-means'}")
         return 0

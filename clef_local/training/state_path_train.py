@@ -28,6 +28,18 @@ from clef_local.runtime.encoding import render
 from clef_local.runtime.head import HeadConfig, JointSchemaHead
 from clef_local.runtime.schema import TYPE_IDS
 from clef_local.runtime.tokenizer import ReleaseTokenizer
+from clef_local.training.common import (
+    encode_examples,
+    flush_denormals,
+    load_checkpoint,
+    max_length,
+    optimizer_step,
+    parameter_groups,
+    save_checkpoint,
+    save_head,
+    units_to_batches,
+    warmup_cosine,
+)
 from clef_local.training.head_losses import logit_temperature, question_loss, twin_loss
 from clef_local.training.question_path import LexicalTable, apply_temperature, question_means
 from clef_local.training.question_path_train import Questions, Split, build_questions, split_units
@@ -41,18 +53,6 @@ from clef_local.training.state_path import (
     state_path_head,
     state_path_logits,
     twin_whitening,
-)
-from clef_local.training.train_head import (
-    _max_length,
-    _parameter_groups,
-    _units_to_batches,
-    _warmup_cosine,
-    encode_examples,
-    flush_denormals,
-    load_checkpoint,
-    optimizer_step,
-    save_checkpoint,
-    save_head,
 )
 
 log = logging.getLogger(__name__)
@@ -198,7 +198,7 @@ def prepare(backbone_dir: Path, examples: Sequence[Example], work: Path, config:
     backbone_config = read_json(backbone_dir / "config.json")
     hidden_size = int((backbone_config.get("text_config") or backbone_config)["hidden_size"])
     records = [*examples, *(e for twin in twins for e in (twin.first, twin.second)), *canonical]
-    pairs_ = encode_examples(tokenizer, records, _max_length(backbone_dir))
+    pairs_ = encode_examples(tokenizer, records, max_length(backbone_dir))
     encoded, gold = [e for e, _ in pairs_], [g for _, g in pairs_]
     embedding = TorchBackbone(backbone_dir, backbone_config, device="cpu",
                               dtype=torch.float32).output_embedding.detach()
@@ -254,11 +254,11 @@ def train_state_path(backbone_dir: Path, examples: Sequence[Example], out: Path,
     head = JointSchemaHead(head_config).to(device)
     trainable = {id(p) for p in state_path_head(head, config.joint_scale_init)}
     groups = [{**g, "params": [p for p in g["params"] if id(p) in trainable]}
-              for g in _parameter_groups(head, config.weight_decay)]
+              for g in parameter_groups(head, config.weight_decay)]
     optimizer = torch.optim.AdamW(groups, lr=config.lr)
     fit = list(split.fit)
-    steps = config.epochs * len(_units_to_batches(fit, config.batch_records))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_cosine(steps))
+    steps = config.epochs * len(units_to_batches(fit, config.batch_records))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(steps))
     checkpoint = work / "state-path-checkpoint.pt"
     first_epoch, history = 0, []
     if checkpoint.is_file():
@@ -269,7 +269,7 @@ def train_state_path(backbone_dir: Path, examples: Sequence[Example], out: Path,
             rng = random.Random(config.seed * 1000 + epoch)  # per epoch: a resumed run draws what it would have
             order = list(fit)
             rng.shuffle(order)
-            total, batches = 0.0, _units_to_batches(order, config.batch_records)
+            total, batches = 0.0, units_to_batches(order, config.batch_records)
             for rows in tqdm(batches, desc=f"epoch {epoch + 1}/{config.epochs}"):
                 batch, target = make_batch(rows, questions, split, memories, lexical, distractors, rng)
                 total += optimizer_step(_loss(head, batch, target, rows, partner, config), optimizer, scheduler,
@@ -314,7 +314,7 @@ def _loss(head, batch: StateBatch, target: torch.Tensor, rows: Sequence[int], pa
 
 
 def _validation_batches(split: Split) -> list[list[int]]:
-    return _units_to_batches(split.val, 64)
+    return units_to_batches(split.val, 64)
 
 
 @torch.no_grad()

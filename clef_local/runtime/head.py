@@ -21,7 +21,7 @@ from torch import nn
 from clef_local.formats.head_config import HeadConfig
 from clef_local.runtime.layout import HeadLayout
 
-__all__ = ["HeadConfig", "JointSchemaHead"]
+__all__ = ["HeadConfig", "JointSchemaHead", "padded_logits"]
 
 # Span means use a CSR matmul (8-14x faster than index_add_ on CPU); its "beta" notice is noise here.
 warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta", category=UserWarning)
@@ -176,15 +176,34 @@ class JointSchemaHead(nn.Module):
         prior_scale = self.prior_logit_scale.clamp(max=_MAX_LOG_SCALE).exp()
         prior = prior_scale * (F.normalize(option_lex, dim=-1) * anchor[layout.option_question]).sum(-1)
         options = self.option_norm(routed)
-        field_of_option = fields_[layout.option_question]
+        logits = prior + self.score_options(fields_[layout.option_question], options)  # [O]
+        return _to_padded(logits, layout)
+
+    def score_options(self, field_of_option: torch.Tensor, options: torch.Tensor) -> torch.Tensor:
+        """The joint score of every option, ``[O]``, without the lexical prior (DESIGN §2.3, step 7)::
+
+            sigmoid(residual_gate) · (exp(joint_logit_scale) · cos(F, o) + residual_scorer([F, o, F·o, |F−o|]))
+
+        ``field_of_option``: ``[O, w]``, each option's question field (after ``field_norm``); ``options``: ``[O, w]``,
+        the option vectors (after ``option_norm``). ``forward`` adds the prior; the question and state paths of
+        training, whose prior is off, use this alone.
+        """
         cosine = F.cosine_similarity(field_of_option, options, dim=-1)
         features = torch.cat(
             [field_of_option, options, field_of_option * options, (field_of_option - options).abs()], dim=-1
         )
         residual = self.residual_scorer(features).squeeze(-1)
         joint = self.joint_logit_scale.clamp(max=_MAX_LOG_SCALE).exp() * cosine + residual
-        logits = prior + torch.sigmoid(self.residual_gate) * joint  # [O]
-        return _to_padded(logits, layout)
+        return torch.sigmoid(self.residual_gate) * joint
+
+
+def padded_logits(option_values: torch.Tensor, option_question: torch.Tensor, option_slot: torch.Tensor,
+                  num_questions: int, max_options: int) -> torch.Tensor:
+    """Per-option values ``[O]`` laid out per question, ``[num_questions, max_options]``: option ``n`` at
+    ``(option_question[n], option_slot[n])``, ``-inf`` where a question has fewer options (softmax gives them 0)."""
+    out = option_values.new_full((num_questions, max_options), float("-inf"))
+    out[option_question, option_slot] = option_values
+    return out
 
 
 def _attend(attention: nn.MultiheadAttention, query: torch.Tensor, memory: torch.Tensor,
@@ -245,9 +264,8 @@ def _padding_mask(group: torch.Tensor, slot: torch.Tensor, num_groups: int, widt
 
 
 def _to_padded(option_values: torch.Tensor, layout: HeadLayout) -> torch.Tensor:
-    out = option_values.new_full((layout.num_questions, layout.max_options), float("-inf"))
-    out[layout.option_question, layout.option_slot] = option_values
-    return out
+    return padded_logits(option_values, layout.option_question, layout.option_slot, layout.num_questions,
+                         layout.max_options)
 
 
 def _padded_softmax(option_values: torch.Tensor, layout: HeadLayout) -> torch.Tensor:

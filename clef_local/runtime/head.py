@@ -23,9 +23,11 @@ from clef_local.runtime.layout import HeadLayout
 
 __all__ = ["HeadConfig", "JointSchemaHead", "padded_logits"]
 
-# Span means use a CSR matmul (8-14x faster than index_add_ on CPU); its "beta" notice is noise here.
-warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta", category=UserWarning)
-warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled", category=UserWarning)
+# Span means use a CSR matmul (8-14x faster than index_add_ on CPU); torch's "beta" notice about it is noise here.
+# It is filtered around the op only, never in the process's filters; torch gives it once per process, so after the
+# first CSR tensor the op runs without catch_warnings (whose every use re-arms Python's once-per-place warnings).
+_CSR_NOTICES = ("Sparse CSR tensor support is in beta", "Sparse invariant checks are implicitly disabled")
+_csr_noticed = False
 
 # exp(scale) is clamped at 100 in the release math (DESIGN §2.3, step 7).
 _MAX_LOG_SCALE = math.log(100.0)
@@ -243,10 +245,24 @@ def _span_mean(values: torch.Tensor, index: torch.Tensor, offsets: torch.Tensor)
     """
     lengths = offsets.diff()
     weights = (1.0 / lengths.to(values.dtype)).repeat_interleave(lengths)
-    matrix = torch.sparse_csr_tensor(offsets, index, weights, size=(lengths.shape[0], values.shape[0]),
-                                     check_invariants=False)
+    matrix = _csr_matrix(offsets, index, weights, (lengths.shape[0], values.shape[0]))
     with torch.autocast(values.device.type, enabled=False):  # no bf16 sparse matmul on CPU; means stay exact
         return matrix @ values
+
+
+def _csr_matrix(offsets: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, size: tuple[int, int]
+                ) -> torch.Tensor:
+    """``torch.sparse_csr_tensor`` without its beta notice (see ``_CSR_NOTICES``), leaving the warning filters as
+    they were."""
+    global _csr_noticed
+    if _csr_noticed and not torch.is_warn_always_enabled():
+        return torch.sparse_csr_tensor(offsets, index, weights, size=size, check_invariants=False)
+    with warnings.catch_warnings():
+        for message in _CSR_NOTICES:
+            warnings.filterwarnings("ignore", message=message, category=UserWarning)
+        matrix = torch.sparse_csr_tensor(offsets, index, weights, size=size, check_invariants=False)
+    _csr_noticed = True
+    return matrix
 
 
 def _scatter_padded(

@@ -20,7 +20,7 @@ import logging
 import math
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -30,20 +30,25 @@ from tqdm import tqdm
 
 from clef_local.data.datasets import Example, Twin
 from clef_local.formats.release import read_json
-from clef_local.runtime.head import HeadConfig, JointSchemaHead
+from clef_local.runtime.head import JointSchemaHead
 from clef_local.runtime.layout import HeadLayout, build_layout
 from clef_local.runtime.tokenizer import ReleaseTokenizer
 from clef_local.training.common import (
-    encode_examples,
+    HeadShape,
+    encode_records,
     flush_denormals,
     gold_index,
     load_checkpoint,
     load_init_head,
     max_length,
     optimizer_step,
+    output_embedding,
     parameter_groups,
+    print_last_epoch,
     save_checkpoint,
     save_head,
+    settings_from_args,
+    training_records,
     units_to_batches,
     warmup_cosine,
 )
@@ -58,12 +63,9 @@ AUTOCAST = ("auto", "bf16", "off")
 
 
 @dataclass(frozen=True)
-class TrainConfig:
-    width: int = 256  # small: the demo head ships inside the repository (a few MB)
-    routing_layers: int = 1  # one evidence-routing pass is enough for single-message states
-    layers: int = 2  # field layers let questions of a record inform each other
-    heads: int = 4  # 64-dim attention heads at width 256
-    feedforward: int = 512  # 2x width keeps the head small; the backbone carries the language
+class TrainConfig(HeadShape):
+    """Settings of :func:`train` (the full method)."""
+
     epochs: int = 8  # the cached hidden states make epochs cheap; more overfits BANKING77's 10k rows
     lr: float = 1e-3  # AdamW on a small, freshly initialised head
     weight_decay: float = 0.01
@@ -178,29 +180,21 @@ def train(backbone_dir: Path, examples: Sequence[Example], out: Path, *, work: P
     an exact record that carries label rules, asked of the state of another row of its source in ``states``
     (``{source: [(text, gold), ...]}``; the rows of validation records are left out).
     """
-    from clef_local.backends.torch_backend import TorchBackbone
-
     amp = autocast_dtype(config.autocast, device)  # a bad setting fails before minutes of caching, not after
     torch.manual_seed(config.seed)
     tokenizer = ReleaseTokenizer(backbone_dir)
     backbone_config = read_json(backbone_dir / "config.json")
     text_config = backbone_config.get("text_config") or backbone_config
-    records = [*examples, *(e for twin in twins for e in (twin.first, twin.second))]
-    pairs = encode_examples(tokenizer, records, max_length(backbone_dir))
-    encoded = [e for e, _ in pairs]
-    gold = [g for _, g in pairs]
+    encoded, gold = encode_records(tokenizer, training_records(examples, twins), backbone_dir)
     cache = cache or work / "hidden"
     hidden = cache_hidden_states(backbone_dir, encoded, cache, device=device)
-    embedding = TorchBackbone(backbone_dir, backbone_config, device=device,
-                              dtype=torch.float32).output_embedding.detach()
+    embedding = output_embedding(backbone_dir, backbone_config, device)
     twins_of = {len(examples) + 2 * t: (len(examples) + 2 * t + 1, twin.same) for t, twin in enumerate(twins)}
 
     if init is not None:
         head, head_config = load_init_head(init, backbone_dir, int(text_config["hidden_size"]), device)
     else:
-        head_config = HeadConfig(hidden_size=int(text_config["hidden_size"]), width=config.width,
-                                 routing_layers=config.routing_layers, layers=config.layers, heads=config.heads,
-                                 feedforward=config.feedforward)
+        head_config = config.head_config(int(text_config["hidden_size"]))
         head = JointSchemaHead(head_config).to(device)
         with torch.no_grad():
             head.joint_logit_scale.fill_(config.joint_scale_init)
@@ -309,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="cpu or cuda (caching and training)")
     parser.add_argument("--cache-only", action="store_true",
                         help="compute the hidden-state cache under --work and stop (e.g. on a GPU machine)")
-    for name in ("width", "routing_layers", "layers", "heads", "feedforward", "batch_records"):
+    for name in (*(f.name for f in fields(HeadShape)), "batch_records"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(TrainConfig, name),
                             help=f"head/training setting (default {getattr(TrainConfig, name)})")
     parser.add_argument("--lr", type=float, help="peak learning rate (default: 1e-3 full, 2e-3 question-path)")
@@ -405,22 +399,14 @@ def main(argv: list[str] | None = None) -> int:
         from clef_local.training.state_path_train import run_from_cli as run_state_path
 
         return run_state_path(parser, args, examples, twins, work)
-    config = TrainConfig(epochs=args.epochs, lr=args.lr, width=args.width, routing_layers=args.routing_layers,
-                         layers=args.layers, heads=args.heads, feedforward=args.feedforward,
-                         batch_records=args.batch_records, consistency_weight=args.consistency_weight,
-                         spliced=args.spliced, state_attention_weight=args.state_attention_weight,
-                         joint_scale_init=args.joint_scale_init, autocast=args.autocast,
-                         label_smoothing=args.label_smoothing)
+    config = settings_from_args(TrainConfig, args)
     if args.cache_only:
         tokenizer = ReleaseTokenizer(args.backbone)
-        records = [*examples, *(e for twin in twins for e in (twin.first, twin.second))]
-        encoded = [e for e, _ in encode_examples(tokenizer, records, max_length(args.backbone))]
+        encoded, _ = encode_records(tokenizer, training_records(examples, twins), args.backbone)
         cache_hidden_states(args.backbone, encoded, work / "hidden", device=args.device)
         if states:
             cache_state_bank(args.backbone, tokenizer, states, work / "hidden", args.device)
         print(f"cached {len(encoded)} records under {work / 'hidden'}")
         return 0
-    result = train(args.backbone, examples, args.out, work=work, config=config, device=args.device, twins=twins,
-                   init=args.init, states=states)
-    print(json.dumps(result["history"][-1] if result["history"] else {}, indent=2))
-    return 0
+    return print_last_epoch(train(args.backbone, examples, args.out, work=work, config=config, device=args.device,
+                                  twins=twins, init=args.init, states=states))

@@ -127,7 +127,8 @@ def build_questions(tokenizer: ReleaseTokenizer, encoded, gold, means, table: Le
                                                                        for u in sorted(universe)])] if universe else []
     order = sorted(universe)
     rows_of: list[list[int]] = []
-    vecs, types, golds, options, views = [], [], [], [], []
+    vecs: list[np.ndarray] = []
+    types, golds, options, views = [], [], [], []
     for record, labels, record_means in zip(encoded, gold, means, strict=True):
         rows_of.append([])
         for j, question in enumerate(record.questions):
@@ -142,6 +143,7 @@ def build_questions(tokenizer: ReleaseTokenizer, encoded, gold, means, table: Le
                     and set(question.option_ids) <= set(universe) and len(question.option_ids) < len(universe)):
                 vecs.append(record_means[j])
                 types.append(question.question_type)
+                assert gold_id is not None  # it is in the universe
                 golds.append(order.index(gold_id))
                 options.append(universe_ids)
                 views.append(True)

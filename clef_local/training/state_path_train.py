@@ -251,7 +251,8 @@ def train_state_path(backbone_dir: Path, examples: Sequence[Example], out: Path,
     steps = config.epochs * len(units_to_batches(fit, config.batch_records))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(steps))
     checkpoint = work / "state-path-checkpoint.pt"
-    first_epoch, history = 0, []
+    history: list[dict] = []
+    first_epoch = 0
     if checkpoint.is_file():
         first_epoch, history = load_checkpoint(checkpoint, head, optimizer, scheduler, device, asdict(config))
     with flush_denormals():

@@ -230,12 +230,13 @@ def train(backbone_dir: Path, examples: Sequence[Example], out: Path, *, work: P
             total = 0.0
             batches = units_to_batches(order, config.batch_records, [len(e.input_ids) for e in epoch_encoded])
             for items in tqdm(batches, desc=f"epoch {epoch + 1}/{config.epochs}"):
-                states, mask, lexical, layout, target = record_batch(items, epoch_encoded, epoch_hidden, epoch_gold,
-                                                               embedding)
+                hidden_states, mask, lexical, layout, target = record_batch(items, epoch_encoded, epoch_hidden,
+                                                                            epoch_gold, embedding)
                 if evidence is not None:
-                    evidence.state_mask = state_mask([epoch_encoded[i] for i in items], states.shape[1]).to(device)
+                    evidence.state_mask = state_mask([epoch_encoded[i] for i in items],
+                                                     hidden_states.shape[1]).to(device)
                 with torch.autocast(device_type, dtype=amp) if amp else contextlib.nullcontext():
-                    logits = head(states, mask, lexical, layout).float()
+                    logits = head(hidden_states, mask, lexical, layout).float()
                 loss = question_loss(logits, target, config.label_smoothing, config.brier_weight)
                 if evidence is not None:
                     loss = loss + config.state_attention_weight * evidence.loss()

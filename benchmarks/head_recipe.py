@@ -29,9 +29,10 @@ from clef_local.formats.release import read_head_config, read_json
 from clef_local.quality.metrics import classification_report, macro_f1
 from clef_local.runtime.head import JointSchemaHead
 from clef_local.runtime.tokenizer import ReleaseTokenizer
+from clef_local.training.common import encode_examples, max_length
 from clef_local.training.demo_data import splice_states, training_examples, twin_records
 from clef_local.training.hidden_cache import cache_hidden_states
-from clef_local.training.train_head import TrainConfig, _batch, _max_length, encode_examples, train
+from clef_local.training.train_head import TrainConfig, record_batch, train
 
 DATA_KEYS = {"banking77": 1024, "nlupp": 1024, "twins": 512,  # defaults: what the CPU cache holds first
              "hard": 0, "max_options": 0,  # % of hard-negative choices; choice size cap (0: none, full 77s kept)
@@ -67,7 +68,7 @@ class HeldOut:
         requests = [e.request for e in self.b77 + self.nlupp] + self.base
         requests += [r for name in self.variants for r in self.variants[name]]
         examples = [Example(str(n), r) for n, r in enumerate(requests)]
-        self.encoded = [e for e, _ in encode_examples(tokenizer, examples, _max_length(backbone))]
+        self.encoded = [e for e, _ in encode_examples(tokenizer, examples, max_length(backbone))]
         self.hidden = cache_hidden_states(backbone, self.encoded, cache)
 
     def probabilities(self, head: JointSchemaHead, embedding: torch.Tensor, batch: int = 8) -> list[list[np.ndarray]]:
@@ -77,7 +78,7 @@ class HeldOut:
         with torch.no_grad():
             for start in range(0, len(self.encoded), batch):
                 items = list(range(start, min(start + batch, len(self.encoded))))
-                states, mask, lexical, layout, _ = _batch(items, self.encoded, self.hidden, gold, embedding)
+                states, mask, lexical, layout, _ = record_batch(items, self.encoded, self.hidden, gold, embedding)
                 probs = torch.softmax(head(states, mask, lexical, layout), -1).nan_to_num(0.0).numpy()
                 row = 0
                 for i in items:

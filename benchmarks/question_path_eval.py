@@ -27,6 +27,7 @@ from clef_local.formats.release import read_head_config, read_json
 from clef_local.quality.metrics import classification_report
 from clef_local.runtime.head import JointSchemaHead
 from clef_local.runtime.tokenizer import ReleaseTokenizer
+from clef_local.training.common import encode_examples, max_length
 from clef_local.training.question_path import (
     LexicalTable,
     QuestionBatch,
@@ -34,7 +35,6 @@ from clef_local.training.question_path import (
     question_path_logits,
     zeroed_parameters,
 )
-from clef_local.training.train_head import _max_length, encode_examples
 
 
 def main() -> None:
@@ -58,7 +58,7 @@ def main() -> None:
     started = time.perf_counter()
     tokenizer = ReleaseTokenizer(backbone)
     examples = evenly(banking77_examples("test"), args.limit)
-    encoded = [e for e, _ in encode_examples(tokenizer, examples, _max_length(backbone))]
+    encoded = [e for e, _ in encode_examples(tokenizer, examples, max_length(backbone))]
     means = question_means(backbone, encoded, args.cache)
     embedding = TorchBackbone(backbone, read_json(backbone / "config.json"), device="cpu",
                               dtype=torch.float32).output_embedding.detach()  # as train-head reads it

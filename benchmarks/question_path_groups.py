@@ -29,10 +29,10 @@ from clef_local.formats.release import read_head_config, read_json
 from clef_local.quality.metrics import ece
 from clef_local.runtime.head import JointSchemaHead
 from clef_local.runtime.tokenizer import ReleaseTokenizer
+from clef_local.training.common import encode_examples, max_length
 from clef_local.training.demo_data import training_examples, twin_records
 from clef_local.training.question_path import LexicalTable, question_means, question_path_logits
 from clef_local.training.question_path_train import CLI_DEFAULTS, PathConfig, build_questions, split_units
-from clef_local.training.train_head import _max_length, encode_examples
 
 
 def _probabilities(logits: np.ndarray, multiplier: float) -> np.ndarray:
@@ -66,7 +66,7 @@ def main() -> None:
     canonical = banking77_examples("train")
     records = [*examples, *(e for t in twins for e in (t.first, t.second)), *canonical]
     tokenizer = ReleaseTokenizer(backbone)
-    pairs = encode_examples(tokenizer, records, _max_length(backbone))
+    pairs = encode_examples(tokenizer, records, max_length(backbone))
     encoded, gold = [e for e, _ in pairs], [g for _, g in pairs]
     table = LexicalTable(TorchBackbone(backbone, read_json(backbone / "config.json"), device="cpu",
                                        dtype=torch.float32).output_embedding.detach())

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from path_checks import assert_forward_logits, cache_backbone
 from safetensors.torch import load_file
 
 from clef_local.data.datasets import banking77_examples, banking77_intents, banking77_request
@@ -14,8 +15,8 @@ from clef_local.runtime.encoding import encode_request
 from clef_local.runtime.head import HeadConfig, JointSchemaHead
 from clef_local.runtime.layout import build_layout
 from clef_local.runtime.tokenizer import ReleaseTokenizer
+from clef_local.training.common import encode_examples
 from clef_local.training.demo_data import training_examples, twin_records
-from clef_local.training.hidden_cache import cache_dtype
 from clef_local.training.question_path import (
     PRIOR_OFF,
     LexicalTable,
@@ -25,16 +26,8 @@ from clef_local.training.question_path import (
     zeroed_parameters,
 )
 from clef_local.training.question_path_train import PathConfig, build_questions, train_question_path
-from clef_local.training.train_head import encode_examples
 
 SMALL = PathConfig(width=32, heads=4, feedforward=64, epochs=3, batch_questions=16)
-
-
-def _backbone(path: Path):
-    from clef_local.backends.torch_backend import TorchBackbone
-    from clef_local.formats.release import read_json
-
-    return TorchBackbone(path, read_json(path / "config.json"), device="cpu", dtype=cache_dtype("cpu"))
 
 
 def test_the_question_path_computes_the_full_heads_logits(tiny_llama: Path, tmp_path: Path):
@@ -52,7 +45,7 @@ def test_the_question_path_computes_the_full_heads_logits(tiny_llama: Path, tmp_
         for param in trainable:
             param.add_(0.3 * torch.randn_like(param))
     head.eval()
-    backbone = _backbone(tiny_llama)
+    backbone = cache_backbone(tiny_llama)
     table = LexicalTable(backbone.output_embedding.detach().float())
     questions, _ = build_questions(tokenizer, encoded, gold, means, table)
     with torch.no_grad():
@@ -65,11 +58,7 @@ def test_the_question_path_computes_the_full_heads_logits(tiny_llama: Path, tmp_
         hidden = backbone.hidden_states(ids, mask)
         layout = build_layout(encoded, ids.shape[1]).map(torch.from_numpy)
         full = head(hidden, mask, backbone.lexical_rows(layout.option_token_ids), layout)
-    assert full.shape == shortcut.shape
-    finite = torch.isfinite(full)
-    assert torch.equal(finite, torch.isfinite(shortcut))
-    assert float((full[finite] - shortcut[finite]).abs().max()) < 2e-3 * float(full[finite].abs().max())
-    assert float(full[finite].std()) > 0.1  # the logits say something: the comparison is not of constants
+    assert_forward_logits(full, shortcut)
 
 
 def test_question_means_are_cached_by_block_and_a_bad_block_is_named(tiny_llama: Path, tmp_path: Path, monkeypatch):

@@ -10,10 +10,11 @@ import torch
 
 from clef_local.runtime.tokenizer import ReleaseTokenizer
 from clef_local.training import hidden_cache
+from clef_local.training.common import encode_examples, gold_index
 from clef_local.training.demo_data import Rule, splice_states, training_examples, twin_records
 from clef_local.training.hidden_cache import cache_hidden_states
 from clef_local.training.splicing import EpochHidden, Splicer, cache_state_bank, state_records
-from clef_local.training.train_head import TrainConfig, _gold_index, encode_examples, train
+from clef_local.training.train_head import TrainConfig, train
 
 
 @pytest.fixture
@@ -59,7 +60,7 @@ def test_spliced_records_join_a_state_to_a_donor_schema(tiny_llama: Path, tmp_pa
     hidden = cache_hidden_states(tiny_llama, encoded, tmp_path / "cache")
     states = {source: rows[:40] for source, rows in splice_states().items()}
     bank = cache_state_bank(tiny_llama, tokenizer, states, tmp_path / "cache", "cpu")
-    splicer = Splicer(tokenizer, 4096, list(enumerate(examples)), encoded, hidden, states, bank, _gold_index)
+    splicer = Splicer(tokenizer, 4096, list(enumerate(examples)), encoded, hidden, states, bank, gold_index)
     spliced = splicer.draw(24, random.Random(0))
     epoch = EpochHidden(hidden, splicer, spliced)
     for k, (record, (state, donor), gold) in enumerate(zip(spliced.encoded, spliced.parts, spliced.gold,
@@ -70,7 +71,7 @@ def test_spliced_records_join_a_state_to_a_donor_schema(tiny_llama: Path, tmp_pa
         assert record.input_ids[record.state_start : record.state_start + record.state_tokens] == tuple(
             tokenizer.encode_pieces([text])[0])
         expected = example.relabel(row_gold)
-        assert gold == [_gold_index(q.question_type, q.option_ids, expected.get(q.question_id))
+        assert gold == [gold_index(q.question_type, q.option_ids, expected.get(q.question_id))
                         for q in record.questions]
         joined = epoch[len(encoded) + k]
         cut = record.state_start + record.state_tokens

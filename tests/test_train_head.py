@@ -14,10 +14,11 @@ import torch
 import clef_local
 from clef_local.runtime.head import HeadConfig, JointSchemaHead
 from clef_local.runtime.tokenizer import ReleaseTokenizer
+from clef_local.training.common import encode_examples
 from clef_local.training.demo_data import intent_neighbours, training_examples, twin_records
 from clef_local.training.head_losses import StateAttention, question_loss, state_mask, twin_loss
-from clef_local.training.hidden_cache import _block_name, cache_dtype, cache_hidden_states
-from clef_local.training.train_head import TrainConfig, _batch, _twin_rows, encode_examples, train
+from clef_local.training.hidden_cache import block_name, cache_dtype, cache_hidden_states
+from clef_local.training.train_head import TrainConfig, record_batch, train, twin_rows
 
 SMALL = TrainConfig(width=32, heads=4, feedforward=64, epochs=2, batch_records=8)
 
@@ -116,7 +117,7 @@ def test_cache_computes_in_bf16_where_it_is_fast_and_names_blocks_by_dtype(tiny_
     tokenizer = ReleaseTokenizer(tiny_llama)
     block = [e for e, _ in encode_examples(tokenizer, training_examples(banking77=2, nlupp=0, seed=2), 4096)]
     # float32 keeps the names older caches were written under; BF16 states are never mistaken for them
-    assert _block_name(block) == _block_name(block, torch.float32) != _block_name(block, torch.bfloat16)
+    assert block_name(block) == block_name(block, torch.float32) != block_name(block, torch.bfloat16)
 
 
 def test_state_attention_is_the_modules_own_attention_mass_on_the_state(tiny_llama: Path):
@@ -131,7 +132,7 @@ def test_state_attention_is_the_modules_own_attention_mass_on_the_state(tiny_lla
     embedding = torch.randn(tokenizer.vocab_size, 64)
     head = JointSchemaHead(HeadConfig(
         hidden_size=64, width=32, routing_layers=1, layers=2, heads=4, feedforward=64)).train()
-    states, mask, lexical, layout, _ = _batch(list(range(4)), encoded, hidden, gold, embedding)
+    states, mask, lexical, layout, _ = record_batch(list(range(4)), encoded, hidden, gold, embedding)
     masses = []  # what each cross-attention module itself computes, averaged over heads, per query
 
     def own_weights(module, args, kwargs, output):
@@ -194,7 +195,7 @@ def test_twins_map_questions_across_renames_and_reorders(tiny_llama: Path):
             assert twin.first.labels.get(a) == twin.second.labels.get(b)
         pairs = encode_examples(tokenizer, [twin.first, twin.second], 4096)
         encoded = [e for e, _ in pairs]
-        rows = _twin_rows([0, 1], encoded, {0: (1, twin.same)})
+        rows = twin_rows([0, 1], encoded, {0: (1, twin.same)})
         assert len(rows) == len(twin.same)
         first_q, second_q = encoded[0].questions, encoded[1].questions
         n_first = len(first_q)
@@ -233,13 +234,13 @@ def test_init_fine_tunes_an_existing_head(tiny_llama: Path, tmp_path: Path):
 
 
 def test_weight_decay_shrinks_matrices_only():
-    from clef_local.training.train_head import _parameter_groups
+    from clef_local.training.common import parameter_groups
 
     head = JointSchemaHead(HeadConfig(hidden_size=16, width=16, routing_layers=1, layers=1, heads=2, feedforward=32))
     with torch.no_grad():
         for p in head.parameters():
             p.fill_(1.0)
-    optimizer = torch.optim.AdamW(_parameter_groups(head, 0.1), lr=0.5)
+    optimizer = torch.optim.AdamW(parameter_groups(head, 0.1), lr=0.5)
     for p in head.parameters():
         p.grad = torch.zeros_like(p)
     optimizer.step()  # zero gradients: only decoupled weight decay moves a parameter, by lr·wd
@@ -291,7 +292,7 @@ def test_autocast_is_bf16_on_accelerators_and_never_for_span_means_or_gradients(
     encoded, gold = [e for e, _ in pairs], [g for _, g in pairs]
     torch.manual_seed(1)
     hidden = [torch.randn(len(e.input_ids), 64) for e in encoded]
-    states, mask, lexical, layout, target = _batch(list(range(6)), encoded, hidden, gold,
+    states, mask, lexical, layout, target = record_batch(list(range(6)), encoded, hidden, gold,
                                                    torch.randn(tokenizer.vocab_size, 64))
     values = torch.randn(50, 8)
     index, offsets = torch.tensor([0, 3, 7, 9, 49]), torch.tensor([0, 2, 5])

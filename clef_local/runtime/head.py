@@ -23,11 +23,13 @@ from clef_local.formats.head_config import HeadConfig
 from clef_local.formats.release import HEAD_WEIGHTS, Release, check_head_tensors
 from clef_local.runtime.layout import HeadLayout
 
-__all__ = ["HeadConfig", "JointSchemaHead"]
+__all__ = ["HeadConfig", "JointSchemaHead", "padded_logits"]
 
-# Span means use a CSR matmul (8-14x faster than index_add_ on CPU); its "beta" notice is noise here.
-warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta", category=UserWarning)
-warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled", category=UserWarning)
+# Span means use a CSR matmul (8-14x faster than index_add_ on CPU); torch's "beta" notice about it is noise here.
+# It is filtered around the op only, never in the process's filters; torch gives it once per process, so after the
+# first CSR tensor the op runs without catch_warnings (whose every use re-arms Python's once-per-place warnings).
+_CSR_NOTICES = ("Sparse CSR tensor support is in beta", "Sparse invariant checks are implicitly disabled")
+_csr_noticed = False
 
 # exp(scale) is clamped at 100 in the release math (DESIGN §2.3, step 7).
 _MAX_LOG_SCALE = math.log(100.0)
@@ -178,15 +180,34 @@ class JointSchemaHead(nn.Module):
         prior_scale = self.prior_logit_scale.clamp(max=_MAX_LOG_SCALE).exp()
         prior = prior_scale * (F.normalize(option_lex, dim=-1) * anchor[layout.option_question]).sum(-1)
         options = self.option_norm(routed)
-        field_of_option = fields_[layout.option_question]
+        logits = prior + self.score_options(fields_[layout.option_question], options)  # [O]
+        return _to_padded(logits, layout)
+
+    def score_options(self, field_of_option: torch.Tensor, options: torch.Tensor) -> torch.Tensor:
+        """The joint score of every option, ``[O]``, without the lexical prior (DESIGN §2.3, step 7)::
+
+            sigmoid(residual_gate) · (exp(joint_logit_scale) · cos(F, o) + residual_scorer([F, o, F·o, |F−o|]))
+
+        ``field_of_option``: ``[O, w]``, each option's question field (after ``field_norm``); ``options``: ``[O, w]``,
+        the option vectors (after ``option_norm``). ``forward`` adds the prior; the question and state paths of
+        training, whose prior is off, use this alone.
+        """
         cosine = F.cosine_similarity(field_of_option, options, dim=-1)
         features = torch.cat(
             [field_of_option, options, field_of_option * options, (field_of_option - options).abs()], dim=-1
         )
         residual = self.residual_scorer(features).squeeze(-1)
         joint = self.joint_logit_scale.clamp(max=_MAX_LOG_SCALE).exp() * cosine + residual
-        logits = prior + torch.sigmoid(self.residual_gate) * joint  # [O]
-        return _to_padded(logits, layout)
+        return torch.sigmoid(self.residual_gate) * joint
+
+
+def padded_logits(option_values: torch.Tensor, option_question: torch.Tensor, option_slot: torch.Tensor,
+                  num_questions: int, max_options: int) -> torch.Tensor:
+    """Per-option values ``[O]`` laid out per question, ``[num_questions, max_options]``: option ``n`` at
+    ``(option_question[n], option_slot[n])``, ``-inf`` where a question has fewer options (softmax gives them 0)."""
+    out = option_values.new_full((num_questions, max_options), float("-inf"))
+    out[option_question, option_slot] = option_values
+    return out
 
 
 def _attend(attention: nn.MultiheadAttention, query: torch.Tensor, memory: torch.Tensor,
@@ -226,10 +247,24 @@ def _span_mean(values: torch.Tensor, index: torch.Tensor, offsets: torch.Tensor)
     """
     lengths = offsets.diff()
     weights = (1.0 / lengths.to(values.dtype)).repeat_interleave(lengths)
-    matrix = torch.sparse_csr_tensor(offsets, index, weights, size=(lengths.shape[0], values.shape[0]),
-                                     check_invariants=False)
+    matrix = _csr_matrix(offsets, index, weights, (lengths.shape[0], values.shape[0]))
     with torch.autocast(values.device.type, enabled=False):  # no bf16 sparse matmul on CPU; means stay exact
         return matrix @ values
+
+
+def _csr_matrix(offsets: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, size: tuple[int, int]
+                ) -> torch.Tensor:
+    """``torch.sparse_csr_tensor`` without its beta notice (see ``_CSR_NOTICES``), leaving the warning filters as
+    they were."""
+    global _csr_noticed
+    if _csr_noticed and not torch.is_warn_always_enabled():
+        return torch.sparse_csr_tensor(offsets, index, weights, size=size, check_invariants=False)
+    with warnings.catch_warnings():
+        for message in _CSR_NOTICES:
+            warnings.filterwarnings("ignore", message=message, category=UserWarning)
+        matrix = torch.sparse_csr_tensor(offsets, index, weights, size=size, check_invariants=False)
+    _csr_noticed = True
+    return matrix
 
 
 def _scatter_padded(
@@ -247,9 +282,8 @@ def _padding_mask(group: torch.Tensor, slot: torch.Tensor, num_groups: int, widt
 
 
 def _to_padded(option_values: torch.Tensor, layout: HeadLayout) -> torch.Tensor:
-    out = option_values.new_full((layout.num_questions, layout.max_options), float("-inf"))
-    out[layout.option_question, layout.option_slot] = option_values
-    return out
+    return padded_logits(option_values, layout.option_question, layout.option_slot, layout.num_questions,
+                         layout.max_options)
 
 
 def _padded_softmax(option_values: torch.Tensor, layout: HeadLayout) -> torch.Tensor:

@@ -39,7 +39,7 @@ def cache_dtype(device: str) -> torch.dtype:
     return torch.bfloat16 if detect_cpu().fast_bf16 else torch.float32
 
 
-def _block_name(block: Sequence[EncodedRecord], dtype: torch.dtype = torch.float32) -> str:
+def block_name(block: Sequence[EncodedRecord], dtype: torch.dtype = torch.float32) -> str:
     """A block's cache directory is named by its token ids (and a non-float32 compute dtype; float32 names are
     those of older caches), so a stale cache cannot be picked up by mistake."""
     digest = hashlib.sha256()
@@ -65,7 +65,7 @@ def cache_hidden_states(backbone_dir: Path, encoded: Sequence[EncodedRecord], ca
 
     dtype = cache_dtype(device)
     blocks = [list(range(s, min(s + block_records, len(encoded)))) for s in range(0, len(encoded), block_records)]
-    names = [_block_name([encoded[i] for i in block], dtype) for block in blocks]
+    names = [block_name([encoded[i] for i in block], dtype) for block in blocks]
     todo = [b for b, name in enumerate(names) if not (cache / name / "done").is_file()]
     backbone = None
     if todo:

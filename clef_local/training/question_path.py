@@ -39,7 +39,7 @@ from tqdm import tqdm
 
 from clef_local.formats.release import read_json
 from clef_local.runtime.encoding import EncodedRecord
-from clef_local.runtime.head import JointSchemaHead
+from clef_local.runtime.head import JointSchemaHead, padded_logits
 from clef_local.runtime.head_reach import question_reach
 from clef_local.training.hidden_cache import cache_dtype, token_batches
 
@@ -106,15 +106,8 @@ def question_path_logits(head: JointSchemaHead, batch: QuestionBatch) -> torch.T
     fields = head.field_norm(head.question_projection(question) + head.type_embedding(batch.types))
     options = head.option_norm(head.option_lexical_projection(batch.lexical)[batch.option_lexical]
                                + head.option_question_projection(question)[batch.option_question])
-    field_of_option = fields[batch.option_question]
-    cosine = F.cosine_similarity(field_of_option, options, dim=-1)
-    features = torch.cat([field_of_option, options, field_of_option * options,
-                          (field_of_option - options).abs()], dim=-1)
-    joint = head.joint_logit_scale.clamp(max=math.log(100.0)).exp() * cosine + head.residual_scorer(features)[:, 0]
-    logits = torch.sigmoid(head.residual_gate) * joint
-    padded = logits.new_full((len(batch.means), batch.max_options), float("-inf"))
-    padded[batch.option_question, batch.option_slot] = logits
-    return padded
+    logits = head.score_options(fields[batch.option_question], options)
+    return padded_logits(logits, batch.option_question, batch.option_slot, len(batch.means), batch.max_options)
 
 
 def truncate_to_questions(record: EncodedRecord) -> EncodedRecord:

@@ -27,44 +27,48 @@ from tqdm import tqdm
 from clef_local.data.datasets import Example, Twin
 from clef_local.errors import ReleaseError
 from clef_local.formats.release import read_json
-from clef_local.quality.metrics import ece
 from clef_local.runtime.encoding import option_semantics
 from clef_local.runtime.head import HeadConfig, JointSchemaHead
 from clef_local.runtime.schema import TYPE_IDS
 from clef_local.runtime.tokenizer import ReleaseTokenizer
+from clef_local.training.common import (
+    HeadShape,
+    ValidationTally,
+    demo_universe,
+    encode_records,
+    fold_temperature,
+    load_init_head,
+    optimizer_step,
+    output_embedding,
+    partner_pairs,
+    print_last_epoch,
+    save_head,
+    settings_from_args,
+    trainable_groups,
+    training_records,
+    units_to_batches,
+    warmup_cosine,
+)
 from clef_local.training.head_losses import logit_temperature, question_loss, twin_loss
 from clef_local.training.question_path import (
     PRIOR_OFF,
     LexicalTable,
     QuestionBatch,
-    apply_temperature,
     means_cached,
     question_means,
     question_path_head,
     question_path_logits,
     zeroed_parameters,
 )
-from clef_local.training.train_head import (
-    _max_length,
-    _parameter_groups,
-    _units_to_batches,
-    _warmup_cosine,
-    encode_examples,
-    load_init_head,
-    optimizer_step,
-    save_head,
-)
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class PathConfig:
-    width: int = 256  # as the full method: the head ships inside the repository
-    routing_layers: int = 1  # zero here, but present so that --init can train them later
-    layers: int = 2
-    heads: int = 4
-    feedforward: int = 512
+class PathConfig(HeadShape):
+    """Settings of :func:`train_question_path`; the head's routing and field layers are zero in this path, but
+    present so that ``--init`` can train them later."""
+
     epochs: int = 12  # ~30 s each here (questions, not records); the validation loss flattens by epoch 10
     lr: float = 2e-3
     weight_decay: float = 0.01
@@ -123,7 +127,8 @@ def build_questions(tokenizer: ReleaseTokenizer, encoded, gold, means, table: Le
                                                                        for u in sorted(universe)])] if universe else []
     order = sorted(universe)
     rows_of: list[list[int]] = []
-    vecs, types, golds, options, views = [], [], [], [], []
+    vecs: list[np.ndarray] = []
+    types, golds, options, views = [], [], [], []
     for record, labels, record_means in zip(encoded, gold, means, strict=True):
         rows_of.append([])
         for j, question in enumerate(record.questions):
@@ -138,6 +143,7 @@ def build_questions(tokenizer: ReleaseTokenizer, encoded, gold, means, table: Le
                     and set(question.option_ids) <= set(universe) and len(question.option_ids) < len(universe)):
                 vecs.append(record_means[j])
                 types.append(question.question_type)
+                assert gold_id is not None  # it is in the universe
                 golds.append(order.index(gold_id))
                 options.append(universe_ids)
                 views.append(True)
@@ -204,8 +210,7 @@ def _initial_head(init: Path | None, backbone_dir: Path, hidden_size: int, confi
                   ) -> tuple[JointSchemaHead, HeadConfig]:
     """A fresh question-path head, or ``init``'s (which must be one), with only the path's parameters trainable."""
     if init is None:
-        head_config = HeadConfig(hidden_size=hidden_size, width=config.width, routing_layers=config.routing_layers,
-                                 layers=config.layers, heads=config.heads, feedforward=config.feedforward)
+        head_config = config.head_config(hidden_size)
         head = JointSchemaHead(head_config).to(device)
         question_path_head(head, config.joint_scale_init)
         return head, head_config
@@ -235,18 +240,13 @@ def train_question_path(backbone_dir: Path, examples: Sequence[Example], out: Pa
     validation split is the same as a fresh run's on the same records, so its temperature is fitted on questions
     the head never trained on.
     """
-    from clef_local.backends.torch_backend import TorchBackbone
-
     torch.manual_seed(config.seed)
     tokenizer = ReleaseTokenizer(backbone_dir)
     backbone_config = read_json(backbone_dir / "config.json")
     text_config = backbone_config.get("text_config") or backbone_config
-    records = [*examples, *(e for twin in twins for e in (twin.first, twin.second)), *canonical]
-    pairs_ = encode_examples(tokenizer, records, _max_length(backbone_dir))
-    encoded, gold = [e for e, _ in pairs_], [g for _, g in pairs_]
-    embedding = TorchBackbone(backbone_dir, backbone_config, device="cpu",
-                              dtype=torch.float32).output_embedding.detach()
-    table = LexicalTable(embedding)
+    records = training_records(examples, twins, canonical)
+    encoded, gold = encode_records(tokenizer, records, backbone_dir)
+    table = LexicalTable(output_embedding(backbone_dir, backbone_config, "cpu"))
     rng = random.Random(config.seed)
     split = split_units(tokenizer, encoded, gold, table, universe, len(examples), twins, rng, validation)
     val, fit, record_of = split.val, split.fit, split.record_of
@@ -273,12 +273,9 @@ def train_question_path(backbone_dir: Path, examples: Sequence[Example], out: Pa
         row_weight[split.rows_of[first_canonical][0]:] = config.canonical_weight  # canonical records' rows come last
 
     head, head_config = _initial_head(init, backbone_dir, int(text_config["hidden_size"]), config, device)
-    trainable = {id(p) for p in head.parameters() if p.requires_grad}
-    groups = [{**g, "params": [p for p in g["params"] if id(p) in trainable]}
-              for g in _parameter_groups(head, config.weight_decay)]
-    optimizer = torch.optim.AdamW(groups, lr=config.lr)
+    optimizer = torch.optim.AdamW(trainable_groups(head, config.weight_decay), lr=config.lr)
     steps = config.epochs * math.ceil(sum(map(len, fit)) / config.batch_questions)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_cosine(steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(steps))
     questions = Questions(*(t.to(device) for t in (questions.means, questions.types, questions.gold,
                                                   questions.options, questions.full_view)))
     log.info("question path: %d questions (%d full views), %d units, %d for validation",
@@ -287,7 +284,7 @@ def train_question_path(backbone_dir: Path, examples: Sequence[Example], out: Pa
     for epoch in range(config.epochs):
         head.train()
         rng.shuffle(fit)
-        total, batches = 0.0, _units_to_batches(fit, config.batch_questions)
+        total, batches = 0.0, units_to_batches(fit, config.batch_questions)
         for rows in tqdm(batches, desc=f"epoch {epoch + 1}/{config.epochs}", leave=False):
             total += optimizer_step(_loss(head, questions, rows, lexical, partner, config, row_weight), optimizer,
                                     scheduler,
@@ -298,14 +295,8 @@ def train_question_path(backbone_dir: Path, examples: Sequence[Example], out: Pa
         log.info("epoch %d: %s", epoch + 1, metrics)
     calibration: dict = {}
     if config.calibrate and val:
-        temperature = fit_temperature(head, questions, val, lexical)
-        before = evaluate(head, questions, val, lexical, partner, config)
-        apply_temperature(head, temperature)
-        after = evaluate(head, questions, val, lexical, partner, config)
-        calibration = {"temperature": temperature, "val_nll_before": before["val_nll"], "val_nll": after["val_nll"],
-                       "val_ece_before": before["val_ece"], "val_ece": after["val_ece"]}
-        log.info("temperature %.3f: validation NLL %.4f -> %.4f, ECE %.4f -> %.4f", temperature, before["val_nll"],
-                 after["val_nll"], before["val_ece"], after["val_ece"])
+        calibration = fold_temperature(head, fit_temperature(head, questions, val, lexical),
+                                       lambda: evaluate(head, questions, val, lexical, partner, config))
     log_dict = {"method": "question-path", "config": asdict(config), "init": str(init) if init else None,
                 "examples": len(examples),
                 "twins": len(twins), "canonical": len(canonical), "questions": len(questions.gold),
@@ -322,9 +313,7 @@ def _loss(head, questions: Questions, rows: list[int], lexical, partner: dict[in
     logits = question_path_logits(head, batch)
     weights = None if row_weight is None else row_weight[index]
     loss = question_loss(logits, target, config.label_smoothing, config.brier_weight, weights)
-    at = {r: n for n, r in enumerate(rows)}
-    pairs = [(at[a], at[b]) for a, b in partner.items() if a in at and b in at]
-    if pairs:
+    if pairs := partner_pairs(rows, partner):
         loss = loss + config.consistency_weight * twin_loss(logits, pairs)
     return loss
 
@@ -337,31 +326,12 @@ def evaluate(head, questions: Questions, units: Sequence[list[int]], lexical, pa
     rows = [r for unit in units for r in unit]
     if not rows:
         return {}
-    losses, hits, full_hits, moved, nll, confidence = [], [], [], [], [], []
-    for chunk in _units_to_batches(units, 1024):
+    tally = ValidationTally(config.label_smoothing, config.brier_weight)
+    for chunk in units_to_batches(units, 1024):
         index = torch.tensor(chunk, device=lexical.device)
         batch, target = questions.batch(index, lexical)
-        logits = question_path_logits(head, batch)
-        labelled = target >= 0
-        if bool(labelled.any()):
-            losses.append(float(question_loss(logits, target, config.label_smoothing, config.brier_weight)))
-        right = (logits.argmax(-1) == target)[labelled]
-        log_p = torch.log_softmax(logits[labelled], -1)
-        nll += (-log_p.gather(1, target[labelled][:, None])[:, 0]).tolist()
-        confidence += log_p.max(-1).values.exp().tolist()
-        hits += right.tolist()
-        full_hits += right[questions.full_view[index][labelled]].tolist()
-        at = {r: n for n, r in enumerate(chunk)}
-        probs = torch.softmax(logits, -1).nan_to_num(0.0)
-        moved += [float((probs[at[a]] - probs[at[b]]).abs().max()) for a, b in partner.items()
-                  if a in at and b in at]
-    metrics = {"val_loss": float(np.mean(losses)), "val_accuracy": float(np.mean(hits)),
-               "val_nll": float(np.mean(nll)), "val_ece": ece(np.array(confidence), np.array(hits))}
-    if full_hits:
-        metrics["val_accuracy_full_views"] = float(np.mean(full_hits))
-    if moved:
-        metrics |= {"val_twin_mean_dp": float(np.mean(moved)), "val_twin_max_dp": float(np.max(moved))}
-    return metrics
+        tally.add(question_path_logits(head, batch), target, questions.full_view[index], partner_pairs(chunk, partner))
+    return tally.metrics()
 
 
 def refuse_full_options(parser, args) -> None:
@@ -376,29 +346,16 @@ def refuse_full_options(parser, args) -> None:
 
 def run_from_cli(parser, args, examples: Sequence[Example], twins: Sequence[Twin], work: Path) -> int:
     """``clef-local train-head --method question-path``."""
-    universe: Sequence[str] = ()
-    canonical: Sequence[Example] = ()
-    if args.data == "demo":
-        from clef_local.data.datasets import banking77_examples, banking77_intents
-
-        universe = banking77_intents()
-        canonical = banking77_examples("train")  # the evaluation's 77-way prompt on every training row (~1 M tokens)
-    config = PathConfig(width=args.width, routing_layers=args.routing_layers, layers=args.layers, heads=args.heads,
-                        feedforward=args.feedforward, epochs=args.epochs, lr=args.lr,
-                        consistency_weight=args.consistency_weight, joint_scale_init=args.joint_scale_init,
-                        canonical_weight=args.canonical_weight, share=args.share,
-                        label_smoothing=args.label_smoothing)
+    universe, canonical = demo_universe(args.data)  # the canonical records cost ~1 M tokens here
+    config = settings_from_args(PathConfig, args)
     if args.cache_only:
-        records = [*examples, *(e for twin in twins for e in (twin.first, twin.second))]
-        encoded = [e for e, _ in encode_examples(ReleaseTokenizer(args.backbone), records,
-                                                 _max_length(args.backbone))]
+        encoded, _ = encode_records(ReleaseTokenizer(args.backbone), training_records(examples, twins), args.backbone)
         question_means(args.backbone, encoded, work / "question-means", device=args.device)
         print(f"cached the question-span means of {len(encoded)} records under {work / 'question-means'}")
         return 0
-    result = train_question_path(args.backbone, examples, args.out, work=work, config=config, twins=twins,
-                                 device=args.device, universe=universe, canonical=canonical, init=args.init)
-    print(json.dumps(result["history"][-1] if result["history"] else {}, indent=2))
-    return 0
+    return print_last_epoch(train_question_path(args.backbone, examples, args.out, work=work, config=config,
+                                                twins=twins, device=args.device, universe=universe,
+                                                canonical=canonical, init=args.init))
 
 
 @torch.no_grad()

@@ -30,15 +30,13 @@ reads the whole record (its routing layers are live), so the backbone runs over 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from clef_local.runtime.encoding import EncodedRecord
-from clef_local.runtime.head import EvidenceRoutingLayer, JointSchemaHead
+from clef_local.runtime.head import EvidenceRoutingLayer, JointSchemaHead, padded_logits
 from clef_local.runtime.schema import TYPE_IDS
 from clef_local.runtime.tokenizer import ReleaseTokenizer
 from clef_local.training.hidden_cache import cache_hidden_states
@@ -165,17 +163,9 @@ def state_path_logits(head: JointSchemaHead, batch: StateBatch, dominance: float
     scale[CHOICE] = dominance
     fields = head.field_norm(head.question_projection(question)
                              + head.type_embedding(batch.types) * scale[batch.types, None])
-    options = head.option_norm(routed)
-    field_of_option = fields[batch.option_question]
-    cosine = F.cosine_similarity(field_of_option, options, dim=-1)
-    features = torch.cat([field_of_option, options, field_of_option * options,
-                          (field_of_option - options).abs()], dim=-1)
-    joint = head.joint_logit_scale.clamp(max=math.log(100.0)).exp() * cosine + head.residual_scorer(features)[:, 0]
-    logits = torch.sigmoid(head.residual_gate) * joint
-    padded = logits.new_full((len(batch.types), batch.max_options), float("-inf"))
-    padded[batch.option_question, batch.option_slot] = logits
+    logits = head.score_options(fields[batch.option_question], head.option_norm(routed))
     mass = torch.stack(masses, -1) if masses else logits.new_ones(len(logits), 0)
-    return padded, mass
+    return padded_logits(logits, batch.option_question, batch.option_slot, len(batch.types), batch.max_options), mass
 
 
 def state_mass_loss(mass: torch.Tensor) -> torch.Tensor:

@@ -23,13 +23,32 @@ from tqdm import tqdm
 
 from clef_local.data.datasets import Example, Twin
 from clef_local.formats.release import read_json
-from clef_local.quality.metrics import ece
 from clef_local.runtime.encoding import render
-from clef_local.runtime.head import HeadConfig, JointSchemaHead
+from clef_local.runtime.head import JointSchemaHead
 from clef_local.runtime.schema import TYPE_IDS
 from clef_local.runtime.tokenizer import ReleaseTokenizer
+from clef_local.training.common import (
+    HeadShape,
+    ValidationTally,
+    demo_universe,
+    encode_records,
+    flush_denormals,
+    fold_temperature,
+    load_checkpoint,
+    optimizer_step,
+    output_embedding,
+    partner_pairs,
+    print_last_epoch,
+    save_checkpoint,
+    save_head,
+    settings_from_args,
+    trainable_groups,
+    training_records,
+    units_to_batches,
+    warmup_cosine,
+)
 from clef_local.training.head_losses import logit_temperature, question_loss, twin_loss
-from clef_local.training.question_path import LexicalTable, apply_temperature, question_means
+from clef_local.training.question_path import LexicalTable, question_means
 from clef_local.training.question_path_train import Questions, Split, build_questions, split_units
 from clef_local.training.state_path import (
     StateBatch,
@@ -42,48 +61,28 @@ from clef_local.training.state_path import (
     state_path_logits,
     twin_whitening,
 )
-from clef_local.training.train_head import (
-    _max_length,
-    _parameter_groups,
-    _units_to_batches,
-    _warmup_cosine,
-    encode_examples,
-    flush_denormals,
-    load_checkpoint,
-    optimizer_step,
-    save_checkpoint,
-    save_head,
-)
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class StatePathConfig:
-    width: int = 256  # as the other methods: the head ships inside the repository
-    routing_layers: int = 1  # the layer that reads the state
-    layers: int = 2  # zero here (their outputs), present for the release format
-    heads: int = 4
-    feedforward: int = 512
-    epochs: int = 8  # a state-only prototype over all BANKING77 rows: 77-way top-1 0.74 after 1 epoch, 0.91 after 8
-    # 1e-3 (the full method's) leaves the routing layer stuck: 400 steps of 77-way records stayed at the uniform
-    # loss, where 3e-4 reached 0.75 batch accuracy; a 5-epoch run at 1e-3 ended at 77-way validation accuracy 0.01
-    lr: float = 3e-4
+class StatePathConfig(HeadShape):
+    """Settings of :func:`train_state_path`; the routing layer is the one that reads the state, the field layers'
+    outputs are zero (present for the release format)."""
+
+    epochs: int = 8  # a state-only prototype's 77-way top-1 was still rising at epoch 8
+    lr: float = 3e-4  # the full method's 1e-3 leaves the routing layer stuck at the uniform loss
     weight_decay: float = 0.01
     batch_records: int = 32
     label_smoothing: float = 0.05  # as Clef was trained
     brier_weight: float = 1.0
     consistency_weight: float = 1.0
-    # -log(attention mass on prefix + state): without it, a prototype's choices lost 0.60 of their 8-way accuracy
-    # when the record's own schema joined the memory
-    state_attention_weight: float = 0.1
+    state_attention_weight: float = 0.1  # x -log(attention mass on prefix + state): else choices read the schema
     joint_scale_init: float = 2.3  # cosine temperature x10 from the start (the full method's finding)
     distractor_records: int = 256  # records whose schema hidden states are the distractor bank (one full pass each)
     canonical_distractors: int = 32  # of them, canonical records: a 77-option schema is 1,600 tokens
     calibrate: bool = True  # one temperature fitted on the validation questions and folded into the weights
-    # > 0: nouls and scores read their span means through a whitening of the twins' within-pair scatter
-    # (state_path.twin_whitening; this is its strength), folded into the question projection at the end
-    whitening: float = 0.0
+    whitening: float = 0.0  # > 0: strength of state_path.twin_whitening of the nouls' and scores' span means; off
     seed: int = 0
 
 
@@ -192,17 +191,12 @@ def prepare(backbone_dir: Path, examples: Sequence[Example], work: Path, config:
     """Encode the records, cut the validation split, and compute (or read) the three caches under ``work``: the
     prefix + state hidden states of every distinct state, the distractor records' schema hidden states, and the
     span means of the records that hold a noul or a score."""
-    from clef_local.backends.torch_backend import TorchBackbone
-
     tokenizer = ReleaseTokenizer(backbone_dir)
     backbone_config = read_json(backbone_dir / "config.json")
     hidden_size = int((backbone_config.get("text_config") or backbone_config)["hidden_size"])
-    records = [*examples, *(e for twin in twins for e in (twin.first, twin.second)), *canonical]
-    pairs_ = encode_examples(tokenizer, records, _max_length(backbone_dir))
-    encoded, gold = [e for e, _ in pairs_], [g for _, g in pairs_]
-    embedding = TorchBackbone(backbone_dir, backbone_config, device="cpu",
-                              dtype=torch.float32).output_embedding.detach()
-    table = LexicalTable(embedding)
+    records = training_records(examples, twins, canonical)
+    encoded, gold = encode_records(tokenizer, records, backbone_dir)
+    table = LexicalTable(output_embedding(backbone_dir, backbone_config, "cpu"))
     split = split_units(tokenizer, encoded, gold, table, universe, len(examples), twins, random.Random(config.seed),
                         validation)
 
@@ -249,18 +243,16 @@ def train_state_path(backbone_dir: Path, examples: Sequence[Example], out: Path,
         questions.means = questions.means @ transform
         log.info("whitening the span means by %d twin pairs (strength %g)", len(read_span), config.whitening)
 
-    head_config = HeadConfig(hidden_size=data.hidden_size, width=config.width, routing_layers=config.routing_layers,
-                             layers=config.layers, heads=config.heads, feedforward=config.feedforward)
+    head_config = config.head_config(data.hidden_size)
     head = JointSchemaHead(head_config).to(device)
-    trainable = {id(p) for p in state_path_head(head, config.joint_scale_init)}
-    groups = [{**g, "params": [p for p in g["params"] if id(p) in trainable]}
-              for g in _parameter_groups(head, config.weight_decay)]
-    optimizer = torch.optim.AdamW(groups, lr=config.lr)
+    state_path_head(head, config.joint_scale_init)
+    optimizer = torch.optim.AdamW(trainable_groups(head, config.weight_decay), lr=config.lr)
     fit = list(split.fit)
-    steps = config.epochs * len(_units_to_batches(fit, config.batch_records))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_cosine(steps))
+    steps = config.epochs * len(units_to_batches(fit, config.batch_records))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(steps))
     checkpoint = work / "state-path-checkpoint.pt"
-    first_epoch, history = 0, []
+    history: list[dict] = []
+    first_epoch = 0
     if checkpoint.is_file():
         first_epoch, history = load_checkpoint(checkpoint, head, optimizer, scheduler, device, asdict(config))
     with flush_denormals():
@@ -269,7 +261,7 @@ def train_state_path(backbone_dir: Path, examples: Sequence[Example], out: Path,
             rng = random.Random(config.seed * 1000 + epoch)  # per epoch: a resumed run draws what it would have
             order = list(fit)
             rng.shuffle(order)
-            total, batches = 0.0, _units_to_batches(order, config.batch_records)
+            total, batches = 0.0, units_to_batches(order, config.batch_records)
             for rows in tqdm(batches, desc=f"epoch {epoch + 1}/{config.epochs}"):
                 batch, target = make_batch(rows, questions, split, memories, lexical, distractors, rng)
                 total += optimizer_step(_loss(head, batch, target, rows, partner, config), optimizer, scheduler,
@@ -282,14 +274,9 @@ def train_state_path(backbone_dir: Path, examples: Sequence[Example], out: Path,
     calibration: dict = {}
     if config.calibrate and split.val:
         logits, target = _validation_logits(head, questions, split, memories, lexical, distractors)
-        temperature = logit_temperature(logits[target >= 0], target[target >= 0])
-        before = evaluate(head, questions, split, memories, lexical, distractors, partner, config)
-        apply_temperature(head, temperature)
-        after = evaluate(head, questions, split, memories, lexical, distractors, partner, config)
-        calibration = {"temperature": temperature, "val_nll_before": before["val_nll"], "val_nll": after["val_nll"],
-                       "val_ece_before": before["val_ece"], "val_ece": after["val_ece"]}
-        log.info("temperature %.3f: validation NLL %.4f -> %.4f, ECE %.4f -> %.4f", temperature, before["val_nll"],
-                 after["val_nll"], before["val_ece"], after["val_ece"])
+        calibration = fold_temperature(head, logit_temperature(logits[target >= 0], target[target >= 0]),
+                                       lambda: evaluate(head, questions, split, memories, lexical, distractors,
+                                                        partner, config))
     fold_dominance(head)
     if transform is not None:
         fold_whitening(head, transform)
@@ -306,15 +293,13 @@ def _loss(head, batch: StateBatch, target: torch.Tensor, rows: Sequence[int], pa
           config: StatePathConfig) -> torch.Tensor:
     logits, mass = state_path_logits(head, batch)
     loss = question_loss(logits, target, config.label_smoothing, config.brier_weight)
-    at = {r: n for n, r in enumerate(sorted(rows))}
-    pairs = [(at[a], at[b]) for a, b in partner.items() if a in at and b in at]
-    if pairs:
+    if pairs := partner_pairs(sorted(rows), partner):
         loss = loss + config.consistency_weight * twin_loss(logits, pairs)
     return loss + config.state_attention_weight * state_mass_loss(mass)
 
 
 def _validation_batches(split: Split) -> list[list[int]]:
-    return _units_to_batches(split.val, 64)
+    return units_to_batches(split.val, 64)
 
 
 @torch.no_grad()
@@ -340,35 +325,15 @@ def evaluate(head, questions: Questions, split: Split, memories: Memories, lexic
     routing layers' mean attention mass on prefix + state."""
     head.eval()
     rng = random.Random(12345)
-    losses, hits, full_hits, nll, confidence, moved, masses = [], [], [], [], [], [], []
+    tally, masses = ValidationTally(config.label_smoothing, config.brier_weight), []
     for rows in _validation_batches(split):
         rows = sorted(rows)
         batch, target = make_batch(rows, questions, split, memories, lexical, distractors, rng)
         logits, mass = state_path_logits(head, batch)
         masses.append(float(mass.mean()))
-        labelled = target >= 0
-        if bool(labelled.any()):
-            losses.append(float(question_loss(logits, target, config.label_smoothing, config.brier_weight)))
-        right = (logits.argmax(-1) == target)[labelled]
-        log_p = torch.log_softmax(logits[labelled], -1)
-        nll += (-log_p.gather(1, target[labelled][:, None])[:, 0]).tolist()
-        confidence += log_p.max(-1).values.exp().tolist()
-        hits += right.tolist()
-        full_hits += right[questions.full_view[torch.tensor(rows)].to(right.device)[labelled]].tolist()
-        at = {r: n for n, r in enumerate(rows)}
-        probs = torch.softmax(logits, -1).nan_to_num(0.0)
-        moved += [float((probs[at[a]] - probs[at[b]]).abs().max()) for a, b in partner.items()
-                  if a in at and b in at]
-    if not hits:
-        return {}
-    metrics = {"val_loss": float(np.mean(losses)), "val_accuracy": float(np.mean(hits)),
-               "val_nll": float(np.mean(nll)), "val_ece": ece(np.array(confidence), np.array(hits)),
-               "val_state_mass": float(np.mean(masses))}
-    if full_hits:
-        metrics["val_accuracy_full_views"] = float(np.mean(full_hits))
-    if moved:
-        metrics |= {"val_twin_mean_dp": float(np.mean(moved)), "val_twin_max_dp": float(np.max(moved))}
-    return metrics
+        tally.add(logits, target, questions.full_view[torch.tensor(rows)].to(logits.device),
+                  partner_pairs(rows, partner))
+    return tally.metrics(val_state_mass=float(np.mean(masses))) if tally.hits else {}
 
 
 def refuse_options(parser, args) -> None:
@@ -383,25 +348,14 @@ def refuse_options(parser, args) -> None:
 
 def run_from_cli(parser, args, examples: Sequence[Example], twins: Sequence[Twin], work: Path) -> int:
     """``clef-local train-head --method state-path``."""
-    universe: Sequence[str] = ()
-    canonical: Sequence[Example] = ()
-    if args.data == "demo":
-        from clef_local.data.datasets import banking77_examples, banking77_intents
-
-        universe = banking77_intents()
-        canonical = banking77_examples("train")  # the evaluation's 77-way prompt on every training row: states only
-    config = StatePathConfig(width=args.width, routing_layers=args.routing_layers, layers=args.layers,
-                             heads=args.heads, feedforward=args.feedforward, epochs=args.epochs, lr=args.lr,
-                             batch_records=args.batch_records, consistency_weight=args.consistency_weight,
-                             state_attention_weight=args.state_attention_weight,
-                             joint_scale_init=args.joint_scale_init, label_smoothing=args.label_smoothing)
+    universe, canonical = demo_universe(args.data)  # the canonical records cost only their states here
+    config = settings_from_args(StatePathConfig, args)
     if args.cache_only:
         data = prepare(args.backbone, examples, work, config, twins, args.device, universe, canonical)
         print(f"cached the states, distractors and span means of {data.records} records under {work}")
         return 0
-    result = train_state_path(args.backbone, examples, args.out, work=work, config=config, twins=twins,
-                              device=args.device, universe=universe, canonical=canonical)
-    print(json.dumps(result["history"][-1] if result["history"] else {}, indent=2))
-    return 0
+    return print_last_epoch(train_state_path(args.backbone, examples, args.out, work=work, config=config,
+                                             twins=twins, device=args.device, universe=universe,
+                                             canonical=canonical))
 
 

@@ -18,26 +18,40 @@ import contextlib
 import json
 import logging
 import math
-import os
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from clef_local.data.datasets import Example, Twin
-from clef_local.errors import ReleaseError
-from clef_local.formats.release import read_head_config, read_json
-from clef_local.runtime.encoding import EncodedRecord, encode_request
-from clef_local.runtime.head import HeadConfig, JointSchemaHead
-from clef_local.runtime.layout import build_layout
-from clef_local.runtime.schema import request_to_record, validate_request
+from clef_local.formats.release import read_json
+from clef_local.runtime.head import JointSchemaHead
+from clef_local.runtime.layout import HeadLayout, build_layout
 from clef_local.runtime.tokenizer import ReleaseTokenizer
+from clef_local.training.common import (
+    HeadShape,
+    encode_records,
+    flush_denormals,
+    gold_index,
+    load_checkpoint,
+    load_init_head,
+    max_length,
+    optimizer_step,
+    output_embedding,
+    parameter_groups,
+    print_last_epoch,
+    save_checkpoint,
+    save_head,
+    settings_from_args,
+    training_records,
+    units_to_batches,
+    warmup_cosine,
+)
 from clef_local.training.demo_data import FULL_CHOICE
 from clef_local.training.head_losses import StateAttention, question_loss, state_mask, twin_loss
 from clef_local.training.hidden_cache import cache_hidden_states
@@ -49,12 +63,9 @@ AUTOCAST = ("auto", "bf16", "off")
 
 
 @dataclass(frozen=True)
-class TrainConfig:
-    width: int = 256  # small: the demo head ships inside the repository (a few MB)
-    routing_layers: int = 1  # one evidence-routing pass is enough for single-message states
-    layers: int = 2  # field layers let questions of a record inform each other
-    heads: int = 4  # 64-dim attention heads at width 256
-    feedforward: int = 512  # 2x width keeps the head small; the backbone carries the language
+class TrainConfig(HeadShape):
+    """Settings of :func:`train` (the full method)."""
+
     epochs: int = 8  # the cached hidden states make epochs cheap; more overfits BANKING77's 10k rows
     lr: float = 1e-3  # AdamW on a small, freshly initialised head
     weight_decay: float = 0.01
@@ -85,34 +96,11 @@ CLI_DEFAULTS: dict[str, Any] = {"epochs": TrainConfig.epochs, "lr": TrainConfig.
                                 "state_attention_weight": TrainConfig.state_attention_weight}
 
 
-def _gold_index(question_type: int, option_ids: Sequence[str], label: object) -> int:
-    """The gold option's index; ``-1`` for a question without a label (it then only counts in twin consistency)."""
-    if label is None:
-        return -1
-    if question_type == 0:
-        return 0 if label else 1  # noul options are true, false
-    return list(option_ids).index(str(label))
-
-
-def encode_examples(tokenizer: ReleaseTokenizer, examples: Sequence[Example], max_length: int
-                    ) -> list[tuple[EncodedRecord, list[int]]]:
-    """Each example's encoding and the gold option index of each question (model order)."""
-    out = []
-    for example in examples:
-        record = request_to_record(validate_request(example.request))
-        encoded = encode_request(tokenizer, record, max_length=max_length)
-        gold = [_gold_index(q.question_type, q.option_ids, example.labels.get(q.question_id))
-                for q in encoded.questions]
-        out.append((encoded, gold))
-    return out
-
-
-def _max_length(backbone_dir: Path) -> int:
-    config = read_json(backbone_dir / "config.json")
-    return int((config.get("text_config") or config).get("max_position_embeddings", 16384))
-
-
-def _batch(items: Sequence[int], encoded, hidden, gold, embedding: torch.Tensor):
+def record_batch(items: Sequence[int], encoded, hidden, gold, embedding: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, HeadLayout, torch.Tensor]:
+    """The full method's batch of records ``items``: their hidden states right-padded ``[B, T, hidden]``, the
+    attention mask, the options' output-embedding rows, the :class:`HeadLayout` and the gold indices (on the
+    device of ``embedding``)."""
     device = embedding.device
     records = [encoded[i] for i in items]
     length = max(len(r.input_ids) for r in records)
@@ -127,7 +115,7 @@ def _batch(items: Sequence[int], encoded, hidden, gold, embedding: torch.Tensor)
     return states.to(device), mask.to(device), lexical, layout, target
 
 
-def _twin_rows(items: Sequence[int], encoded, twins_of: dict[int, tuple[int, dict[str, str]]]
+def twin_rows(items: Sequence[int], encoded, twins_of: dict[int, tuple[int, dict[str, str]]]
                ) -> list[tuple[int, int]]:
     """Row pairs (first, second) in the batch's logits for every twin question whose partner is in the batch."""
     offsets, row = {}, 0
@@ -142,40 +130,6 @@ def _twin_rows(items: Sequence[int], encoded, twins_of: dict[int, tuple[int, dic
             pairs += [(offsets[i] + k, offsets[j] + where[same[q.question_id]])
                       for k, q in enumerate(encoded[i].questions) if q.question_id in same]
     return pairs
-
-
-def _units_to_batches(units: Sequence[tuple[int, ...]], batch_records: int,
-                      lengths: Sequence[int] | None = None, pool: int = 50) -> list[list[int]]:
-    """Units (a record, or a twin's two records) grouped into batches of about ``batch_records`` records.
-
-    With ``lengths``, units are sorted by length within pools of ``pool`` batches (so a batch pads to a similar
-    length, not to the longest record in the data: ~2x less work here) and the batches are shuffled back; the
-    order stays random from epoch to epoch because ``units`` arrive shuffled.
-    """
-    if lengths is not None:
-        size = pool * batch_records
-        units = [u for start in range(0, len(units), size)
-                 for u in sorted(units[start : start + size], key=lambda u: max(lengths[i] for i in u))]
-    batches: list[list[int]] = [[]]
-    for unit in units:
-        if len(batches[-1]) + len(unit) > batch_records and batches[-1]:
-            batches.append([])
-        batches[-1].extend(unit)
-    batches = [b for b in batches if b]
-    if lengths is not None:
-        random.Random(len(units) + sum(batches[0])).shuffle(batches)
-    return batches
-
-
-@contextlib.contextmanager
-def flush_denormals():
-    """Denormal floats flushed to zero while the block runs (CPU). Denormals are below 1.2e-38, so no result
-    changes, but x86 handles them in microcode: a step of the packaged head took 3.9 s instead of 1.3 s."""
-    torch.set_flush_denormal(True)
-    try:
-        yield
-    finally:
-        torch.set_flush_denormal(False)
 
 
 def _splicer(backbone_dir: Path, tokenizer: ReleaseTokenizer, examples: Sequence[Example], encoded, hidden,
@@ -194,7 +148,7 @@ def _splicer(backbone_dir: Path, tokenizer: ReleaseTokenizer, examples: Sequence
     pools = {source: [states[source][n] for n in kept] for source, kept in keep.items()}
     bank = {source: [bank[source][n] for n in kept] for source, kept in keep.items()}
     donors = [(i, e) for i, e in enumerate(examples) if i not in held_out and getattr(e, "rules", None)]
-    return Splicer(tokenizer, _max_length(backbone_dir), donors, encoded, hidden, pools, bank, _gold_index)
+    return Splicer(tokenizer, max_length(backbone_dir), donors, encoded, hidden, pools, bank, gold_index)
 
 
 def autocast_dtype(setting: str, device: str) -> torch.dtype | None:
@@ -206,48 +160,6 @@ def autocast_dtype(setting: str, device: str) -> torch.dtype | None:
     if setting == "bf16":
         return torch.bfloat16
     return torch.bfloat16 if torch.device(device).type != "cpu" else None
-
-
-def optimizer_step(loss: torch.Tensor, optimizer, scheduler, parameters) -> float:
-    """One step of head training: gradients clipped to norm 1, the schedule advanced; returns the loss."""
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(parameters, 1.0)
-    optimizer.step()
-    scheduler.step()
-    return loss.item()
-
-
-def _parameter_groups(head: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on matrices only: decaying norms, biases and the logit scales pulls them towards 0 for no
-    regularising gain (the scales at 0 mean logits within ±1)."""
-    matrices = [p for p in head.parameters() if p.ndim >= 2]
-    others = [p for p in head.parameters() if p.ndim < 2]
-    return [{"params": matrices, "weight_decay": weight_decay}, {"params": others, "weight_decay": 0.0}]
-
-
-def _warmup_cosine(total: int, warmup_fraction: float = 0.05):
-    """Linear warm-up over the first 5% of steps, then cosine decay to zero."""
-    warmup = max(1, int(total * warmup_fraction))
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
-
-    return factor
-
-
-def load_init_head(init: Path, backbone_dir: Path, hidden_size: int, device: str
-                   ) -> tuple[JointSchemaHead, HeadConfig]:
-    """The head in ``init`` (``joint_head.*``) to fine-tune on ``backbone_dir``, whose hidden size it must read."""
-    head_config = read_head_config(init / "joint_head_config.json")
-    if head_config.hidden_size != hidden_size:
-        raise ReleaseError(f"--init {init}: the head reads hidden size {head_config.hidden_size}, the backbone "
-                           f"{backbone_dir} has {hidden_size}; fine-tune a head of this backbone")
-    head = JointSchemaHead(head_config).to(device)
-    head.load_state_dict(load_file(str(init / "joint_head.safetensors"), device=str(device)))
-    return head, head_config
 
 
 def train(backbone_dir: Path, examples: Sequence[Example], out: Path, *, work: Path,
@@ -268,33 +180,25 @@ def train(backbone_dir: Path, examples: Sequence[Example], out: Path, *, work: P
     an exact record that carries label rules, asked of the state of another row of its source in ``states``
     (``{source: [(text, gold), ...]}``; the rows of validation records are left out).
     """
-    from clef_local.backends.torch_backend import TorchBackbone
-
     amp = autocast_dtype(config.autocast, device)  # a bad setting fails before minutes of caching, not after
     torch.manual_seed(config.seed)
     tokenizer = ReleaseTokenizer(backbone_dir)
     backbone_config = read_json(backbone_dir / "config.json")
     text_config = backbone_config.get("text_config") or backbone_config
-    records = [*examples, *(e for twin in twins for e in (twin.first, twin.second))]
-    pairs = encode_examples(tokenizer, records, _max_length(backbone_dir))
-    encoded = [e for e, _ in pairs]
-    gold = [g for _, g in pairs]
+    encoded, gold = encode_records(tokenizer, training_records(examples, twins), backbone_dir)
     cache = cache or work / "hidden"
     hidden = cache_hidden_states(backbone_dir, encoded, cache, device=device)
-    embedding = TorchBackbone(backbone_dir, backbone_config, device=device,
-                              dtype=torch.float32).output_embedding.detach()
+    embedding = output_embedding(backbone_dir, backbone_config, device)
     twins_of = {len(examples) + 2 * t: (len(examples) + 2 * t + 1, twin.same) for t, twin in enumerate(twins)}
 
     if init is not None:
         head, head_config = load_init_head(init, backbone_dir, int(text_config["hidden_size"]), device)
     else:
-        head_config = HeadConfig(hidden_size=int(text_config["hidden_size"]), width=config.width,
-                                 routing_layers=config.routing_layers, layers=config.layers, heads=config.heads,
-                                 feedforward=config.feedforward)
+        head_config = config.head_config(int(text_config["hidden_size"]))
         head = JointSchemaHead(head_config).to(device)
         with torch.no_grad():
             head.joint_logit_scale.fill_(config.joint_scale_init)
-    optimizer = torch.optim.AdamW(_parameter_groups(head, config.weight_decay), lr=config.lr)
+    optimizer = torch.optim.AdamW(parameter_groups(head, config.weight_decay), lr=config.lr)
     rng = random.Random(config.seed)
     units: list[tuple[int, ...]] = [(i,) for i in range(len(examples))] + [(i, j) for i, (j, _) in twins_of.items()]
     rng.shuffle(units)
@@ -302,9 +206,9 @@ def train(backbone_dir: Path, examples: Sequence[Example], out: Path, *, work: P
     val, fit = units[:n_val], units[n_val:]
     lengths = [len(e.input_ids) for e in encoded]
     splicer = _splicer(backbone_dir, tokenizer, examples, encoded, hidden, states, val, cache, device, config)
-    steps_per_epoch = (len(_units_to_batches(fit, config.batch_records, lengths))
+    steps_per_epoch = (len(units_to_batches(fit, config.batch_records, lengths))
                        + math.ceil(config.spliced / config.batch_records))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_cosine(config.epochs * steps_per_epoch))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(config.epochs * steps_per_epoch))
     work.mkdir(parents=True, exist_ok=True)
     checkpoint = work / "checkpoint.pt"
     history: list[dict] = []
@@ -324,19 +228,20 @@ def train(backbone_dir: Path, examples: Sequence[Example], out: Path, *, work: P
             order = fit + [(i,) for i in range(len(encoded), len(epoch_encoded))]
             random.Random(config.seed * 1000 + epoch).shuffle(order)
             total = 0.0
-            batches = _units_to_batches(order, config.batch_records, [len(e.input_ids) for e in epoch_encoded])
+            batches = units_to_batches(order, config.batch_records, [len(e.input_ids) for e in epoch_encoded])
             for items in tqdm(batches, desc=f"epoch {epoch + 1}/{config.epochs}"):
-                states, mask, lexical, layout, target = _batch(items, epoch_encoded, epoch_hidden, epoch_gold,
-                                                               embedding)
+                hidden_states, mask, lexical, layout, target = record_batch(items, epoch_encoded, epoch_hidden,
+                                                                            epoch_gold, embedding)
                 if evidence is not None:
-                    evidence.state_mask = state_mask([epoch_encoded[i] for i in items], states.shape[1]).to(device)
+                    evidence.state_mask = state_mask([epoch_encoded[i] for i in items],
+                                                     hidden_states.shape[1]).to(device)
                 with torch.autocast(device_type, dtype=amp) if amp else contextlib.nullcontext():
-                    logits = head(states, mask, lexical, layout).float()
+                    logits = head(hidden_states, mask, lexical, layout).float()
                 loss = question_loss(logits, target, config.label_smoothing, config.brier_weight)
                 if evidence is not None:
                     loss = loss + config.state_attention_weight * evidence.loss()
                 if twins_of:
-                    pairs = _twin_rows(items, epoch_encoded, twins_of)  # spliced records have no twins
+                    pairs = twin_rows(items, epoch_encoded, twins_of)  # spliced records have no twins
                     loss = loss + config.consistency_weight * twin_loss(logits, pairs)
                 total += optimizer_step(loss, optimizer, scheduler, head.parameters())
             metrics = {"epoch": epoch + 1, "train_loss": total / len(batches),
@@ -352,45 +257,6 @@ def train(backbone_dir: Path, examples: Sequence[Example], out: Path, *, work: P
     return log_dict
 
 
-def save_checkpoint(path: Path, head: torch.nn.Module, optimizer, scheduler, history: list[dict],
-                    settings: dict) -> None:
-    """The training state after ``len(history)`` epochs and the run's ``settings``, written atomically (a kill
-    mid-write keeps the last one)."""
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "epoch": len(history), "history": history, "settings": settings}, tmp)
-    os.replace(tmp, path)
-
-
-def load_checkpoint(path: Path, head: torch.nn.Module, optimizer, scheduler, device: str,
-                    settings: dict) -> tuple[int, list[dict]]:
-    """Restore a :func:`save_checkpoint` file into ``head``, ``optimizer`` and ``scheduler``; the epochs done and
-    their history. A checkpoint of other ``settings`` (another learning rate, epoch count...) is refused: resuming
-    it would silently finish a different run."""
-    state = torch.load(path, weights_only=False, map_location=device)
-    saved = state.get("settings", {})
-    changed = sorted(k for k in {*saved, *settings} if saved.get(k) != settings.get(k))
-    if changed:
-        diff = ", ".join(f"{k}: {saved.get(k)!r} there, {settings.get(k)!r} now" for k in changed)
-        raise ValueError(f"{path} is the checkpoint of a run with other settings ({diff}); delete it to start "
-                         "over, or pass another --work")
-    head.load_state_dict(state["head"])
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    log.info("resuming at epoch %d (%s)", state["epoch"] + 1, path)
-    return state["epoch"], state["history"]
-
-
-def save_head(head: JointSchemaHead, head_config: HeadConfig, out: Path, log_dict: dict) -> None:
-    """The head part of a release: ``joint_head.safetensors`` (float32), its config, ``training_log.json``."""
-    out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()},
-              str(out / "joint_head.safetensors"))
-    config_dict = {k: v for k, v in head_config.to_json_dict().items() if k != "dropout"}
-    (out / "joint_head_config.json").write_text(json.dumps(config_dict, indent=2) + "\n")
-    (out / "training_log.json").write_text(json.dumps(log_dict, indent=2) + "\n")
-
-
 @torch.no_grad()
 def evaluate(head: JointSchemaHead, units: Sequence[tuple[int, ...]], encoded, hidden, gold, embedding,
              config: TrainConfig, twins_of: dict[int, tuple[int, dict[str, str]]] | None = None) -> dict:
@@ -398,15 +264,15 @@ def evaluate(head: JointSchemaHead, units: Sequence[tuple[int, ...]], encoded, h
     and max |Δp| between twin questions (the robustness a conformance suite checks)."""
     head.eval()
     losses, correct, questions, moved = [], 0, 0, []
-    for items in _units_to_batches(units, config.batch_records):
-        states, mask, lexical, layout, target = _batch(items, encoded, hidden, gold, embedding)
+    for items in units_to_batches(units, config.batch_records):
+        states, mask, lexical, layout, target = record_batch(items, encoded, hidden, gold, embedding)
         logits = head(states, mask, lexical, layout)
         labelled = target >= 0
         if bool(labelled.any()):
             losses.append(float(question_loss(logits, target, config.label_smoothing, config.brier_weight)))
             correct += int((logits.argmax(-1) == target)[labelled].sum())
             questions += int(labelled.sum())
-        if rows := _twin_rows(items, encoded, twins_of or {}):
+        if rows := twin_rows(items, encoded, twins_of or {}):
             probs = torch.softmax(logits, -1).nan_to_num(0.0)
             moved += (probs[[a for a, _ in rows]] - probs[[b for _, b in rows]]).abs().amax(-1).tolist()
     metrics = {"val_loss": float(np.mean(losses)) if losses else float("nan"),
@@ -438,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="cpu or cuda (caching and training)")
     parser.add_argument("--cache-only", action="store_true",
                         help="compute the hidden-state cache under --work and stop (e.g. on a GPU machine)")
-    for name in ("width", "routing_layers", "layers", "heads", "feedforward", "batch_records"):
+    for name in (*(f.name for f in fields(HeadShape)), "batch_records"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(TrainConfig, name),
                             help=f"head/training setting (default {getattr(TrainConfig, name)})")
     parser.add_argument("--lr", type=float, help="peak learning rate (default: 1e-3 full, 2e-3 question-path)")
@@ -534,22 +400,14 @@ def main(argv: list[str] | None = None) -> int:
         from clef_local.training.state_path_train import run_from_cli as run_state_path
 
         return run_state_path(parser, args, examples, twins, work)
-    config = TrainConfig(epochs=args.epochs, lr=args.lr, width=args.width, routing_layers=args.routing_layers,
-                         layers=args.layers, heads=args.heads, feedforward=args.feedforward,
-                         batch_records=args.batch_records, consistency_weight=args.consistency_weight,
-                         spliced=args.spliced, state_attention_weight=args.state_attention_weight,
-                         joint_scale_init=args.joint_scale_init, autocast=args.autocast,
-                         label_smoothing=args.label_smoothing)
+    config = settings_from_args(TrainConfig, args)
     if args.cache_only:
         tokenizer = ReleaseTokenizer(args.backbone)
-        records = [*examples, *(e for twin in twins for e in (twin.first, twin.second))]
-        encoded = [e for e, _ in encode_examples(tokenizer, records, _max_length(args.backbone))]
+        encoded, _ = encode_records(tokenizer, training_records(examples, twins), args.backbone)
         cache_hidden_states(args.backbone, encoded, work / "hidden", device=args.device)
         if states:
             cache_state_bank(args.backbone, tokenizer, states, work / "hidden", args.device)
         print(f"cached {len(encoded)} records under {work / 'hidden'}")
         return 0
-    result = train(args.backbone, examples, args.out, work=work, config=config, device=args.device, twins=twins,
-                   init=args.init, states=states)
-    print(json.dumps(result["history"][-1] if result["history"] else {}, indent=2))
-    return 0
+    return print_last_epoch(train(args.backbone, examples, args.out, work=work, config=config, device=args.device,
+                                  twins=twins, init=args.init, states=states))

@@ -6,8 +6,8 @@
 Each row runs in its own subprocess (load, one warm-up decide); the timed decides are interleaved round by round
 (median of ``--repeats``), so a load spike from other work on the machine hits every backend alike. MLX on Linux
 gets Debian's OpenBLAS preloaded (``LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0``,
-DESIGN §9: the mlx-cpu wheel's own BLAS is ~120× slower). Also prints each row's max |Δp| against torch float32.
-Prints one table.
+docs/hardware.md, known traps: the mlx-cpu wheel's own BLAS is ~120× slower). Also prints each row's max |Δp| against
+torch float32. Prints one table.
 """
 
 from __future__ import annotations

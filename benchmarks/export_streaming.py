@@ -1,4 +1,4 @@
-"""Streaming export: peak memory of ``clef-local quantize`` is bounded by a shard, not by the model (DESIGN §5).
+"""Streaming export: peak memory of ``clef-local quantize`` is bounded by a shard, not by the model (docs/format.md §6).
 
     python benchmarks/export_streaming.py            # ~165 MB BF16 llama in 8+ shards and in 1 shard, int4
     python benchmarks/export_streaming.py --scheme nf4 --layers 8

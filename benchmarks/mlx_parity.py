@@ -5,10 +5,10 @@
     python benchmarks/mlx_parity.py --tiny                 # tiny llama and qwen3_5 releases and their int4/int8
 
 Both backends compute in float32 on the CPU and each runs in its own worker process: torch as installed, MLX with
-Debian's OpenBLAS preloaded (DESIGN §9: the Linux ``mlx-cpu`` wheel's reference BLAS is ~6× slower for fp32 matmuls;
-``--no-openblas`` turns that off). Per release: max |Δp| over all questions of the probe set
-(``clef_local.data.probes.probe_requests``), decision flips (argmax changes), mean KL(torch‖mlx), and the
-median latency of ``repeats`` decides of a 3-question request after one warm-up, as ms and as the MLX/torch ratio.
+Debian's OpenBLAS preloaded (docs/hardware.md, known traps: the Linux ``mlx-cpu`` wheel's reference BLAS is ~6× slower
+for fp32 matmuls; ``--no-openblas`` turns that off). Per release: max |Δp| over all questions of the probe set
+(``clef_local.data.probes.probe_requests``), decision flips (argmax changes), mean KL(torch‖mlx), and the median latency
+of ``repeats`` decides of a 3-question request after one warm-up, as ms and as the MLX/torch ratio.
 """
 
 from __future__ import annotations

@@ -4,12 +4,12 @@
     python benchmarks/probe_ceiling.py --train-rows 2000 --features /tmp/b77-features.npz
 
 The joint schema head sees the state only through the backbone's hidden states (its memory and the option spans
-that attend back to it). This script encodes each BANKING77 row exactly as a request does — the DESIGN §2.1 prefix,
-then ``render(state)`` as its own piece — and takes the final hidden states over the state tokens (the prefix's keys
-and values are computed once and reused, so only the state tokens cost anything). A logistic regression on
-``[mean, last]`` of those states, trained on BANKING77 ``train.csv``, is then scored on ``test.csv``: a direct
-77-class classifier with all training rows, so a fair estimate of what a head on this frozen backbone can reach
-(the head must in addition read the 77 options from the prompt). Nearest class centroid (cosine) is shown beside.
+that attend back to it). This script encodes each BANKING77 row exactly as a request does — the docs/format.md §2
+prefix, then ``render(state)`` as its own piece — and takes the final hidden states over the state tokens (the prefix's
+keys and values are computed once and reused, so only the state tokens cost anything). A logistic regression on ``[mean,
+last]`` of those states, trained on BANKING77 ``train.csv``, is then scored on ``test.csv``: a direct 77-class
+classifier with all training rows, so a fair estimate of what a head on this frozen backbone can reach (the head must in
+addition read the 77 options from the prompt). Nearest class centroid (cosine) is shown beside.
 
 Features are cached in ``--features`` (npz) so the classifiers can be rerun without the backbone.
 

@@ -1,4 +1,4 @@
-"""Air-gapped runs: no hub access and no connection to anything but this machine (DESIGN §1, issue 6).
+"""Air-gapped runs: no hub access and no connection to anything but this machine (README.md, issue 6).
 
 ``with airgap():`` sets ``HF_HUB_OFFLINE=1``, ``TRANSFORMERS_OFFLINE=1`` and ``HF_DATASETS_OFFLINE=1`` and patches
 ``socket.socket.connect``/``connect_ex``, ``socket.create_connection`` and ``socket.getaddrinfo`` (name lookups

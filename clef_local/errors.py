@@ -16,7 +16,7 @@ class ClefError(Exception):
     error_type: str = "api_usage_error"
 
     def to_detail(self) -> Any:
-        """The ``detail`` member of the HTTP error body (DESIGN §3)."""
+        """The ``detail`` member of the HTTP error body (docs/serving.md)."""
         return {"error_type": self.error_type, "message": str(self)}
 
 

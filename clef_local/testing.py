@@ -1,6 +1,6 @@
 """Tiny random Clef releases, for tests and user smoke tests (no download, a few seconds on a CPU).
 
-:func:`build_tiny_release` writes a directory in the exact release layout of DESIGN §2: a byte-level BPE tokenizer
+:func:`build_tiny_release` writes a directory in the exact release layout of docs/format.md: a byte-level BPE tokenizer
 with Qwen3.5's special tokens, a tiny random backbone (a ``Qwen3_5ForConditionalGeneration`` with a vision tower, or
 a ``LlamaForCausalLM`` like the demo model's), a random joint schema head whose every parameter matters, and the
 legal files, including a ``joint_schema_model.py`` canary that raises if anything ever imports it. The numbers mean
@@ -131,7 +131,7 @@ def build_tiny_release(
     shards: int = 1,
     dtype: torch.dtype = torch.bfloat16,
 ) -> Path:
-    """Write a tiny random release in the exact Clef layout (DESIGN §2) at ``path`` and return that path.
+    """Write a tiny random release in the exact Clef layout (docs/format.md) at ``path`` and return that path.
 
     ``path`` is created; an existing non-empty directory is refused. ``backbone`` picks a tiny
     ``Qwen3_5ForConditionalGeneration`` (text model + vision tower, as Clef) or a tiny ``LlamaForCausalLM`` (as the
@@ -243,7 +243,7 @@ def _write_backbone(out: Path, backbone: str, ids: dict[str, int], vocab_size: i
     finally:
         if bars:
             hf_logging.enable_progress_bar()
-    if backbone == "llama":  # DESIGN §9: older readers ignore rope_parameters; write rope_theta too
+    if backbone == "llama":  # docs/hardware.md, known traps: older readers ignore rope_parameters; write rope_theta too
         config = json.loads((out / "config.json").read_text(encoding="utf-8"))
         config["rope_theta"] = config["rope_parameters"]["rope_theta"]
         _dump(out / "config.json", config)
@@ -348,7 +348,7 @@ def _dump(file: Path, value: Any) -> None:
     file.write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-# Cloudflare's reference, shipped unmodified in the PyPI package clef-finetune (DESIGN §2).
+# Cloudflare's reference, shipped unmodified in the PyPI package clef-finetune (docs/format.md).
 REFERENCE_SHA256 = "0e304cf7c6500e8bb59bef7e2afd2c6373f82596dfb3b57d1aa93c175e2dc3a3"
 
 

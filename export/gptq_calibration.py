@@ -10,7 +10,7 @@ sequential, 0.0159 round-to-nearest; README, "GPTQ"), so they are the default.
 1. Calibration requests: :func:`calibration_requests` — the export-validation probe shapes (choices over 8–16
    BANKING77 intents, NLU++ nouls, a score with a noul) drawn from the **training** splits (BANKING77 train, NLU++
    folds 0–15), so neither the validation probes nor the benchmarks' test rows (BANKING77 test, NLU++ 16–19) are
-   ever calibrated on. Encoded as the release encodes requests (DESIGN §2): the backbone sees what it will serve.
+   ever calibrated on. Encoded as the release encodes requests (docs/format.md): the backbone sees what it will serve.
 2. One full forward pass records every decoder layer's call arguments (masks, rotary embeddings: the same for a
    quantized model) and layer 0's input hidden states, per request.
 3. For each layer: run it on the current inputs with hooks summing ``x xᵀ`` at each quantized linear; GPTQ each

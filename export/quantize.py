@@ -1,4 +1,4 @@
-"""``clef-local quantize``: write a quantized variant of a release, streaming, atomically (DESIGN §5).
+"""``clef-local quantize``: write a quantized variant of a release, streaming, atomically (docs/format.md §6).
 
     clef-local quantize [--model DIR] (--bits 4|8 | --format int4|int8|nf4|fp8) [--group-size N] --out DIR
                         [--int4-grid mse|mlx] [--calibrate [--calibration-requests N]] [--force] [--no-validate]

@@ -66,7 +66,7 @@ class _Int4Grid:
     """int4: a (scale, bias) per group of ``group_size`` columns, chosen when the group's first column is reached."""
 
     def __init__(self, weight: torch.Tensor, group_size: int, grid: str) -> None:
-        int4._check(tuple(weight.shape), group_size)
+        int4.check_shape(tuple(weight.shape), group_size)
         self.group_size, self.grid, self.dtype = group_size, grid, weight.dtype
         out_f, in_f = weight.shape
         self.codes = torch.empty(out_f, in_f, dtype=torch.uint8, device=weight.device)
@@ -80,7 +80,7 @@ class _Int4Grid:
         g = column // self.group_size
         self.scales[:, g], self.biases[:, g] = scale[:, 0], bias[:, 0]
         # codes come from the stored (cast) pair on the mse grid, from the float32 pair on MLX's (as mx.quantize)
-        self.assign = (int4._mlx_grid(w.to(torch.float32)[:, None, :]) if self.grid == "mlx"
+        self.assign = (int4.mlx_grid(w.to(torch.float32)[:, None, :]) if self.grid == "mlx"
                        else (scale[:, :1].to(torch.float32), bias[:, :1].to(torch.float32)))
 
     def round(self, column: int, w: torch.Tensor) -> torch.Tensor:
@@ -121,10 +121,10 @@ class _NF4Grid:
 
     def packed(self) -> dict[str, torch.Tensor]:
         q = self.codes.reshape(-1)
-        meta = {"quant_type": "nf4", "blocksize": self.blocksize, "dtype": nf4._dtype_name(self.dtype),
+        meta = {"quant_type": "nf4", "blocksize": self.blocksize, "dtype": nf4.dtype_name(self.dtype),
                 "shape": list(self.shape)}
         return {"weight": ((q[0::2] << 4) | q[1::2])[:, None], "weight.absmax": self.absmax.reshape(-1),
-                "weight.quant_map": self.table, nf4.QUANT_STATE_KEY: nf4._blob(meta)}
+                "weight.quant_map": self.table, nf4.QUANT_STATE_KEY: nf4.quant_state_blob(meta)}
 
 
 def inverse_factor(hessian: torch.Tensor, damp: float = DEFAULT_DAMP) -> tuple[torch.Tensor, torch.Tensor]:

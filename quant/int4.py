@@ -76,7 +76,8 @@ _N_BINS = 15.0
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int64)  # nibble j of a word sits at bits 4j..4j+3
 
 
-def _check(shape: tuple[int, ...], group_size: int) -> None:
+def check_shape(shape: tuple[int, ...], group_size: int) -> None:
+    """Raise ValueError unless ``shape`` is a 2-D [out, in] weight whose ``in`` is a multiple of a valid group."""
     if group_size not in GROUP_SIZES:
         raise ValueError(f"int4 group_size must be one of {GROUP_SIZES}, got {group_size}")
     if len(shape) != 2:
@@ -85,7 +86,7 @@ def _check(shape: tuple[int, ...], group_size: int) -> None:
         raise ValueError(f"in_features {shape[1]} is not a multiple of group_size {group_size}")
 
 
-def _mlx_grid(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def mlx_grid(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """MLX's (scale, bias) per group of ``w`` [..., g] (float32), before the cast to the source dtype."""
     w_max = w.amax(dim=-1)
     w_min = w.amin(dim=-1)
@@ -143,7 +144,7 @@ def _mse_grid(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.
     """(q, scale, bias) of the stored grid with the least squared error (module docstring, ``grid="mse"``)."""
     w_min, w_max = w.amin(dim=-1), w.amax(dim=-1)
     span = (w_max - w_min).clamp(min=_EPS)
-    candidates = [_mlx_grid(w), _oriented(w_min, span / _N_BINS)]
+    candidates = [mlx_grid(w), _oriented(w_min, span / _N_BINS)]
     for levels in _MSE_LEVELS:
         step, lo = span / levels, w_min
         for _ in range(2):
@@ -162,13 +163,13 @@ def _mse_grid(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.
 def quantize_values(weight: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE, grid: str = DEFAULT_GRID
                     ) -> tuple[torch.Tensor, ...]:
     """Return (q uint8 [out, in], scales, biases [out, in / g] in ``weight.dtype``) on the ``grid`` rule."""
-    _check(tuple(weight.shape), group_size)
+    check_shape(tuple(weight.shape), group_size)
     if grid not in GRIDS:
         raise ValueError(f"int4 grid must be one of {GRIDS}, got {grid!r}")
     out_f, in_f = weight.shape
     w = weight.detach().to(torch.float32).reshape(out_f, in_f // group_size, group_size)
     if grid == "mlx":
-        scale, bias = _mlx_grid(w)
+        scale, bias = mlx_grid(w)
         q = _assign(w, scale, bias)
     else:
         q, scale, bias = _mse_grid(w, weight.dtype)
@@ -209,7 +210,7 @@ def dequantize(
     """``scales * q + biases`` per group, in float32, cast to ``dtype`` (default: the scales' dtype)."""
     q = _nibbles(packed["weight"]).to(torch.float32)
     out_f, in_f = q.shape
-    _check((out_f, in_f), group_size)
+    check_shape((out_f, in_f), group_size)
     scales = packed["scales"].to(torch.float32)[..., None]
     biases = packed["biases"].to(torch.float32)[..., None]
     w = q.reshape(out_f, in_f // group_size, group_size) * scales + biases
@@ -257,7 +258,7 @@ def to_torch_int4pack(
     """
     q = unpack(packed["weight"]).to(torch.int32)
     out_f, _ = q.shape
-    _check(tuple(q.shape), group_size)
+    check_shape(tuple(q.shape), group_size)
     if out_f % 16:
         raise ValueError(f"torch's int4 CPU kernel needs out_features % 16 == 0, got {out_f}")
     weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
@@ -318,7 +319,7 @@ def to_tinygemm(packed: dict[str, torch.Tensor], group_size: int = DEFAULT_GROUP
     """
     words = packed["weight"]
     q = unpack(words.view(torch.int32) if words.dtype == torch.uint32 else words)
-    _check(tuple(q.shape), group_size)
+    check_shape(tuple(q.shape), group_size)
     tiles = tinygemm_inner_k_tiles(q.shape[1])
     if tiles is None:
         raise ValueError(f"tinygemm needs in_features % 32 == 0, got {q.shape[1]}")

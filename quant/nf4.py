@@ -49,11 +49,13 @@ def code_table(device: torch.device | str = "cpu") -> torch.Tensor:
     return torch.tensor(NF4_CODE, dtype=torch.float32, device=device)
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` → ``"bfloat16"``, as bitsandbytes' serialized quant state names it."""
     return str(dtype).removeprefix("torch.")
 
 
-def _blob(meta: dict) -> torch.Tensor:
+def quant_state_blob(meta: dict) -> torch.Tensor:
+    """The ``quant_state`` tensor bitsandbytes serializes: the JSON of ``meta`` as uint8 bytes."""
     return torch.tensor(list(json.dumps(meta).encode("utf-8")), dtype=torch.uint8)
 
 
@@ -78,13 +80,13 @@ def quantize_reference(weight: torch.Tensor, blocksize: int = DEFAULT_BLOCKSIZE)
         scaled = torch.cat([scaled, scaled.new_zeros(1)])
     code = code_table(flat.device)
     q = torch.bucketize(scaled, (code[:-1] + code[1:]) / 2).to(torch.uint8)
-    meta = {"quant_type": "nf4", "blocksize": blocksize, "dtype": _dtype_name(weight.dtype)}
+    meta = {"quant_type": "nf4", "blocksize": blocksize, "dtype": dtype_name(weight.dtype)}
     meta["shape"] = list(weight.shape)
     return {
         "weight": ((q[0::2] << 4) | q[1::2])[:, None],
         "weight.absmax": absmax,
         "weight.quant_map": code,
-        QUANT_STATE_KEY: _blob(meta),
+        QUANT_STATE_KEY: quant_state_blob(meta),
     }
 
 
@@ -102,7 +104,7 @@ def quantize(
     """NF4-quantize ``weight`` to the tensors ``transformers`` saves for a ``Linear4bit`` (keys in module docstring).
 
     Uses bitsandbytes when installed (required for ``double_quant``), else :func:`quantize_reference`.
-    Quantizes from the tensor, never through a module forward (DESIGN §9: the CPU repack trap).
+    Quantizes from the tensor, never through a module forward (docs/hardware.md, known traps: the CPU repack trap).
     """
     if not bitsandbytes_available():
         if double_quant:

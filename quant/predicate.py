@@ -1,4 +1,4 @@
-"""What gets quantized: the text model's linear layers only (DESIGN §5).
+"""What gets quantized: the text model's linear layers only (docs/format.md §6).
 
 A tensor is quantized only when all of these hold:
 

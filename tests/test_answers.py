@@ -1,4 +1,4 @@
-"""Answer shapes and confidence definitions (DESIGN §2.4), on hand-computed numbers."""
+"""Answer shapes and confidence definitions (docs/format.md §5), on hand-computed numbers."""
 
 from __future__ import annotations
 

@@ -93,7 +93,7 @@ def test_config_matches_the_gguf(converted: tuple[Path, dict[str, Any]], meta: d
     config = _config(converted[0])
     assert db.check_config(meta, config) == []
     assert config["rope_parameters"]["rope_theta"] == 100000.0
-    assert config["rope_theta"] == 100000.0  # top level too (DESIGN §9)
+    assert config["rope_theta"] == 100000.0  # top level too (docs/hardware.md, known traps)
     assert config["dtype"] == "bfloat16"
     assert "quantization_config" not in config
 

@@ -99,7 +99,7 @@ def test_24gb_card_refuses_bf16_clef_and_suggests_4_bits(flash, clef) -> None:
     message = str(info.value)
     assert "bf16 on torch needs 55.6 GiB at 16,384 tokens, 22.5 GiB free on cuda:0 (NVIDIA L4)" in message
     assert "try --bits 4: clef-local quantize --bits 4 --model clef --out clef-int4" in message
-    # Clef 27B int4 at 16K fits once embed_tokens and lm_head stay in host memory (torch on CUDA, DESIGN §6).
+    # Clef 27B int4 at 16K fits once embed_tokens and lm_head stay in host memory (torch on CUDA, docs/hardware.md).
     ok = decide(l4, "int4", clef, context=16384, installed=ALL)
     assert 20 * GiB < ok.need_bytes < ok.available_bytes == l4.free_bytes
     assert decide(l4, "bf16", flash, context=16384, installed=ALL).need_bytes < l4.free_bytes

@@ -182,7 +182,7 @@ def test_rope_theta_from_transformers5_config(tiny_llama: Path, tmp_path: Path, 
     path = _with_config(tiny_llama, tmp_path / "llama", lambda c: c.pop("rope_theta"))
     config = json.loads((path / "config.json").read_text())
     assert config["rope_parameters"]["rope_theta"] == 100000.0
-    assert mlx_lm_rope_theta(config) == 10000.0  # the trap of DESIGN §9
+    assert mlx_lm_rope_theta(config) == 10000.0  # the trap of docs/hardware.md, known traps
     with caplog.at_level(logging.WARNING, logger="clef_local.backends.mlx_backend"):
         model = clef_local.load(path, backend="mlx", dtype="float32", device="cpu")
     assert any("rope_theta 10000" in r.getMessage() for r in caplog.records)
@@ -279,7 +279,7 @@ def test_demo_model_parity(demo_release: Path, tmp_path: Path) -> None:
 
     requests = [THREE, *probe_requests(2, seed=5)]
     env = dict(os.environ)
-    if OPENBLAS.is_file():  # MLX's Linux CPU wheel ships a reference BLAS (DESIGN §9)
+    if OPENBLAS.is_file():  # MLX's Linux CPU wheel ships a reference BLAS (docs/hardware.md, known traps)
         env["LD_PRELOAD"] = str(OPENBLAS)
     for scheme in (None, "int4", "int8"):
         path = demo_release

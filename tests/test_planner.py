@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from clef_local.formats.release import read_release
-from clef_local.planning.census import census_from_release, read_safetensors_header
+from clef_local.formats.safetensors import read_header
+from clef_local.planning.census import census_from_release
 from clef_local.planning.estimate import ModelDims, activations, best_fit, max_context, plan
 from clef_local.planning.hardware import GiB, named_device
 from clef_local.planning.planner import (
@@ -57,7 +58,7 @@ def test_weight_bytes_of_a_tiny_release_are_exact(tiny_qwen: Path) -> None:
     assert census.exact and census.fmt == "bf16"
     assert census.backbone == _stored_bytes(list(release.weight_files))
     assert census.vision > 0 and census.embed_tokens > 0 and census.quantized_linears > 0
-    head = read_safetensors_header(tiny_qwen / "joint_head.safetensors")
+    head = read_header(tiny_qwen / "joint_head.safetensors").tensors
     assert census.head == 4 * sum(math.prod(t.shape) for t in head.values())
 
 
@@ -100,7 +101,7 @@ def test_config_census_matches_design_facts() -> None:
     assert flash["bf16"].head / 4 == pytest.approx(122e6, rel=0.02)
     big = footprint_from_config(CONFIGS / "clef.config.json", ("int4",)).censuses["int4"]
     on_device = big.device_weights(host_embeddings=True, media=False)
-    assert 13 * 1e9 <= on_device <= 15.5 * 1e9  # DESIGN §6: a 4-bit Clef needs ~14–15 GB on the device
+    assert 13 * 1e9 <= on_device <= 15.5 * 1e9  # docs/hardware.md: a 4-bit Clef needs ~14–15 GB on the device
 
 
 def test_activation_terms_for_a_llama() -> None:

@@ -1,4 +1,4 @@
-"""Loading quantized variants on the torch backend (DESIGN §5, §6): modules swapped before the weights load, the
+"""Loading quantized variants on the torch backend (docs/format.md §6, §6): modules swapped before the weights load, the
 kernel chosen once per layer, and decisions equal to those of the dequantized weights.
 
 Tolerances (float32 unless said): a quantized module's output vs ``x @ scheme.dequantize(stored).T``: max error
@@ -347,7 +347,7 @@ def test_transformers_reloads_the_nf4_variant(variants, tiny_llama):
     assert sorted(layers) == sorted(_quantized_names(tiny_llama, "nf4"))
     stored = _stored(variant)
     for name, module in layers.items():
-        module.support_avx512bf16_for_cpu = False  # DESIGN §9: no in-place CPU repack
+        module.support_avx512bf16_for_cpu = False  # docs/hardware.md, known traps: no in-place CPU repack
         packed = {k.removeprefix(name + "."): v for k, v in stored.items() if k.startswith(name + ".")}
         deq = bnb.functional.dequantize_4bit(module.weight.data, module.weight.quant_state)
         assert torch.equal(deq, nf4.dequantize(packed))  # both in the stored dtype (bfloat16)

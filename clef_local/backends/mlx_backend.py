@@ -8,10 +8,10 @@ right-padded: with causal attention (and the causal gated-delta recurrence and c
 layers) a real token never sees the padding after it, so its hidden state is the same as without padding, the torch
 backend's attention-mask semantics.
 
-RoPE (DESIGN §9): a transformers-5 ``config.json`` may carry ``rope_parameters`` only, and mlx-lm's llama reads the
-top-level ``rope_theta`` and otherwise silently uses 10000 (SmolLM2 uses 100000). The source theta is read from the
-config here (:func:`source_rope`), passed explicitly, and every RoPE module of the built model is checked against it
-(:func:`check_rope`): a difference is a :class:`ReleaseError`, never a guess.
+RoPE (docs/hardware.md, known traps): a transformers-5 ``config.json`` may carry ``rope_parameters`` only, and mlx-lm's
+llama reads the top-level ``rope_theta`` and otherwise silently uses 10000 (SmolLM2 uses 100000). The source theta is
+read from the config here (:func:`source_rope`), passed explicitly, and every RoPE module of the built model is checked
+against it (:func:`check_rope`): a difference is a :class:`ReleaseError`, never a guess.
 
 Quantized variants (:mod:`clef_local.backends.mlx_weights`): int4 and int8 layers become ``nn.QuantizedLinear``
 (int8 with a per-row output scale) on the stored arrays, nf4/fp8 are dequantized with a warning. The compute dtype

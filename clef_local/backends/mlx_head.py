@@ -1,4 +1,4 @@
-"""The joint schema head (DESIGN §2.3) in MLX, float32, batched exactly like :mod:`clef_local.runtime.head`.
+"""The joint schema head (docs/format.md §4) in MLX, float32, batched exactly like :mod:`clef_local.runtime.head`.
 
 Same math and the same batching as the torch head: span means by segment sums, option queries padded per record
 for the evidence-routing cross-attention (padding keys of the memory masked), a masked softmax per question for the
@@ -22,7 +22,7 @@ import numpy as np
 from clef_local.formats.head_config import HeadConfig, head_tensor_shapes
 from clef_local.runtime.layout import HeadLayout
 
-_MAX_LOG_SCALE = math.log(100.0)  # exp(scale) is clamped at 100 (DESIGN §2.3, step 7)
+_MAX_LOG_SCALE = math.log(100.0)  # exp(scale) is clamped at 100 (docs/format.md §4, step 7)
 _LN_EPS = 1e-5  # torch.nn.LayerNorm's default
 _NORMALIZE_EPS = 1e-12  # F.normalize
 _COSINE_EPS = 1e-8  # F.cosine_similarity
@@ -118,7 +118,8 @@ def _span_mean(values: mx.array, index: np.ndarray, offsets: np.ndarray) -> mx.a
 
 
 class MLXJointSchemaHead:
-    """DESIGN §2.3 on MLX arrays; :meth:`__call__` has the torch head's signature and returns ``[Q, K]`` logits."""
+    """docs/format.md §4 on MLX arrays; :meth:`__call__` has the torch head's signature and returns ``[Q, K]``
+    logits."""
 
     def __init__(self, config: HeadConfig, weights: Mapping[str, mx.array]) -> None:
         self.config = config

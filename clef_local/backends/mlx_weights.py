@@ -4,8 +4,8 @@ Safetensors files are read with numpy (:func:`clef_local.formats.safetensors.rea
 data memory-mapped), so BF16 and F8_E4M3 tensors, which numpy cannot name, come back as their bit patterns and are
 decoded here exactly (BF16 → float32 is a 16-bit shift; e4m3fn through a 256-entry table).
 
-Quantized linears (DESIGN §5; the scheme is ``config.json`` ``quantization_config.clef_local.scheme``) become one
-:class:`QuantizedLayer` each:
+Quantized linears (docs/format.md §6; the scheme is ``config.json`` ``quantization_config.clef_local.scheme``)
+become one :class:`QuantizedLayer` each:
 
 - ``int4`` is stored the way MLX stores it (``weight`` uint32 packed, ``scales``, ``biases``; the group size is
   ``quantization_config.group_size``): taken as stored, no re-quantization.

@@ -1,4 +1,4 @@
-"""The joint schema head (DESIGN §2.3) in numpy float32, for backends that run without torch (ONNX Runtime).
+"""The joint schema head (docs/format.md §4) in numpy float32, for backends that run without torch (ONNX Runtime).
 
 The same batched math as :class:`clef_local.runtime.head.JointSchemaHead` at inference (span means, padded option
 tensors, masked softmaxes, ``scaled_dot_product_attention``-style cross/self attention), written with numpy
@@ -7,48 +7,24 @@ hidden states within float32 noise (tests/test_onnx.py).
 
 GELU is the exact (erf) one of ``nn.GELU()``; numpy has no ``erf``, so :func:`_erf` is W. J. Cody's rational
 approximation (max |error| 1.5e-12 against ``math.erf``, measured): computed in float64 then rounded, it is
-float32-exact. The weights are read from ``joint_head.safetensors`` by :func:`read_safetensors` (numpy only, BF16
-widened to float32 exactly), so the ``safetensors`` package is not needed either.
+float32-exact. The weights are read from ``joint_head.safetensors`` by :func:`clef_local.formats.safetensors.read_numpy`
+(numpy only, BF16 widened to float32 exactly), so the ``safetensors`` package is not needed either.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from clef_local.errors import ReleaseError
 from clef_local.formats.head_config import HeadConfig
-from clef_local.formats.safetensors import DTYPES, read_arrays, read_header
+from clef_local.formats.safetensors import read_numpy
 from clef_local.runtime.layout import HeadLayout
 
 _MAX_LOG_SCALE = math.log(100.0)
 _LN_EPS = 1e-5
-
-
-def bf16_to_float32(bits: np.ndarray) -> np.ndarray:
-    """BF16 values stored as uint16 bit patterns → float32 (exact: BF16 is the top half of a float32)."""
-    return (bits.astype(np.uint32) << 16).view(np.float32)
-
-
-def read_safetensors(file: Path, select: Callable[[str], bool] | None = None) -> dict[str, np.ndarray]:
-    """Every tensor of a safetensors file as a numpy array (BF16 as float32), without torch or ``safetensors``;
-    with ``select``, only the tensors whose names it accepts (the file is memory-mapped: the rest is never read).
-    The header is checked first (:func:`clef_local.formats.safetensors.read_header`)."""
-    header = read_header(file)
-    out: dict[str, np.ndarray] = {}
-    for name, raw in read_arrays(file, select, header=header).items():
-        dtype = header[name].dtype
-        if dtype == "BF16":
-            out[name] = bf16_to_float32(raw)
-        elif DTYPES[dtype].exact:
-            out[name] = np.array(raw)  # a copy: the map is not kept open
-        else:
-            raise ReleaseError(f"{file}: tensor {name} has dtype {dtype}, which the numpy head cannot read")
-    return out
 
 
 def _erf(x: np.ndarray) -> np.ndarray:
@@ -146,7 +122,7 @@ class NumpyHead:
 
         file = release.path / HEAD_WEIGHTS
         check_head_tensors(file, head_tensor_shapes(release.head_config))  # strict, as the torch head loads
-        return cls(release.head_config, read_safetensors(file))
+        return cls(release.head_config, read_numpy(file))
 
     def _attend(self, name: str, query: np.ndarray, memory: np.ndarray, key_pad: np.ndarray | None,
                 self_attention: bool = False) -> np.ndarray:

@@ -20,9 +20,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from clef_local.backends.numpy_head import NumpyHead, bf16_to_float32
+from clef_local.backends.numpy_head import NumpyHead
 from clef_local.errors import ClefError, ReleaseError
 from clef_local.formats.release import Release, read_json
+from clef_local.formats.safetensors import bf16_to_float32
 from clef_local.runtime.layout import pad_batch
 
 if TYPE_CHECKING:

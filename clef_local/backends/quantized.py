@@ -1,4 +1,5 @@
-"""Quantized linear layers of the torch backend, swapped in before a variant's weights are loaded (DESIGN §5, §6).
+"""Quantized linear layers of the torch backend, swapped in before a variant's weights are loaded (docs/format.md §6,
+docs/hardware.md).
 
 Two-phase loading (gpt-fast's pattern): the backbone is built on the meta device, every quantized ``nn.Linear`` is
 replaced by its scheme's module (:func:`swap_linears`), whose buffers carry the stored tensors' names, shapes and
@@ -15,7 +16,7 @@ activation dtype at each call, never cached in full precision):
 int4   ``dequantize`` (see below)                             ``tinygemm_cuda`` (sm_80+, x bf16, out % 8 == 0)
 int8   ``torch_int8pack_cpu`` (x bf16/f16; see below)          ``bnb_int8`` (bitsandbytes installed)
 nf4    ``bnb_matmul_4bit`` (bitsandbytes required)            ``bnb_matmul_4bit``
-fp8    ``dequantize`` (``_scaled_mm`` on CPU: DESIGN §9)       ``scaled_mm_rowwise`` (sm_89+, in, out % 16 == 0)
+fp8    ``dequantize`` (slow ``_scaled_mm`` on CPUs)            ``scaled_mm_rowwise`` (sm_89+, in, out % 16 == 0)
 =====  ====================================================  ===================================================
 
 Every Clef call is a prefill: a whole record, 90 to thousands of rows per matmul, never one decoded token. torch's
@@ -333,7 +334,7 @@ class FP8Linear(_PerRowLinear):
     def prepare(self) -> None:
         device = self.weight.device
         capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else (0, 0)
-        reason = (f"{device.type}: torch._scaled_mm is not used off CUDA (DESIGN §9)" if device.type != "cuda"
+        reason = (f"{device.type}: torch._scaled_mm is not used off CUDA (docs/hardware.md)" if device.type != "cuda"
                   else f"sm_{capability[0]}{capability[1]} < sm_89" if capability < (8, 9)
                   else "in or out features % 16 != 0 (torch._scaled_mm)" if self.in_features % 16
                   or self.out_features % 16 else "")
@@ -369,8 +370,8 @@ class NF4Linear(QuantizedLinear):
 
     ``bnb_matmul_4bit``: ``bitsandbytes.matmul_4bit(x, weight.t(), quant_state)`` with a ``QuantState`` rebuilt from
     the stored tensors (CPU: bitsandbytes' ``dequantize_4bit`` in the activation dtype + ``F.linear``; CUDA: its 4-bit
-    kernels). The functional call never repacks the weight (``Linear4bit``'s AVX512-BF16 repack, DESIGN §9, is a
-    module behaviour that this class does not have).
+    kernels). The functional call never repacks the weight (``Linear4bit``'s AVX512-BF16 repack, a known trap in
+    docs/hardware.md, is a module behaviour that this class does not have).
     """
 
     scheme = "nf4"

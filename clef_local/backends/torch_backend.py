@@ -3,8 +3,8 @@
 Real Clef releases are ``Qwen3_5ForConditionalGeneration`` (text model + vision tower); any Hugging Face causal
 LM (Llama, Qwen3, ...) works as a backbone too, which is what small test and demo releases use.
 
-A quantized variant (``config.json`` with a ``quantization_config`` holding a ``clef_local`` member, DESIGN §5) is
-loaded in two phases (:func:`load_variant_backbone`): the model is built on the meta device, its quantized linears
+A quantized variant (``config.json`` with a ``quantization_config`` holding a ``clef_local`` member, docs/format.md §6)
+is loaded in two phases (:func:`load_variant_backbone`): the model is built on the meta device, its quantized linears
 are swapped for :mod:`clef_local.backends.quantized` modules, and the shards' tensors are assigned as stored.
 """
 
@@ -67,7 +67,8 @@ class TorchBackbone:
                  dtype: torch.dtype = torch.float32, weight_files: Sequence[Path] | None = None,
                  host_embeddings: bool | None = None) -> None:
         """``host_embeddings`` (default: on a CUDA device) keeps ``embed_tokens`` and ``lm_head`` in host memory:
-        both are only gathered from (a few rows per request), and on Clef 27B they are ~2.5 GB each (DESIGN §6)."""
+        both are only gathered from (a few rows per request), and on Clef 27B they are ~2.5 GB each
+        (docs/hardware.md)."""
         import transformers
 
         qwen3_5 = config.get("model_type") == "qwen3_5" or QWEN3_5 in (config.get("architectures") or [])
@@ -95,7 +96,7 @@ class TorchBackbone:
                 raise ReleaseError(f"{path}: the backbone cannot be loaded ({exc})") from exc
         model.config.use_cache = False
         base = model.model
-        # Without media only the text model runs (DESIGN §2.2); with a vision tower it sits beside it.
+        # Without media only the text model runs (docs/format.md §3); with a vision tower it sits beside it.
         self.text_model = getattr(base, "language_model", base)
         self.host_embeddings = self.device.type == "cuda" if host_embeddings is None else host_embeddings
         if self.host_embeddings:

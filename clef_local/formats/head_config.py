@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, fields
 
 @dataclass(frozen=True)
 class HeadConfig:
-    """``joint_head_config.json``: the only keys a release may carry (DESIGN §2)."""
+    """``joint_head_config.json``: the only keys a release may carry (docs/format.md)."""
 
     hidden_size: int
     width: int
@@ -29,7 +29,7 @@ _PROJECTIONS = ("memory", "question", "option_question", "global", "option_conte
 
 
 def head_tensor_shapes(config: HeadConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor name of ``joint_head.safetensors`` and its shape (DESIGN §2.3's state dict)."""
+    """Every tensor name of ``joint_head.safetensors`` and its shape (docs/format.md §4's state dict)."""
     h, w, f = config.hidden_size, config.width, config.feedforward
     shapes: dict[str, tuple[int, ...]] = {"prior_logit_scale": (), "joint_logit_scale": (), "residual_gate": (),
                                           "type_embedding.weight": (3, w)}

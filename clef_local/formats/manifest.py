@@ -1,4 +1,4 @@
-"""``clef_local_manifest.json``: every file of a release or variant with its size and SHA-256 (DESIGN §5).
+"""``clef_local_manifest.json``: every file of a release or variant with its size and SHA-256 (docs/format.md §6).
 
 Two levels of checking:
 

@@ -1,4 +1,4 @@
-"""Reading a Clef release directory (DESIGN §2): configs, weight files, and the joint schema head, strictly.
+"""Reading a Clef release directory (docs/format.md): configs, weight files, and the joint schema head, strictly.
 
 A release's own ``joint_schema_model.py`` is Cloudflare's reference code: it is never imported or executed here.
 """

@@ -243,3 +243,26 @@ def read_arrays(path: str | Path, select: Callable[[str], bool] | None = None,
         except ValueError as exc:  # the file changed between reading its header and mapping it
             raise SafetensorsError(header.path, f"tensor {name!r} cannot be mapped ({exc})") from exc
     return out
+
+
+def bf16_to_float32(bits: np.ndarray) -> np.ndarray:
+    """BF16 values stored as uint16 bit patterns → float32 (exact: BF16 is the top half of a float32)."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def read_numpy(file: str | Path, select: Callable[[str], bool] | None = None) -> dict[str, np.ndarray]:
+    """Every tensor of a safetensors file as a numpy array (BF16 widened to float32, exactly), without torch; with
+    ``select``, only the tensors whose names it accepts (the file is memory-mapped: the rest is never read). The
+    header is checked first (:func:`read_header`). float8 tensors are refused: numpy has no such dtype."""
+    header = read_header(file)
+    out: dict[str, np.ndarray] = {}
+    for name, raw in read_arrays(file, select, header=header).items():
+        dtype = header[name].dtype
+        if dtype == "BF16":
+            out[name] = bf16_to_float32(raw)
+        elif DTYPES[dtype].exact:
+            out[name] = np.array(raw)  # a copy: the map is not kept open
+        else:
+            raise SafetensorsError(Path(file), f"tensor {name} has dtype {dtype}, which numpy cannot hold (load this "
+                                   "file with torch)")
+    return out

@@ -9,13 +9,13 @@ Two sources, one result (:class:`WeightCensus`):
 - **a bare config.json** (:func:`census_from_config`): the architecture is built on PyTorch's meta device with
   ``transformers`` (no memory, no weights) and every parameter's shape is counted.
 
-Roles (DESIGN §6): the text model's quantizable linears (decided by :func:`clef_local.quant.predicate.should_quantize`),
-the rest of the text model (kept linears, norms, conv1d, ...), ``embed_tokens`` and ``lm_head`` (only gathered in a
-decision pass: they can stay in host memory), the vision tower (needed only for media), and the joint schema head
-(always float32 at run time).
+Roles (docs/hardware.md): the text model's quantizable linears (decided by
+:func:`clef_local.quant.predicate.should_quantize`), the rest of the text model (kept linears, norms, conv1d, ...),
+``embed_tokens`` and ``lm_head`` (only gathered in a decision pass: they can stay in host memory), the vision tower
+(needed only for media), and the joint schema head (always float32 at run time).
 
-Bytes per quantized ``[out, in]`` weight (source dtype of ``s`` bytes, DESIGN §5): int4 ``out·in/2 + 2·s·out·in/g``
-(uint32 nibbles + scales + biases); int8 and fp8 ``out·in + 4·out`` (one float32 scale per row); nf4
+Bytes per quantized ``[out, in]`` weight (source dtype of ``s`` bytes, docs/format.md §6): int4 ``out·in/2 +
+2·s·out·in/g`` (uint32 nibbles + scales + biases); int8 and fp8 ``out·in + 4·out`` (one float32 scale per row); nf4
 ``⌈out·in/2⌉ + 4·⌈out·in/b⌉ + 64 + len(quant-state JSON)`` (bitsandbytes' serialization, block ``b``).
 """
 
@@ -84,12 +84,6 @@ def should_quantize(name: str, shape: tuple[int, ...], group_size: int | None) -
     from clef_local.quant import predicate
 
     return predicate.should_quantize(name, shape, group_size)
-
-
-def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
-    """{name: TensorInfo} from one safetensors file's header, checked against the file
-    (:func:`clef_local.formats.safetensors.read_header`); no tensor data is read."""
-    return read_header(path).tensors
 
 
 def _role(name: str) -> str:
@@ -183,8 +177,8 @@ def census_from_release(path: Path, weight_files: Iterable[Path], config: Mappin
     """
     headers: dict[str, TensorInfo] = {}
     for file in weight_files:
-        headers.update(read_safetensors_header(Path(file)))
-    head_info = read_safetensors_header(path / "joint_head.safetensors")
+        headers.update(read_header(Path(file)).tensors)
+    head_info = read_header(path / "joint_head.safetensors").tensors
     head_stored = sum(t.nbytes for t in head_info.values())
     head = sum(4 * math.prod(t.shape) for t in head_info.values())
     stored = stored_format(config)

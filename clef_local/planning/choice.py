@@ -117,7 +117,7 @@ def default_dtype(hardware: Hardware, backend: str) -> tuple[str, str]:
     if hardware.kind == "apple" and backend == "mlx":
         return "bfloat16", "bf16 on Apple silicon"
     if backend == "mlx":
-        return "float32", "MLX's Linux CPU build is slow in bf16 (DESIGN §9)"
+        return "float32", "MLX's Linux CPU build is slow in bf16 (docs/hardware.md, known traps)"
     if hardware.fast_bf16:
         return "bfloat16", "the CPU has AMX: bf16 is the fast path"
     if hardware.bf16:

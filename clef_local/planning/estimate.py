@@ -1,4 +1,5 @@
-"""Memory a decision pass needs on a device: weights + prefill activations + overhead (DESIGN §6). Pure functions.
+"""Memory a decision pass needs on a device: weights + prefill activations + overhead (docs/hardware.md). Pure
+functions.
 
 Activations of one prefill (``use_cache=False``: no KV cache is kept; the logits are never computed, the head reads
 the hidden states) for ``N = context × batch`` tokens in a compute dtype of ``d`` bytes, as PyTorch runs it (one
@@ -176,8 +177,9 @@ def plan(census: WeightCensus, dims: ModelDims, hardware: Hardware, *, context: 
          dtype: str = "bfloat16", host_embeddings: bool = True, media: bool = False) -> Plan:
     """The memory plan of ``census`` on ``hardware``.
 
-    ``host_embeddings``: ``embed_tokens`` and ``lm_head`` stay in host memory (only gathered, DESIGN §6); it matters
-    only on a CUDA card. ``media``: the vision tower is resident (else it is not loaded at all, or stays on the host).
+    ``host_embeddings``: ``embed_tokens`` and ``lm_head`` stay in host memory (only gathered, docs/hardware.md); it
+    matters only on a CUDA card. ``media``: the vision tower is resident (else it is not loaded at all, or stays on the
+    host).
     """
     if context < 1 or batch < 1:
         raise ValueError(f"context and batch must be positive, got context={context}, batch={batch}")

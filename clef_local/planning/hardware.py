@@ -1,4 +1,4 @@
-"""What this machine can run on (DESIGN §6): a CUDA GPU, Apple silicon, or the CPU.
+"""What this machine can run on (docs/hardware.md): a CUDA GPU, Apple silicon, or the CPU.
 
 :func:`detect` never fails on a missing package: torch and mlx are imported lazily and only to probe. Named devices
 (:func:`named_device`: ``rtx4090``, ``a100-80g``, ``h200``, ``mac-36``, ``"24GB"``, ...) describe machines that are

@@ -1,4 +1,5 @@
-"""``clef-local plan``: will a release or variant fit a device, in which format, before loading a tensor (DESIGN §6).
+"""``clef-local plan``: will a release or variant fit a device, in which format, before loading a tensor
+(docs/hardware.md).
 
     clef-local plan --model ~/models/clef-flash                       # every format on this machine
     clef-local plan --config clef --device rtx4090 --context 16384 --explain   # packaged Clef shape
@@ -33,7 +34,7 @@ from clef_local.planning.census import (
 from clef_local.planning.estimate import DTYPE_SIZE, ModelDims, Plan, best_fit, explain, max_context, plan
 from clef_local.planning.hardware import GiB, Hardware, resolve_device
 
-DEFAULT_CONTEXT = 16_384  # the reference's max_length (DESIGN §2.1)
+DEFAULT_CONTEXT = 16_384  # the reference's max_length (docs/format.md §2)
 CONFIGS_DIR = Path(__file__).resolve().parent / "configs"  # NAME.config.json + NAME.joint_head_config.json
 PACKAGED_CONFIGS = ("clef", "clef-flash")  # the published shapes of Cloudflare/clef and Cloudflare/clef-flash
 
@@ -176,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "24GB, mac-36, cpu-8, ...")
     parser.add_argument("--dtype", choices=sorted(DTYPE_SIZE), help="compute dtype (default: the loader's choice)")
     parser.add_argument("--embeddings-on-device", action="store_true",
-                        help="count embed_tokens and lm_head on the card (default: host memory, DESIGN §6)")
+                        help="count embed_tokens and lm_head on the card (default: host memory, docs/hardware.md)")
     parser.add_argument("--media", action="store_true", help="requests carry images/videos: count the vision tower")
     parser.add_argument("--explain", action="store_true", help="print the formula with the numbers")
     parser.add_argument("--json", action="store_true", help="print JSON")

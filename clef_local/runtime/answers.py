@@ -1,4 +1,4 @@
-"""From option logits to SystemOne answers (DESIGN §2.4).
+"""From option logits to SystemOne answers (docs/format.md §5).
 
 Probabilities are a float32 softmax over each question's options. Confidence follows Jev's definition by default
 (how far the distribution is from uniform, or how concentrated a score distribution is around its mode); the

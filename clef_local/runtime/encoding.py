@@ -1,4 +1,4 @@
-"""Encode a SystemOne request into token ids and spans, exactly as Clef was trained (DESIGN §2.1).
+"""Encode a SystemOne request into token ids and spans, exactly as Clef was trained (docs/format.md §2).
 
 Every piece of the prompt is tokenized on its own (BPE merges never cross pieces) and the ids are concatenated.
 The question span is the rendered instructions; each option span is the rendered ``{"option_id", "description"}``

@@ -1,4 +1,4 @@
-"""The joint schema head (DESIGN §2.3), batched over records, questions and options.
+"""The joint schema head (docs/format.md §4), batched over records, questions and options.
 
 The released head is a small transformer that reads the backbone's final hidden states and scores every allowed
 option of every question at once. Cloudflare's reference loops over records, questions and options in Python; this
@@ -31,7 +31,7 @@ __all__ = ["HeadConfig", "JointSchemaHead", "padded_logits"]
 _CSR_NOTICES = ("Sparse CSR tensor support is in beta", "Sparse invariant checks are implicitly disabled")
 _csr_noticed = False
 
-# exp(scale) is clamped at 100 in the release math (DESIGN §2.3, step 7).
+# exp(scale) is clamped at 100 in the release math (docs/format.md §4, step 7).
 _MAX_LOG_SCALE = math.log(100.0)
 
 
@@ -66,7 +66,7 @@ class EvidenceRoutingLayer(nn.Module):
 
 
 class JointSchemaHead(nn.Module):
-    """DESIGN §2.3 with the release's parameter names; ``forward`` is batched (see :class:`HeadLayout`)."""
+    """docs/format.md §4 with the release's parameter names; ``forward`` is batched (see :class:`HeadLayout`)."""
 
     def __init__(self, config: HeadConfig) -> None:
         super().__init__()
@@ -184,7 +184,7 @@ class JointSchemaHead(nn.Module):
         return _to_padded(logits, layout)
 
     def score_options(self, field_of_option: torch.Tensor, options: torch.Tensor) -> torch.Tensor:
-        """The joint score of every option, ``[O]``, without the lexical prior (DESIGN §2.3, step 7)::
+        """The joint score of every option, ``[O]``, without the lexical prior (docs/format.md §4, step 7)::
 
             sigmoid(residual_gate) · (exp(joint_logit_scale) · cos(F, o) + residual_scorer([F, o, F·o, |F−o|]))
 

@@ -1,6 +1,6 @@
 """How far into a record the joint schema head reads the backbone's hidden states.
 
-Every head reads each question's span (``q_i``, DESIGN §2.3 step 2). A head reads the positions after the last
+Every head reads each question's span (``q_i``, docs/format.md §4 step 2). A head reads the positions after the last
 question span only through branches that can be switched off by their weights:
 
 - the option context ``c_ik`` (option spans), through ``option_context_projection``;
@@ -68,10 +68,10 @@ def _far_branch(name: str) -> bool:
 def head_reads_question_spans_only(path: Path) -> bool:
     """:func:`reads_question_spans_only` of a ``joint_head.safetensors`` file, reading only the tensors it needs
     (numpy, BF16 widened): the prior's scale first, which ends it for every real Clef head."""
-    from clef_local.backends.numpy_head import read_safetensors
+    from clef_local.formats.safetensors import read_numpy
 
-    prior = read_safetensors(path, lambda name: name == "prior_logit_scale")
-    return _prior_negligible(prior) and reads_question_spans_only({**prior, **read_safetensors(path, _far_branch)})
+    prior = read_numpy(path, lambda name: name == "prior_logit_scale")
+    return _prior_negligible(prior) and reads_question_spans_only({**prior, **read_numpy(path, _far_branch)})
 
 
 def question_reach(record: EncodedRecord) -> int:

@@ -1,4 +1,4 @@
-"""Wire types of the SystemOne API (DESIGN §2.4, §3) and validation of requests against configurable limits.
+"""Wire types of the SystemOne API (docs/format.md §5, §3) and validation of requests against configurable limits.
 
 ``validate_request`` is the only way a request body enters clef-local: it never lets a pydantic exception out.
 Structural problems raise :class:`~clef_local.errors.RequestValidationError` (HTTP 422, FastAPI-shaped
@@ -259,7 +259,7 @@ def validate_request(data: Any, limits: Limits = DEFAULT_LIMITS) -> SystemOneReq
 
 
 def request_to_record(req: SystemOneRequest) -> dict[str, Any]:
-    """The plain-data record the encoder consumes (DESIGN §2.1), criteria in request order."""
+    """The plain-data record the encoder consumes (docs/format.md §2), criteria in request order."""
     # A deep, plain copy: the encoder may not mutate the validated request, and dict order is request order.
     return req.model_dump(include={"model", "state", "questions", "images", "videos"})
 

@@ -1,4 +1,4 @@
-"""``clef-local serve``: the SystemOne HTTP API over the public Python API (DESIGN §3).
+"""``clef-local serve``: the SystemOne HTTP API over the public Python API (docs/serving.md).
 
     app.py        FastAPI routes, body handling, auth, error shapes, OpenAPI
     body.py       Content-Encoding (zstd, gzip), size limits, safe JSON parsing

@@ -1,4 +1,4 @@
-"""The FastAPI application of ``clef-local serve`` (DESIGN §3): routes, body handling, auth and error shapes.
+"""The FastAPI application of ``clef-local serve`` (docs/serving.md): routes, body handling, auth and error shapes.
 
 Every route handler catches what it can cause: a ``ClefError`` becomes its status and ``detail`` (422 with a
 FastAPI-shaped list for validation, ``{"error_type", "message"}`` otherwise); anything else is a bug, logged

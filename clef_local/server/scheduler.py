@@ -56,7 +56,7 @@ class ShuttingDownError(ClefError):
 
 def estimate_cost(request: Mapping[str, Any], body_bytes: int) -> float:
     """Roughly proportional to a request's prompt tokens: its JSON size plus the prompt's per-question and
-    per-option template text (DESIGN §2.1); only used to keep similar lengths together in a padded batch."""
+    per-option template text (docs/format.md §2); only used to keep similar lengths together in a padded batch."""
     questions = request.get("questions")
     options = 0
     if isinstance(questions, Mapping):

@@ -219,7 +219,7 @@ def nlupp_record(rng: random.Random, n: int, text: str, gold: frozenset[str], in
 
 
 def training_examples(banking77: int = 2000, nlupp: int = 1660, seed: int = 0, *, hard: float = 0.0,
-                      max_options: int | None = None, full_share: float = FULL_CHOICE) -> list[Example]:
+                      max_options: int | None = None, full_share: float = FULL_CHOICE) -> list[DemoExample]:
     """``banking77`` records from BANKING77 train rows, then ``nlupp`` from NLU++ folds 0–15.
 
     ``hard``: the share of BANKING77 choice questions whose distractors are the gold intent's nearest neighbours

@@ -137,4 +137,4 @@ def _load_block(directory: Path, size: int) -> list[torch.Tensor]:
             hidden[int(key)] = value
     if any(h is None for h in hidden):
         raise RuntimeError(f"{directory}: cache block is incomplete; delete it and run again")
-    return hidden  # type: ignore[return-value]
+    return hidden

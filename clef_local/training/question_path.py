@@ -1,6 +1,6 @@
 """Train a joint schema head through its question path: ``clef-local train-head --method question-path``.
 
-DESIGN §2.3 scores option *k* of question *i* from a field vector ``F_i`` and an option vector ``o_ik``. When the
+docs/format.md §4 scores option *k* of question *i* from a field vector ``F_i`` and an option vector ``o_ik``. When the
 head's routing layers, field layers, option summary, global and option-context branches output zero (their output
 projections are zero, like a zero-initialised residual branch), what is left is
 
@@ -185,7 +185,7 @@ def _block_means(backbone, records: Sequence[EncodedRecord], batch_tokens: int) 
         for row, i in enumerate(batch):
             means[i] = torch.stack([normed[row, a:b].mean(0) for a, b in
                                     (q.question_span for q in records[i].questions)]).cpu().contiguous()
-    return means  # type: ignore[return-value]
+    return means
 
 
 class LexicalTable:

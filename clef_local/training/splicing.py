@@ -61,7 +61,9 @@ class Splicer:
         if not self.donors:
             raise ValueError(f"no training record can be spliced: none has a source among {sorted(states)}")
         self.encoded, self.hidden, self.states = encoded, hidden, states
-        self.offsets, self.bank, start = {}, [], 0
+        self.offsets: dict[str, int] = {}
+        self.bank: list[torch.Tensor] = []
+        start = 0
         for source, rows in states.items():  # one flat bank, each source's rows at an offset
             self.offsets[source] = start
             self.bank.extend(bank[source])
@@ -100,6 +102,8 @@ class EpochHidden:
     def __getitem__(self, index: int) -> torch.Tensor:
         if index < len(self.exact):
             return self.exact[index]
+        if self.splicer is None or self.spliced is None:
+            raise IndexError(f"record {index}: this epoch has {len(self.exact)} records and no spliced ones")
         state, donor = self.spliced.parts[index - len(self.exact)]
         hidden = self.splicer.hidden_states(state, donor)
         if hidden.shape[0] != len(self.spliced.encoded[index - len(self.exact)].input_ids):

@@ -382,8 +382,8 @@ def main(argv: list[str] | None = None) -> int:
         for flag, share in (("--hard-negatives", args.hard_negatives), ("--full-choice", args.full_choice)):
             if not 0 <= share <= 1:
                 parser.error(f"{flag} is a share between 0 and 1, got {share}")
-        examples = training_examples(args.banking77, args.nlupp, hard=args.hard_negatives,
-                                     max_options=args.max_options, full_share=args.full_choice)
+        examples: list[Example] = list(training_examples(args.banking77, args.nlupp, hard=args.hard_negatives,
+                                                         max_options=args.max_options, full_share=args.full_choice))
         twins = twin_records(args.twins)
         states = splice_states() if args.spliced else None
     else:

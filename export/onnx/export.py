@@ -2,8 +2,8 @@
 
     clef-local export-onnx [--model DIR] --out DIR [--format fp32|fp16|int8|int4] [--force] [--probes N]
 
-The output directory is a release in our layout (DESIGN §5): every file of the source copied byte for byte (config,
-tokenizer, the joint head files, the backbone's weight files) plus ``onnx/``:
+The output directory is a release in our layout (docs/format.md §6): every file of the source copied byte for byte
+(config, tokenizer, the joint head files, the backbone's weight files) plus ``onnx/``:
 
 - ``model.onnx`` + ``model.onnx.data``: the text model (:mod:`clef_local.export.onnx.graph`), ``input_ids`` and
   ``attention_mask`` in, ``last_hidden_state`` out, dynamic batch and sequence axes; int4/int8 linears as

@@ -1,11 +1,11 @@
-"""Building the ONNX graph of a release's text model (DESIGN §2.2) and its ``MatMulNBits`` nodes.
+"""Building the ONNX graph of a release's text model (docs/format.md §3) and its ``MatMulNBits`` nodes.
 
 The text model is exported by ``torch.onnx.export(..., dynamo=True)`` (``dynamo=False`` fails on ``aten::diff``,
-DESIGN §9) with inputs ``input_ids`` and ``attention_mask`` (int64, dynamic ``batch`` and ``sequence`` axes) and one
-output, ``last_hidden_state`` (after the final norm). Qwen3.5's linear-attention layers become ``com.microsoft``
-``GatedDeltaNet`` nodes (:mod:`clef_local.export.onnx.gdn`).
+docs/hardware.md, known traps) with inputs ``input_ids`` and ``attention_mask`` (int64, dynamic ``batch`` and
+``sequence`` axes) and one output, ``last_hidden_state`` (after the final norm). Qwen3.5's linear-attention layers
+become ``com.microsoft`` ``GatedDeltaNet`` nodes (:mod:`clef_local.export.onnx.gdn`).
 
-Quantized variants (DESIGN §5) are exported from a graph whose quantized linears are plain ``nn.Linear`` layers
+Quantized variants (docs/format.md §6) are exported from a graph whose quantized linears are plain ``nn.Linear`` layers
 holding the dequantized weight (only to trace the graph); each of those ``MatMul`` nodes is then replaced by a
 ``com.microsoft`` ``MatMulNBits`` node whose tensors are **the variant's own**, re-laid out, never re-quantized:
 
@@ -19,7 +19,8 @@ holding the dequantized weight (only to trace the graph); each of those ``MatMul
   over its blocks (``block_size`` the largest of 128/64/32/16 dividing ``K``, else 32 with a padded last block).
 
 ``accuracy_level`` is left unset, so the CPU kernel computes in float32 (level 4 would quantize the activations to
-int8 too). ORT's own ``quantize_dynamic`` is not used: it wrecks SmolLM2's hidden states (DESIGN §9).
+int8 too). ORT's own ``quantize_dynamic`` is not used: it wrecks SmolLM2's hidden states (docs/hardware.md, known
+traps).
 """
 
 from __future__ import annotations

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
+import sysconfig
+import tomllib
 import zipfile
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # The datasets and config shapes a clone or an installed wheel reads instead of anything beside the checkout.
@@ -19,12 +25,27 @@ PACKAGED_DATA = (
 )
 
 
-def test_wheel_contains_mapped_subpackages(tmp_path: Path):
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
     result = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path),
-         str(ROOT)], capture_output=True, text=True, timeout=300)
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(ROOT)],
+        capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
-    (wheel,) = tmp_path.glob("clef_local-*.whl")
+    (built,) = out.glob("clef_local-*.whl")
+    return built
+
+
+def test_every_package_directory_is_listed():
+    """pyproject lists packages by hand (setuptools' discovery ignores package-dir prefixes): none may be missing."""
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    roots = {"clef_local": "clef_local", **setuptools["package-dir"]}
+    found = {".".join([package, *init.parent.relative_to(ROOT / folder).parts])
+             for package, folder in roots.items() for init in (ROOT / folder).rglob("__init__.py")}
+    assert found == set(setuptools["packages"]), found ^ set(setuptools["packages"])
+
+
+def test_wheel_contains_mapped_subpackages(wheel: Path):
     names = set(zipfile.ZipFile(wheel).namelist())
     for module in ("clef_local/export/__init__.py", "clef_local/quant/__init__.py", "clef_local/app/__init__.py",
                    "clef_local/runtime/head.py", "clef_local/backends/torch_backend.py",
@@ -47,3 +68,39 @@ def test_subpackage_init_says_where_it_installs():
 def test_ci_runs_the_readme_test_command():
     command = next(line for line in (ROOT / ".ci" / "run").read_text().splitlines() if "pytest" in line)
     assert command in (ROOT / "README.md").read_text(), "README's test command and .ci/run differ"
+
+
+def test_the_wheel_works_from_a_fresh_venv_outside_the_repository(wheel: Path, tiny_qwen: Path, tmp_path: Path):
+    """A non-editable install: the wheel alone in a new venv (its dependencies reached through a .pth line to this
+    environment's site-packages, so nothing is downloaded), run from outside the checkout: ``serve --help``,
+    ``ui --help`` and ``decide --example triage`` on a tiny release."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+    installed = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q",
+                                "--target", str(site), str(wheel)], capture_output=True, text=True, timeout=300)
+    assert installed.returncode == 0, installed.stderr
+    # the dependencies, not clef_local: this environment's editable finder lives in a .pth that is not read here
+    (site / "zz_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "CLEF_LOCAL_DATASETS")}
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(python), "-m", "clef_local.cli", *args], capture_output=True, text=True,
+                              cwd=outside, env=env, timeout=300)
+
+    where = subprocess.run([str(python), "-c", "import clef_local; print(clef_local.__file__)"], capture_output=True,
+                           text=True, cwd=outside, env=env, check=True).stdout.strip()
+    assert Path(where).is_relative_to(site), where  # the wheel's copy, not the checkout
+    serve, ui = run("serve", "--help"), run("ui", "--help")
+    assert serve.returncode == 0 and "--max-batch" in serve.stdout, serve.stderr
+    assert ui.returncode == 0 and "--compare" in ui.stdout, ui.stderr
+    decided = run("decide", "--example", "triage", "--model", str(tiny_qwen))
+    assert decided.returncode == 0, decided.stderr[-3000:]
+    example = json.loads((ROOT / "clef_local" / "demo" / "examples" / "triage.json").read_text())
+    answers = json.loads(decided.stdout)["answers"]
+    assert set(answers) == set(example["questions"])
+    assert answers["category"]["choice"] in example["questions"]["category"]["criteria"]

@@ -10,7 +10,8 @@ import importlib
 import logging
 import sys
 
-# name -> (module, function, one-line help); modules are imported only when their command runs.
+# name -> (module, function, one-line help). Quick commands log warnings only (their answer is their output);
+# the long-running ones in CHATTY report progress at INFO. -v adds one level (INFO, then DEBUG), -q keeps warnings.
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "decide": ("clef_local.decide", "main", "answer a /v1/systemone request and print the response"),
     "inspect": ("clef_local.decide", "inspect_main", "describe a release and how it would run here"),
@@ -28,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "report": ("clef_local.quality.report", "main", "render drift/eval results as HTML, Markdown and JSON"),
     "train-head": ("clef_local.training.train_head", "main", "train a joint schema head on a frozen backbone"),
 }
+CHATTY = frozenset({"serve", "quantize", "export-onnx", "eval", "drift", "calibrate", "train-head"})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="clef-local", description="Run Clef decision models on this machine, "
                                      "offline.", epilog="`clef-local COMMAND --help` shows a command's options.")
     parser.add_argument("-v", "--verbose", action="count", default=0,
-                        help="debug logs (the default shows progress at INFO level)")
+                        help="more logs: INFO (long-running commands show it already), -vv DEBUG")
     parser.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, _, help_text) in COMMANDS.items():
@@ -58,7 +60,9 @@ def split_global_flags(argv: list[str]) -> tuple[int, str | None, list[str]]:
             command = arg
         else:
             rest.append(arg)
-    level = logging.WARNING if quiet else logging.DEBUG if verbose else logging.INFO
+    levels = [logging.WARNING, logging.INFO, logging.DEBUG]
+    start = 1 if command in CHATTY else 0
+    level = logging.WARNING if quiet else levels[min(start + verbose, 2)]
     return level, command, rest
 
 

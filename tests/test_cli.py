@@ -91,9 +91,11 @@ def test_global_flags_may_follow_the_command(monkeypatch: pytest.MonkeyPatch):
 
     from clef_local import cli
 
-    assert cli.split_global_flags(["decide", "-v", "--example", "triage"]) == (logging.DEBUG, "decide",
-                                                                   ["--example", "triage"])
-    assert cli.split_global_flags(["-q", "doctor", "--json"]) == (logging.WARNING, "doctor", ["--json"])
+    assert cli.split_global_flags(["decide", "-v", "--example", "triage"]) == (logging.INFO, "decide",
+                                                                               ["--example", "triage"])
+    assert cli.split_global_flags(["decide", "--example", "triage"])[0] == logging.WARNING  # quiet by default
+    assert cli.split_global_flags(["-vv", "decide"])[0] == logging.DEBUG
+    assert cli.split_global_flags(["-q", "quantize", "--bits", "4"]) == (logging.WARNING, "quantize", ["--bits", "4"])
     assert cli.split_global_flags(["drift", "--gate", "x", "--", "-v"]) == (logging.INFO, "drift",
                                                                         ["--gate", "x", "--", "-v"])
     with pytest.raises(SystemExit):

@@ -66,6 +66,7 @@ def test_refuses_a_non_empty_directory(tmp_path: Path) -> None:
         db.convert_backbone(tmp_path / "missing.gguf", tmp_path)
 
 
+@pytest.mark.slow
 def test_gguf_metadata(meta: dict[str, Any]) -> None:
     expected = db.expected_config(meta)
     assert expected["rope_theta"] == 100000.0

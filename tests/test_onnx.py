@@ -304,12 +304,14 @@ def test_failed_validation_leaves_nothing(exports: Exports, tiny_llama: Path, tm
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt", ["fp32", "int4"])
-def test_demo_model_onnx_parity(demo_release: Path, tmp_path: Path, fmt: str) -> None:
-    """The demo model (SmolLM2-135M, BF16) exported (int4: quantized first): ONNX vs torch float32, a few probes."""
+def test_demo_model_onnx_parity(demo_release: Path, tmp_path: Path) -> None:
+    """The demo model (SmolLM2-135M, BF16) quantized to int4 and exported (``MatMulNBits`` from its own codes): ONNX
+    vs torch float32, a few probes. int4 at full size covers the export, the quantized graph and the numpy head; the
+    fp32 graph is the same export without the NBits rewrite (tiny releases above; benchmarks/onnx_backend.py
+    measures it on the demo model)."""
     from clef_local.export.onnx.export import export_onnx
 
-    summary = export_onnx(demo_release, tmp_path / "demo-onnx", fmt, probes=4)
+    summary = export_onnx(demo_release, tmp_path / "demo-onnx", "int4", probes=4)
     validation = summary["validation"]
     assert validation["passed"], validation["failed"]
     assert validation["hidden_rel"] <= 1e-4 and validation["max_abs_dp"] <= 1e-3

@@ -457,3 +457,20 @@ def test_cli_serve_passes_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
     assert seen["specs"] == ["a=/x", "b=/y"]
     assert (seen["port"], seen["max_batch"], seen["max_wait_ms"], seen["max_queue"]) == (9000, 4, 2.0, 3)
     assert (seen["api_key"], seen["confidence"], seen["host"]) == ("k", "reference", "127.0.0.1")
+
+
+@pytest.mark.parametrize(("command", "blocked", "extra"), [
+    ("serve", "uvicorn", "serve"), ("serve", "fastapi", "serve"), ("ui", "gradio", "ui")])
+def test_missing_extra_fails_at_once(command: str, blocked: str, extra: str, tmp_path: Path) -> None:
+    """Without its extra a command says how to install it in one line, exit status 2, before loading any model."""
+    code = (f"import sys\nsys.modules[{blocked!r}] = None  # as if it were not installed\n"
+            "from clef_local.cli import main\n"
+            f"status = main([{command!r}, '--model', {str(tmp_path / 'no-release')!r}])\n"
+            "print('TORCH', 'torch' in sys.modules)\nsys.exit(status)\n")
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [
+        f"error: clef-local {command} needs {blocked}, which is not installed: pip install 'clef-local[{extra}]'"]
+    assert "TORCH False" in done.stdout  # no model was loaded (nor the release looked at: it does not exist)
+    assert time.perf_counter() - started < 30

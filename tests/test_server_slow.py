@@ -156,3 +156,19 @@ def test_timeouts_and_limit_are_validated() -> None:
                          ({"max_connections": 0}, "--max-connections")):
         with pytest.raises(ValueError, match=flag):
             ServerConfig(**kwargs)
+
+
+def test_garbled_body_after_good_headers(model: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """Headers the application starts on, then a chunked body that breaks HTTP: the client gets one 400 and the
+    server logs no error (uvicorn alone would let the application answer into the broken connection: a traceback)."""
+    with ThreadedServer(create_app({"clef-local": model}, ServerConfig(api_key="k"))) as running:
+        with socket.create_connection(("127.0.0.1", running.port), timeout=10) as sock:
+            sock.sendall(b"POST /v1/systemone HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                         b"Transfer-Encoding: chunked\r\n\r\nzz\r\n")
+            reply = b""
+            while chunk := sock.recv(65536):
+                reply += chunk
+        time.sleep(0.3)  # the application task has run
+        assert httpx.get(running.url + "/health").status_code == 200
+    assert reply.startswith(b"HTTP/1.1 400 ") and reply.count(b"HTTP/1.1") == 1, reply
+    assert not [r for r in caplog.records if r.levelno >= 40], [r.getMessage() for r in caplog.records]

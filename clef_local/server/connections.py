@@ -17,6 +17,10 @@ every chunk received and every response sent:
 
 A connection beyond ``max_connections`` open at once gets ``503`` with ``Retry-After`` and is closed at once,
 before it can cost anything more than the accept.
+
+One fix besides: when the bytes after a request's headers break HTTP (a garbled chunked body), uvicorn answers 400
+and closes, while the application, already started on the headers, goes on to send its own answer into the closed
+h11 connection and fails with a traceback. Here the application is told that the client is gone first.
 """
 
 from __future__ import annotations
@@ -74,6 +78,16 @@ def guarded_protocol(header_timeout: float, body_timeout: float, max_connections
         def connection_lost(self, exc: Exception | None) -> None:
             self._cancel()
             super().connection_lost(exc)
+
+        def send_400_response(self, msg: str) -> None:
+            cycle = self.cycle
+            if cycle is not None and not cycle.response_complete:
+                cycle.disconnected = True  # the running application's answer is dropped, not sent into h11's error
+                cycle.message_event.set()
+                if cycle.response_started:  # half an answer is out: no 400 can follow it
+                    self.transport.close()
+                    return
+            super().send_400_response(msg)
 
         # ------------------------------------------------------------------ deadlines
         def _follow_state(self) -> None:

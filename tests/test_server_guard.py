@@ -19,7 +19,7 @@ from clef_local.errors import MaxTokensExceededError, RequestValidationError
 from clef_local.runtime.answers import round_floats
 from clef_local.runtime.schema import Limits
 from clef_local.server import ServerConfig, ThreadedServer, create_app
-from clef_local.server.guard import allowed_host_names, check_origin_value, split_authority
+from clef_local.server.guard import HostGuard, allowed_host_names, check_origin_value, split_authority
 
 REQUEST: dict[str, Any] = {
     "model": "clef-local",
@@ -203,9 +203,16 @@ def test_foreign_host_is_refused(client: httpx.Client, server: ThreadedServer) -
             assert "--allowed-host" in response.json()["detail"]["message"]
     for host in ("127.0.0.1", f"127.0.0.1:{server.port}", "localhost:1", "LOCALHOST", "[::1]", "[::1]:8077"):
         assert client.post("/v1/systemone", json=REQUEST, headers={"host": host}).status_code == 200, host
-    # HTTP/1.0 without Host
+    # HTTP/1.0 without Host; two Host headers (the second would be the rebinding one)
     reply = _raw(server.port, b"GET /health HTTP/1.0\r\n\r\n")
     assert reply.startswith(b"HTTP/1.1 400") and b"invalid_host" in reply
+    reply = _raw(server.port, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nHost: evil.example\r\n"
+                              b"Connection: close\r\n\r\n")
+    assert reply.startswith(b"HTTP/1.1 400")  # h11 refuses it already; the guard too, behind other HTTP parsers
+    guard = HostGuard(None, allowed_host_names("127.0.0.1"))
+    assert guard.refusal({b"host": b"127.0.0.1"}, hosts=2) == (400, "invalid_host",
+                                                               "the request has several Host headers; send one")
+    assert guard.refusal({b"host": b"127.0.0.1:8077"}) is None
 
 
 def test_allowed_hosts_and_bound_address(model: Any) -> None:
@@ -276,3 +283,18 @@ def test_duplicate_keys_are_422(client: httpx.Client, body: bytes, key: str) -> 
     detail = response.json()["detail"]
     assert detail[0]["type"] == "json_duplicate_key"
     assert f"the key {key!r} appears twice" in detail[0]["msg"]
+
+
+def test_compressed_bodies_with_trailing_bytes(client: httpx.Client, model: Any) -> None:
+    """Two gzip members are one body (RFC 1952); bytes after a gzip or deflate stream that are not one are 400."""
+    import gzip
+    import zlib
+
+    raw = json.dumps(REQUEST).encode()
+    members = gzip.compress(raw[:40]) + gzip.compress(raw[40:])
+    ok = client.post("/v1/systemone", content=members, headers={**JSON, "content-encoding": "gzip"})
+    assert ok.status_code == 200 and ok.json() == round_floats(model.decide(REQUEST), 4)
+    for encoding, body in (("gzip", gzip.compress(raw) + b"trailing"), ("deflate", zlib.compress(raw) + b"x")):
+        response = client.post("/v1/systemone", content=body, headers={**JSON, "content-encoding": encoding})
+        assert response.status_code == 400, encoding
+        assert response.json()["detail"]["error_type"] == "invalid_content_encoding"

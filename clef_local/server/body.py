@@ -118,22 +118,28 @@ def _zstd(data: bytes, limit: int) -> bytes:
 
 
 def _zlib(data: bytes, limit: int, wbits: int, name: str) -> bytes:
-    decoder = zlib.decompressobj(wbits)
+    """A zlib stream (``deflate``) or every member of a gzip body, a chunk at a time, never making more than
+    ``limit`` bytes; bytes after the end of a deflate stream, or a gzip member that does not decode, are refused."""
     out = bytearray()
+    pending = data
     try:
-        pending = data
         while pending:
-            out += decoder.decompress(pending, _CHUNK)
-            if len(out) > limit:
-                raise BodyTooLargeError(f"the {name} body decompresses to more than {limit} bytes")
-            pending = decoder.unconsumed_tail
-            if decoder.eof:
-                break
-        out += decoder.flush()
+            decoder = zlib.decompressobj(wbits)
+            while pending:
+                out += decoder.decompress(pending, _CHUNK)
+                if len(out) > limit:
+                    raise BodyTooLargeError(f"the {name} body decompresses to more than {limit} bytes")
+                pending = decoder.unconsumed_tail
+                if decoder.eof:
+                    break
+            out += decoder.flush()
+            if not decoder.eof:
+                raise BadEncodingError(f"the {name} body is truncated")
+            pending = decoder.unused_data
+            if pending and name != "gzip":
+                raise BadEncodingError(f"the {name} body has {len(pending)} bytes after its end")
     except zlib.error as exc:
         raise BadEncodingError(f"the body is not valid {name}: {exc}") from None
-    if not decoder.eof:
-        raise BadEncodingError(f"the {name} body is truncated")
     if len(out) > limit:
         raise BodyTooLargeError(f"the {name} body decompresses to more than {limit} bytes")
     return bytes(out)

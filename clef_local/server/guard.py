@@ -85,8 +85,11 @@ class HostGuard:
         self.hosts = frozenset(normalize_host(h) for h in hosts)
         self.origins = frozenset(check_origin_value(o) for o in origins)
 
-    def refusal(self, headers: dict[bytes, bytes]) -> tuple[int, str, str] | None:
-        """``(status, error_type, message)`` when the request must be refused, else ``None``."""
+    def refusal(self, headers: dict[bytes, bytes], hosts: int = 1) -> tuple[int, str, str] | None:
+        """``(status, error_type, message)`` when the request must be refused, else ``None`` (``hosts``: how many
+        ``Host`` headers the request has; more than one is refused, as HTTP/1.1 requires)."""
+        if hosts > 1:
+            return 400, "invalid_host", "the request has several Host headers; send one"
         raw_host = headers.get(b"host", b"").decode("latin-1")
         parsed = split_authority(raw_host)
         if parsed is None or parsed[0] not in self.hosts:
@@ -115,9 +118,12 @@ class HostGuard:
             await self.app(scope, receive, send)
             return
         headers: dict[bytes, bytes] = {}
+        hosts = 0
         for name, value in scope.get("headers", ()):
-            headers.setdefault(name.lower(), value)  # the first of repeated headers, as servers read them
-        refused = self.refusal(headers)
+            name = name.lower()
+            hosts += name == b"host"
+            headers.setdefault(name, value)  # the first of repeated headers, as servers read them
+        refused = self.refusal(headers, hosts)
         if refused is None:
             await self.app(scope, receive, send)
             return

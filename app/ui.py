@@ -3,7 +3,10 @@
     clef-local ui                                   # the demo model, http://127.0.0.1:7860
     clef-local ui --model ~/models/clef-flash --compare ~/models/clef-flash-int4
 
-Local by default (127.0.0.1, no share link). The page calls only the public Python API (``clef_local.load``,
+Local by default (127.0.0.1, no share link), and no other web page can drive it: a request whose ``Host`` is not
+this machine's (DNS rebinding) gets 400 and one from another page's ``Origin`` 403, through the same guard as
+``clef-local serve`` (:mod:`clef_local.server.guard`, installed as a middleware through Gradio's ``app_kwargs``,
+with Gradio's ``strict_cors``). The page calls only the public Python API (``clef_local.load``,
 ``ClefModel.decide / predict / describe``, ``clef_local.runtime.schema.validate_request``,
 :mod:`clef_local.quality.drift`, :mod:`clef_local.quality.report`). Stable ``elem_id``s (``q0-id``, ``add-question``,
 ``run``, ``results`` …) are part of the contract with the browser test.
@@ -12,7 +15,9 @@ Local by default (127.0.0.1, no share link). The page calls only the public Pyth
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,10 +27,33 @@ from clef_local.app.handlers import NO_VARIANT, Handlers
 from clef_local.app.models import ModelStore, find_variants, is_release
 from clef_local.app.results import COMPARE_HEADERS, SUMMARY_HEADERS
 from clef_local.app.schema_builder import EXAMPLES, STATE_MODES, QuestionDraft
+from clef_local.errors import ApiUsageError
 from clef_local.options import add_model_flags
 
 if TYPE_CHECKING:
     import gradio as gr
+
+UI_MODULES = ("gradio", "matplotlib")  # what the ui extra installs (pyproject.toml), by import name
+
+
+def require_ui_extra() -> None:
+    """Fail at once, before any model loads, when the ``ui`` extra is not installed (one line, exit status 2)."""
+    missing = [name for name in UI_MODULES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ApiUsageError(f"clef-local ui needs {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'}"
+                            " not installed: pip install 'clef-local[ui]'")
+
+
+def launch_options(host: str = "127.0.0.1", allowed_hosts: Sequence[str] = ()) -> dict[str, Any]:
+    """``Blocks.launch`` keyword arguments that keep the app local: no share link, Gradio's ``strict_cors``, and
+    the Host / Origin guard of ``clef-local serve`` in front of every route (``main`` and the tests use them)."""
+    from starlette.middleware import Middleware
+
+    from clef_local.server.guard import HostGuard, allowed_host_names
+
+    guard = Middleware(HostGuard, hosts=allowed_host_names(host, allowed_hosts))
+    return {"server_name": host, "share": False, "strict_cors": True, "app_kwargs": {"middleware": [guard]}}
+
 
 def _resolve_models(model_path: str | Path | None, compare_path: str | Path | None) -> tuple[Path, list[Path]]:
     import clef_local
@@ -208,12 +236,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--compare", help="a variant (or any release) to compare with, preselected in the page")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, this machine only)")
     parser.add_argument("--port", type=int, default=7860, help="port (default 7860)")
+    parser.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                        help="also answer requests whose Host is NAME (repeatable; localhost, 127.0.0.1, [::1] and "
+                             "the --host address always are)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Start the app and serve it until interrupted."""
     args = build_parser().parse_args(argv)
+    require_ui_extra()  # before the models resolve and load: a missing extra is a one-line error
     try:
         demo = build_app(args.model, args.compare, dtype=None if args.dtype == "auto" else args.dtype)
     except (ValueError, FileNotFoundError) as exc:
@@ -228,8 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     # System fonts: the default theme would fetch web fonts, and this app runs offline.
     theme = gr.themes.Default(font=["ui-sans-serif", "system-ui", "sans-serif"],
                               font_mono=["ui-monospace", "Consolas", "monospace"])
-    demo.queue().launch(server_name=args.host, server_port=args.port, share=False, inbrowser=False,
-                        show_error=False, quiet=True, theme=theme)
+    demo.queue().launch(server_port=args.port, inbrowser=False, show_error=False, quiet=True, theme=theme,
+                        **launch_options(args.host, args.allowed_host))
     return 0
 
 

@@ -12,11 +12,17 @@ from typing import Any, cast
 import numpy as np
 
 from clef_local.backends.base import Backend
-from clef_local.errors import ApiUsageError, ReleaseError
+from clef_local.errors import ApiUsageError, MaxTokensExceededError, ReleaseError
 from clef_local.formats.release import HEAD_WEIGHTS, Release, read_release
 from clef_local.runtime.answers import CONFIDENCE_MODES, Confidence, build_response, softmax_rows
 from clef_local.runtime.batching import device_pad_waste, split_by_length
-from clef_local.runtime.encoding import REFERENCE_MAX_LENGTH, EncodedRecord, encode_request
+from clef_local.runtime.encoding import (
+    REFERENCE_MAX_LENGTH,
+    EncodedRecord,
+    encode_request,
+    option_semantics,
+    question_options,
+)
 from clef_local.runtime.head_reach import batch_reach, head_reads_question_spans_only, question_reach
 from clef_local.runtime.layout import build_layout
 from clef_local.runtime.schema import DEFAULT_LIMITS, QUESTION_TYPES, Limits, request_to_record, validate_request
@@ -25,6 +31,7 @@ from clef_local.runtime.tokenizer import ReleaseTokenizer
 log = logging.getLogger(__name__)
 
 CALIBRATION_KEY = "clef_local_calibration"  # config.json: {"temperatures": {"noul"|"choice"|"score": T}, ...}
+OPTION_WRAPPER_BYTES = len(option_semantics("", None))  # '{"option_id":""}' around every option's label
 
 
 def read_temperatures(config: dict[str, Any], where: str = "config.json") -> dict[str, float]:
@@ -80,6 +87,8 @@ class ClefModel:
         # (clef_local.runtime.head_reach); set it to False to run every record in full (the same numbers, for
         # comparisons)
         self.stop_after_questions = head_reads_question_spans_only(release.path / HEAD_WEIGHTS)
+        # the most bytes of text one token covers, read from the vocabulary once (check_size)
+        self.max_token_bytes: int = tokenizer.max_token_bytes
 
     @property
     def path(self) -> Path:
@@ -90,8 +99,46 @@ class ClefModel:
         record = request_to_record(validate_request(request, self.limits))
         if record.get("images") or record.get("videos"):
             raise ApiUsageError("images and videos are not supported by clef-local yet; send a text or JSON state")
+        self.check_size(record, truncate_state=truncate_state)
         encoded = encode_request(self.tokenizer, record, max_length=self.max_length, truncate_state=truncate_state)
         return record, encoded
+
+    def check_size(self, request: Any, *, truncate_state: bool = False) -> int:
+        """Refuse, without tokenizing it, a validated request whose text cannot fit the context; else return the
+        lower bound on its prompt's tokens that it was checked with.
+
+        No token covers more than ``self.max_token_bytes`` bytes of text, so each prompt piece (docs/format.md §2)
+        needs at least ``ceil(bytes / max_token_bytes)`` tokens, and at least one when it is not empty. When one
+        field alone (the state, a question id, instructions, an option) or all of them together need more than
+        ``self.max_length`` tokens by that count, :class:`MaxTokensExceededError` (HTTP 413) names the field at
+        once: tokenizing a 10 MB field only to fail would hold the inference thread for seconds and grow the
+        process by gigabytes. ``encode`` calls it; the server calls it before queueing. With ``truncate_state``
+        the state is left out (it is cut to fit).
+        """
+        fields = list(text_fields(request, include_state=not truncate_state))
+        per_token = self.max_token_bytes
+        # the pieces of template text alone, one token at least each: the prompt's prefix, schema header and suffix;
+        # per question "ALLOWED OPTIONS" and "END FIELD"; per option "OPTION k: " and its newline
+        total = 3
+        for question in request["questions"].values():
+            total += 2 + 2 * len(question_options(question))
+        largest = ("", 0)
+        for name, size in fields:
+            tokens = -(-size // per_token)
+            if tokens > self.max_length:
+                raise MaxTokensExceededError(
+                    f"{name}: {size:,} bytes of text, so at least {tokens:,} tokens (no token of this model covers "
+                    f"more than {per_token} bytes); the context is {self.max_length:,} tokens: shorten it",
+                    input_tokens=tokens, max_tokens=self.max_length)
+            total += tokens
+            largest = max(largest, (name, size), key=lambda field: field[1])
+        if total > self.max_length:
+            raise MaxTokensExceededError(
+                f"the request needs at least {total:,} tokens ({len(fields)} text fields, the largest {largest[0]} "
+                f"with {largest[1]:,} bytes; no token of this model covers more than {per_token} bytes); the "
+                f"context is {self.max_length:,} tokens: send a shorter state, fewer questions or fewer options",
+                input_tokens=total, max_tokens=self.max_length)
+        return total
 
     def predict(self, requests: Sequence[Any], *, truncate_state: bool = False, batch_size: int = 8,
                 progress: Callable[[int, int], None] | None = None,
@@ -191,6 +238,57 @@ class ClefModel:
             **self.backend.describe(),
             **({"loader": decision.to_json()} if (decision := self.backend.load_decision) else {}),
         }
+
+
+def text_fields(request: Any, *, include_state: bool = True) -> Iterator[tuple[str, int]]:
+    """``(name, bytes)`` of each piece of a validated request's prompt that holds its text (docs/format.md §2).
+
+    Bytes are a lower bound on the rendered piece's UTF-8 size (:func:`text_bytes`); a question id counts twice
+    when it stands in for missing instructions, as in the prompt. Names are shortened for messages.
+    """
+    if include_state:
+        yield "the state", text_bytes(request["state"])
+    for question_id, question in request["questions"].items():
+        where = f"question {_short(question_id)!r}"
+        id_bytes = text_bytes(question_id)
+        yield f"the id of {where}", id_bytes
+        instructions = question.get("instructions")
+        missing = instructions is None or instructions == ""
+        yield f"the instructions of {where}", id_bytes if missing else text_bytes(instructions)
+        for option_id, description in question_options(question):
+            described = 0 if description is None else text_bytes(description)
+            size = OPTION_WRAPPER_BYTES + text_bytes(option_id) + described
+            yield f"option {_short(option_id)!r} of {where}", size
+
+
+def text_bytes(value: Any) -> int:
+    """At most the UTF-8 size of ``value`` rendered as the prompt renders it, without rendering it.
+
+    A string's own bytes; for an object or array, the bytes of every key and string in it plus one per other value
+    (JSON adds quotes, separators and escapes, never removes). Iterative, so any nesting depth is fine.
+    """
+    if isinstance(value, str):
+        return len(value) if value.isascii() else len(value.encode("utf-8", "surrogatepass"))
+    size = 0
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            size += len(node) if node.isascii() else len(node.encode("utf-8", "surrogatepass"))
+        elif isinstance(node, dict):
+            size += 2
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif isinstance(node, list | tuple):
+            size += 2
+            stack.extend(node)
+        else:
+            size += 1
+    return size
+
+
+def _short(text: str, limit: int = 40) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def load(path: str | Path, *, device: str = "auto", dtype: str | None = None, backend: str = "auto",

@@ -164,7 +164,8 @@ def test_compressed_bodies(client: httpx.Client, model: Any) -> None:
     stream = zstd.ZstdCompressor()
     framed = stream.compress(raw) + stream.flush()
     assert zstd.get_frame_info(framed).decompressed_size is None
-    assert client.post("/v1/systemone", content=framed, headers={"content-encoding": "zstd"}).status_code == 200
+    assert client.post("/v1/systemone", content=framed,
+                       headers={"content-encoding": "zstd", "content-type": "application/json"}).status_code == 200
 
 
 @pytest.mark.parametrize(("encoding", "data", "status", "error_type"), [
@@ -176,14 +177,15 @@ def test_compressed_bodies(client: httpx.Client, model: Any) -> None:
     ("zstd", zstd.compress(b"\0" * (20 << 20)), 413, "request_too_large"),
 ])
 def test_bad_encodings(client: httpx.Client, encoding: str, data: bytes, status: int, error_type: str) -> None:
-    response = client.post("/v1/systemone", content=data, headers={"content-encoding": encoding})
+    response = client.post("/v1/systemone", content=data,
+                           headers={"content-encoding": encoding, "content-type": "application/json"})
     assert response.status_code == status
     assert response.json()["detail"]["error_type"] == error_type
 
 
 def test_body_limit_is_13_mib(client: httpx.Client) -> None:
     big = json.dumps({**REQUEST, "state": "x" * (13 * 1024 * 1024)}).encode()
-    response = client.post("/v1/systemone", content=big)
+    response = client.post("/v1/systemone", content=big, headers={"content-type": "application/json"})
     assert response.status_code == 413
     assert response.json()["detail"]["error_type"] == "request_too_large"
     assert client.get("/health").status_code == 200
@@ -240,7 +242,8 @@ def test_unknown_routes_and_methods(client: httpx.Client) -> None:
     wrong = client.get("/v1/systemone")
     assert wrong.status_code == 405 and wrong.json()["detail"]["error_type"] == "method_not_allowed"
     multipart = client.post("/v1/systemone", files={"request": ("r.json", b"{}", "application/json")})
-    assert multipart.status_code == 400 and multipart.json()["detail"]["error_type"] == "api_usage_error"
+    assert multipart.status_code == 415 and multipart.json()["detail"]["error_type"] == "unsupported_media_type"
+    assert "multipart" in multipart.json()["detail"]["message"]
 
 
 # ---------------------------------------------------------------- auth
@@ -454,3 +457,20 @@ def test_cli_serve_passes_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
     assert seen["specs"] == ["a=/x", "b=/y"]
     assert (seen["port"], seen["max_batch"], seen["max_wait_ms"], seen["max_queue"]) == (9000, 4, 2.0, 3)
     assert (seen["api_key"], seen["confidence"], seen["host"]) == ("k", "reference", "127.0.0.1")
+
+
+@pytest.mark.parametrize(("command", "blocked", "extra"), [
+    ("serve", "uvicorn", "serve"), ("serve", "fastapi", "serve"), ("ui", "gradio", "ui")])
+def test_missing_extra_fails_at_once(command: str, blocked: str, extra: str, tmp_path: Path) -> None:
+    """Without its extra a command says how to install it in one line, exit status 2, before loading any model."""
+    code = (f"import sys\nsys.modules[{blocked!r}] = None  # as if it were not installed\n"
+            "from clef_local.cli import main\n"
+            f"status = main([{command!r}, '--model', {str(tmp_path / 'no-release')!r}])\n"
+            "print('TORCH', 'torch' in sys.modules)\nsys.exit(status)\n")
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [
+        f"error: clef-local {command} needs {blocked}, which is not installed: pip install 'clef-local[{extra}]'"]
+    assert "TORCH False" in done.stdout  # no model was loaded (nor the release looked at: it does not exist)
+    assert time.perf_counter() - started < 30

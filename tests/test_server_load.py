@@ -211,6 +211,7 @@ request = st.fixed_dictionaries({}, optional={
                            st.integers(0, 70).map(lambda n: {f"q{i}": {"type": "noul"} for i in range(n)})),
     "images": json_any, "x_extra": json_any})
 VALID_BYTES = json.dumps(VALID).encode()
+JSON = {"content-type": "application/json"}
 ENCODINGS = ["zstd", "gzip", "deflate", "br", "identity", "zstd, gzip", "", "x" * 60, "zstd,zstd"]
 
 
@@ -218,7 +219,7 @@ ENCODINGS = ["zstd", "gzip", "deflate", "br", "identity", "zstd, gzip", "", "x" 
 def hostile(draw: st.DrawFn) -> tuple[str, str, bytes, dict[str, str]]:
     """(kind, path, body, headers) of one malformed or hostile request."""
     kind = draw(st.sampled_from(["request", "json", "bytes", "bad-utf8", "truncated", "zstd", "deep", "escapes",
-                                 "large", "headers", "path", "valid-mutant"]))
+                                 "large", "headers", "path", "valid-mutant", "duplicate-keys", "host"]))
     path, headers = "/v1/systemone", {"content-type": "application/json"}
     if kind == "request":
         body = json.dumps(draw(request), ensure_ascii=draw(st.booleans())).encode()
@@ -263,6 +264,17 @@ def hostile(draw: st.DrawFn) -> tuple[str, str, bytes, dict[str, str]]:
         headers["content-type"] = draw(st.sampled_from(["application/json", "text/plain", "multipart/form-data",
                                                         "application/x-www-form-urlencoded", ""]))
         headers["authorization"] = draw(st.sampled_from(["Bearer x", "", "Basic abc", "Bearer " + "k" * 500]))
+    elif kind == "duplicate-keys":
+        key = draw(st.sampled_from([b'"model"', b'"state"', b'"questions"', b'"q"', b'"type"']))
+        body = VALID_BYTES[:-1] + b", " + key + b": " + json.dumps(draw(json_any)).encode() + b"}"
+        if key in (b'"q"', b'"type"'):
+            body = (b'{"model": "clef-local", "state": "x", "questions": {"q": {"type": "noul", ' + key + b': 1}, '
+                    + key + b": {}}}")
+    elif kind == "host":
+        body = VALID_BYTES
+        headers["host"] = draw(st.sampled_from(["evil.example", "127.0.0.1.nip.io:80", "[::2]", "localhost:x"]))
+        if draw(st.booleans()):
+            headers["origin"] = draw(st.sampled_from(["http://evil.example", "null", "http://localhost:1"]))
     elif kind == "path":
         name = draw(st.text(alphabet="abc-._~%20é/", max_size=30))
         prefix = draw(st.sampled_from(["/accounts/a/ai/run/@cf/cloudflare/", "/v1/", "/v1/systemone/", "/x/"]))
@@ -285,7 +297,7 @@ def hostile(draw: st.DrawFn) -> tuple[str, str, bytes, dict[str, str]]:
 def _check(kind: str, response: httpx.Response) -> None:
     """No 5xx ever; garbage is always refused; every refusal has one of the documented error shapes."""
     assert response.status_code < 500, f"{kind}: {response.status_code} {response.text[:300]}"
-    if kind in ("bytes", "bad-utf8", "truncated", "deep"):
+    if kind in ("bytes", "bad-utf8", "truncated", "deep", "duplicate-keys", "host"):
         assert 400 <= response.status_code < 500, f"{kind} answered {response.status_code}"
     if response.status_code != 200:
         body = response.json()
@@ -310,7 +322,7 @@ def test_hostile_requests_never_5xx(cli_server: tuple[str, subprocess.Popen]) ->
                     ("word " * 400_000, "a" * 400_000, "é🙂" * 100_000, "é🙂" * 400_000)]
         for body in largest * 2:
             encoding = {"content-encoding": "zstd"} if body[:4] == b"\x28\xb5\x2f\xfd" else {}
-            assert http.post("/v1/systemone", content=body, headers=encoding).status_code == 413
+            assert http.post("/v1/systemone", content=body, headers={**JSON, **encoding}).status_code == 413
         assert http.post("/v1/systemone", json=VALID).status_code == 200
         rss_start = _rss(process.pid)
         started = time.perf_counter()
@@ -352,7 +364,7 @@ def test_hostile_requests_never_5xx(cli_server: tuple[str, subprocess.Popen]) ->
 
 def test_oversize_and_lying_content_length(cli_server: tuple[str, subprocess.Popen]) -> None:
     url, _ = cli_server
-    with httpx.Client(base_url=url, timeout=60) as http:
+    with httpx.Client(base_url=url, timeout=60, headers=JSON) as http:
         big = http.post("/v1/systemone", content=b"{" + b" " * (14 << 20) + b"}")
         assert big.status_code == 413
         # a chunked body (no Content-Length) over the limit
@@ -361,7 +373,61 @@ def test_oversize_and_lying_content_length(cli_server: tuple[str, subprocess.Pop
         assert http.get("/health").status_code == 200
     # a Content-Length far over the limit is refused before the body is read
     with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=30) as raw:
-        raw.sendall(b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Length: 999999999\r\n\r\n{")
+        raw.sendall(b"POST /v1/systemone HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: 999999999\r\n\r\n{")
         reply = raw.recv(4096)
     assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
     assert cli_server[1].poll() is None
+
+
+def _peak_rss_reset(pid: int) -> None:
+    Path(f"/proc/{pid}/clear_refs").write_text("5")  # resets VmHWM, the peak RSS (Linux ≥ 4.0)
+
+
+def _peak_rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for RSS")
+def test_oversized_fields_cost_nothing(cli_server: tuple[str, subprocess.Popen]) -> None:
+    """A 10 MB instructions string is 413 in under a second without growing the server (it used to be tokenized:
+    30 s and 4.8 GB at the peak on the demo model), and a good request sent beside four of them is not held up."""
+    url, process = cli_server
+    huge = json.dumps({**VALID, "questions": {"q": {"type": "noul", "instructions": "i" * 10_000_000}}}).encode()
+    with httpx.Client(base_url=url, timeout=60, headers=JSON) as http:
+        assert http.post("/v1/systemone", content=huge).status_code == 413  # warm: the first 10 MB body
+        assert http.post("/v1/systemone", json=VALID).status_code == 200
+        before = _rss(process.pid)
+        _peak_rss_reset(process.pid)
+        started = time.perf_counter()
+        response = http.post("/v1/systemone", content=huge)
+        elapsed = time.perf_counter() - started
+        peak = _peak_rss(process.pid)
+        after = _rss(process.pid)
+    assert response.status_code == 413 and response.json()["detail"]["error_type"] == "max_tokens_exceeded"
+    assert "the instructions of question 'q'" in response.json()["detail"]["message"]
+    print(f"\n10 MB instructions: 413 in {elapsed * 1000:.0f} ms; server RSS {before >> 20} -> {after >> 20} MiB, "
+          f"peak {peak >> 20} MiB")
+    assert elapsed < 1.0
+    assert after - before < 50 << 20, f"RSS grew {(after - before) >> 20} MiB"
+    assert peak - before < 200 << 20, f"peak RSS {(peak - before) >> 20} MiB above the level before"
+
+    good: list[float] = []
+
+    def post(body: bytes | None) -> None:
+        with httpx.Client(base_url=url, timeout=60, headers=JSON) as http:
+            started = time.perf_counter()
+            reply = http.post("/v1/systemone", content=body) if body else http.post("/v1/systemone", json=VALID)
+            if body is None:
+                assert reply.status_code == 200
+                good.append(time.perf_counter() - started)
+
+    threads = [threading.Thread(target=post, args=(b,)) for b in (huge, huge, None, huge, huge)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert good and good[0] < 3.0, good  # it used to wait 17 s behind one of them

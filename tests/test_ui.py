@@ -53,10 +53,11 @@ def _free_port() -> int:
 def client(releases: tuple[Path, Path]) -> Iterator[Any]:
     from gradio_client import Client
 
-    from clef_local.app.ui import build_app
+    from clef_local.app.ui import build_app, launch_options
 
     demo = build_app(releases[0])
-    demo.queue().launch(server_name="127.0.0.1", server_port=_free_port(), prevent_thread_lock=True, quiet=True)
+    # launched as `clef-local ui` launches it: behind the Host / Origin guard, so every test here goes through it
+    demo.queue().launch(server_port=_free_port(), prevent_thread_lock=True, quiet=True, **launch_options())
     try:
         yield Client(demo.local_url, verbose=False)
     finally:
@@ -257,3 +258,38 @@ def test_score_decision_names_its_level() -> None:
     html = results_html(response)
     assert '<b class="clef-decision">1 · medium</b>' in html
     assert '<b class="clef-score">1.200</b>' in html
+
+
+def test_foreign_host_and_cross_origin_posts_are_refused(client: Any) -> None:
+    """DNS rebinding (a foreign Host) gets 400 on every route; a POST from another page's Origin 403, before
+    Gradio runs it; the page's own origin and clients without an Origin (gradio_client, above) pass."""
+    import httpx
+
+    base = client.src.rstrip("/")
+    port = int(base.rsplit(":", 1)[1])
+    with httpx.Client(base_url=base, timeout=30) as http:
+        for path in ("/", "/config", "/gradio_api/info"):
+            page = http.get(path, headers={"host": f"evil.example:{port}"})
+            assert page.status_code == 400 and page.json()["detail"]["error_type"] == "invalid_host", path
+            assert http.get(path).status_code == 200, path
+        join = {"data": ["{}", "", ""], "fn_index": 0, "session_hash": "x1", "event_data": None, "trigger_id": None}
+        for origin in ("http://evil.example", "null", "http://localhost:1"):
+            for path, kwargs in (("/gradio_api/queue/join", {"json": join}),
+                                 ("/gradio_api/upload", {"files": {"files": ("a.json", b"{}")}}),
+                                 ("/gradio_api/run/predict", {"content": b"{}"})):
+                refused = http.post(path, headers={"origin": origin}, **kwargs)  # type: ignore[arg-type]
+                assert refused.status_code == 403, (origin, path, refused.status_code)
+                assert refused.json()["detail"]["error_type"] == "forbidden_origin"
+            # (Gradio's own CORS layer still lets localhost pages read the 403; nobody else can)
+            assert "access-control-allow-origin" not in refused.headers or origin.startswith("http://localhost")
+        own = http.post("/gradio_api/upload", headers={"origin": base}, files={"files": ("a.json", b"{}")})
+        assert own.status_code == 200, own.text
+
+
+def test_launch_options_keep_the_app_local() -> None:
+    from clef_local.app.ui import launch_options
+
+    options = launch_options("127.0.0.1", ["my-box.local"])
+    assert options["share"] is False and options["strict_cors"] is True and options["server_name"] == "127.0.0.1"
+    guard = options["app_kwargs"]["middleware"][0]
+    assert guard.kwargs["hosts"] == {"localhost", "127.0.0.1", "[::1]", "my-box.local"}

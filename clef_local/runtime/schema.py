@@ -31,6 +31,10 @@ class Limits:
     min_score_levels: int = 2
     # The documented SystemOne maximum (jevcompat checks that 10 is accepted).
     max_score_levels: int = 10
+    # Ids and labels are names, not text: a few hundred bytes name anything, and a megabyte id is an attack on
+    # the tokenizer, refused here before it costs anything. (Texts are bounded by the context: ClefModel.check_size.)
+    max_question_id_bytes: int = 256
+    max_label_bytes: int = 256
 
 
 DEFAULT_LIMITS = Limits()
@@ -78,6 +82,15 @@ def _over(what: str, name: str, limits: Limits) -> PydanticCustomError:
     value = getattr(limits, name)
     return _fail("too_long", f"{what}, more than the limit of {value}; "
                              f"configure Limits({name}=...) to allow more", limit=name)
+
+
+def _short(text: str, limit: int = 40) -> str:
+    """``text`` cut for a message (an error must not echo a megabyte back)."""
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _utf8_size(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
 
 
 def _limits(info: ValidationInfo) -> Limits:
@@ -128,9 +141,9 @@ def _check_noul(value: Any) -> None:
     if not isinstance(value, dict):
         raise _fail("noul_criteria", "noul criteria must be an object with optional 'true' and 'false' "
                                      f"keys, or null; got {_json_type(value)}")
-    unknown = [k for k in value if k not in ("true", "false")]
+    unknown = [_short(k) for k in value if k not in ("true", "false")]
     if unknown:
-        raise _fail("noul_criteria", f"noul criteria allow only the keys 'true' and 'false'; got {unknown!r}")
+        raise _fail("noul_criteria", f"noul criteria allow only the keys 'true' and 'false'; got {unknown[:5]!r}")
     for key, description in value.items():
         _check_text(description, f"noul criteria {key!r}", nullable=True)
 
@@ -146,6 +159,10 @@ def _check_choice(value: Any, limits: Limits) -> None:
         raise _fail("too_short", f"choice criteria need at least {limits.min_choice_options} labels, got {n}")
     if n > limits.max_choice_options:
         raise _over(f"choice criteria have {n} labels", "max_choice_options", limits)
+    for label in value:
+        if _utf8_size(label) > limits.max_label_bytes:
+            raise _over(f"the choice label {_short(label)!r} is {_utf8_size(label):,} bytes", "max_label_bytes",
+                        limits)
     for label, description in value.items():
         _check_text(description, f"choice criteria {label!r}", nullable=True)
 
@@ -200,6 +217,10 @@ class SystemOneRequest(BaseModel):
         bad = [k for k in value if not isinstance(k, str) or not k]
         if bad:
             raise _fail("question_id", f"question ids must be non-empty strings; got {bad[0]!r}")
+        for key in value:
+            if _utf8_size(key) > limits.max_question_id_bytes:
+                raise _over(f"the question id {_short(key)!r} is {_utf8_size(key):,} bytes", "max_question_id_bytes",
+                            limits)
         return value
 
 

@@ -8,10 +8,26 @@ call, with no special tokens added: the same ids as ``tokenizer(piece, add_speci
 
 from __future__ import annotations
 
+import json
+import logging
 from collections.abc import Sequence
+from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 from clef_local.errors import ReleaseError
+
+log = logging.getLogger(__name__)
+
+# Bytes of text per token assumed when a tokenizer's tokens cannot be bounded (ReleaseTokenizer.max_token_bytes);
+# no real vocabulary has tokens this long.
+FALLBACK_TOKEN_BYTES = 256
+# How many times fewer UTF-8 bytes a normalizer can leave of a text, at most: NFC composes three Hangul jamo
+# (9 bytes) into one syllable (3), NFKC/NFKD map 4-byte mathematical letters to one ASCII byte, Lowercase the
+# 3-byte Kelvin sign. Prepend and ByteLevel only add. Any other (StripAccents, Strip, Replace, Precompiled) can
+# delete text without bound.
+NORMALIZER_SHRINK: dict[str, int] = {"NFC": 3, "NFD": 3, "NFKC": 4, "NFKD": 4, "Lowercase": 4, "Prepend": 1,
+                                     "ByteLevel": 1}
 
 
 class ReleaseTokenizer:
@@ -48,3 +64,45 @@ class ReleaseTokenizer:
     @property
     def vocab_size(self) -> int:
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @cached_property
+    def max_token_bytes(self) -> int:
+        """At most how many bytes of UTF-8 text one token can stand for: ``tokens(text) >= bytes(text) / this``.
+
+        It lets a request too large for the context be refused before it is tokenized (``ClefModel.check_size``):
+        tokenizing megabytes only to fail would hold the inference thread for seconds and grow the process by
+        gigabytes. The longest vocabulary token in bytes of the text it covers (a byte-level BPE token's
+        characters are bytes: 81 for SmolLM2), times how far the normalizer can shrink text before the model sees
+        it (:data:`NORMALIZER_SHRINK`: NFC composes three Hangul jamo, 9 bytes, into one 3-byte syllable).
+        :data:`FALLBACK_TOKEN_BYTES` when the vocabulary cannot be listed or the normalizer may shrink text
+        without bound (a ``Replace``, ``Strip`` or precompiled normalizer).
+        """
+        backend = self._tokenizer
+        try:
+            vocab = backend.get_vocab(with_added_tokens=False)
+            added = [token.content for token in backend.get_added_tokens_decoder().values()]
+        except (AttributeError, TypeError) as exc:  # not a tokenizers.Tokenizer: the conservative constant
+            log.warning("cannot list the tokenizer's vocabulary (%s); assuming tokens of up to %d bytes", exc,
+                        FALLBACK_TOKEN_BYTES)
+            return FALLBACK_TOKEN_BYTES
+        byte_level = _component_types(backend.decoder) == ["ByteLevel"]
+        longest = max((len(token) if byte_level else len(token.encode("utf-8")) for token in vocab), default=1)
+        longest = max(longest, *(len(text.encode("utf-8")) for text in added), 1)
+        shrink = 1
+        for kind in _component_types(backend.normalizer):
+            factor = NORMALIZER_SHRINK.get(kind)
+            if factor is None:
+                log.warning("the tokenizer's %s normalizer may shrink text by any factor; assuming tokens of up to "
+                            "%d bytes for size checks", kind, FALLBACK_TOKEN_BYTES)
+                return max(FALLBACK_TOKEN_BYTES, longest)
+            shrink *= factor
+        return longest * shrink
+
+
+def _component_types(part: Any) -> list[str]:
+    """The ``type`` of a normalizer or decoder, or of each member of a ``Sequence`` (empty for none)."""
+    if part is None:
+        return []
+    state = json.loads(part.__getstate__())  # tokenizers' own JSON form of the component
+    members = state.get("normalizers") or state.get("decoders") if state.get("type") == "Sequence" else [state]
+    return [str(member.get("type")) for member in members or []]

@@ -1,7 +1,9 @@
 """``clef-local serve``: the SystemOne HTTP API over the public Python API (docs/serving.md).
 
     app.py        FastAPI routes, body handling, auth, error shapes, OpenAPI
-    body.py       Content-Encoding (zstd, gzip), size limits, safe JSON parsing
+    body.py       Content-Type and Content-Encoding (zstd, gzip), size limits, safe JSON parsing
+    guard.py      Host and Origin checks (DNS rebinding, other web pages), shared with the UI
+    connections.py  header and body read deadlines, the connection cap (uvicorn's h11 protocol)
     scheduler.py  dynamic batching on one inference thread
     metrics.py    Prometheus text metrics
     config.py     settings, model names and aliases, the bind warning

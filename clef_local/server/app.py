@@ -2,16 +2,17 @@
 
 Every route handler catches what it can cause: a ``ClefError`` becomes its status and ``detail`` (422 with a
 FastAPI-shaped list for validation, ``{"error_type", "message"}`` otherwise); anything else is a bug, logged
-with its traceback and answered 500. Bad input cannot get that far: bodies are size-checked, decompressed with
-a bound, parsed, depth- and Unicode-checked and validated before they are queued (:mod:`.body`), and the
-inference thread answers each request's own errors separately (:mod:`.scheduler`).
+with its traceback and answered 500. Bad input cannot get that far: a foreign ``Host`` or ``Origin`` is refused
+before any route runs (:mod:`.guard`); bodies must be JSON, are size-checked, decompressed with a bound, parsed,
+depth-, key- and Unicode-checked, validated, and measured against the model's context without tokenizing
+(``ClefModel.check_size``) before they are queued (:mod:`.body`); and the inference thread answers each request's
+own errors separately (:mod:`.scheduler`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -26,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 import clef_local
-from clef_local.errors import ApiUsageError, ClefError, MaxTokensExceededError
+from clef_local.errors import ApiUsageError, ClefError
 from clef_local.runtime.answers import round_floats
 from clef_local.runtime.schema import (
     DEFAULT_LIMITS,
@@ -35,8 +36,9 @@ from clef_local.runtime.schema import (
     SystemOneResponse,
     validate_request,
 )
-from clef_local.server.body import BodyTooLargeError, decode_content, parse_json
+from clef_local.server.body import BodyTooLargeError, check_content_type, decode_content, parse_json
 from clef_local.server.config import ModelTable, ServerConfig
+from clef_local.server.guard import HostGuard
 from clef_local.server.metrics import CONTENT_TYPE, MetricsMiddleware, ServerMetrics
 from clef_local.server.scheduler import BatchScheduler, QueueFullError
 
@@ -47,7 +49,6 @@ CLOUDFLARE_PATH = "/accounts/{account}/ai/run/@cf/cloudflare/{model}"
 OFFLOAD_BYTES = 256 * 1024  # bodies above this are decoded and validated off the event loop
 KNOWN_ENCODINGS = frozenset({"identity", "zstd", "gzip", "x-gzip", "deflate"})
 DRAIN_FACTOR = 4  # an oversized body up to this many limits is read (and dropped) so the client sees the 413
-STATE_BYTES_PER_TOKEN = 256  # no vocabulary has longer tokens (see check_state_size)
 
 
 class AuthenticationError(ClefError):
@@ -90,9 +91,14 @@ class CloudflareEnvelope(BaseModel):
 
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    400: {"model": ErrorBody, "description": "api_usage_error (unknown model, unsupported input), bad encoding"},
+    400: {"model": ErrorBody, "description": "api_usage_error (unknown model, unsupported input), bad encoding, "
+                                             "invalid_host (a Host this server does not answer to)"},
     401: {"model": ErrorBody, "description": "authentication_error (with --api-key)"},
+    403: {"model": ErrorBody, "description": "forbidden_origin: a web page's Origin not given with --cors-origin"},
+    408: {"model": ErrorBody, "description": "request_timeout: headers or body too slow"},
     413: {"model": ErrorBody, "description": "request_too_large (> 13 MiB) or max_tokens_exceeded"},
+    415: {"model": ErrorBody, "description": "unsupported_media_type: not application/json, or an unknown "
+                                             "Content-Encoding"},
     422: {"model": ValidationBody, "description": "the body is not a valid SystemOne request"},
     429: {"model": ErrorBody, "description": "rate_limit_error: the queue is full; see Retry-After"},
 }
@@ -122,12 +128,16 @@ class ServerState:
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
             raise AuthenticationError("invalid API key")
 
-    async def read_body(self, request: Request) -> bytes:
-        """The raw body, at most ``max_body_bytes`` (413 beyond; a moderately larger one is drained first)."""
+    def check_declared_length(self, request: Request) -> None:
+        """413 at once for a ``Content-Length`` far over the limit (the body is never read)."""
         limit = self.config.max_body_bytes
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > DRAIN_FACTOR * limit:
-            raise BodyTooLargeError(f"the body is {declared} bytes; the limit is {limit}")
+            raise BodyTooLargeError(f"the body is {declared[:20]} bytes; the limit is {limit}")
+
+    async def read_body(self, request: Request) -> bytes:
+        """The raw body, at most ``max_body_bytes`` (413 beyond; a moderately larger one is drained first)."""
+        limit = self.config.max_body_bytes
         chunks: list[bytes] = []
         size = 0
         async for chunk in request.stream():
@@ -156,8 +166,7 @@ class ServerState:
         model = self.table.get(known or self.table.default)
         validate_request(data, getattr(model, "limits", DEFAULT_LIMITS))  # 422 before the model name's 400
         served = self.table.resolve(asked)  # type: ignore[arg-type]  # validated: a string
-        if len(decoded) > STATE_BYTES_PER_TOKEN * 1024:  # only a large body can hold a state too large to tokenize
-            check_state_size(data["state"], getattr(self.table.get(served), "max_length", None))
+        self.table.get(served).check_size(data)  # 413 for text that cannot fit, before the queue and the tokenizer
         return served, {**data, "model": served}, len(decoded)
 
     def error(self, exc: ClefError, envelope: bool) -> JSONResponse:
@@ -183,10 +192,9 @@ class ServerState:
         """The whole ``POST`` pipeline: auth, body, validation, the scheduler, the wire format."""
         try:
             self.authorize(request)
+            self.check_declared_length(request)
+            check_content_type(request.headers.get("content-type"))
             raw = await self.read_body(request)
-            if request.headers.get("content-type", "").lower().startswith("multipart/"):
-                raise ApiUsageError("multipart bodies (images and other assets) are not supported by clef-local "
-                                    "yet; send a JSON body with a text or JSON state")
             encoding = request.headers.get("content-encoding")
             label = (encoding or "identity").strip().lower()
             self.metrics.bodies.inc(label if label in KNOWN_ENCODINGS else "other")
@@ -206,24 +214,6 @@ class ServerState:
         if envelope:
             return JSONResponse({"result": response, "success": True, "errors": [], "messages": []})
         return JSONResponse(response)
-
-
-def check_state_size(state: Any, max_length: int | None) -> None:
-    """Refuse, before it reaches the tokenizer, a state that cannot fit the context whatever its tokens.
-
-    No token of a real vocabulary is longer than :data:`STATE_BYTES_PER_TOKEN` bytes (SmolLM2's longest is 81),
-    so a state of more bytes than that times the context needs more tokens than the context holds. Tokenizing a
-    13 MiB state would cost seconds of the inference thread and gigabytes of memory only to fail.
-    """
-    if not max_length:
-        return
-    rendered = state if isinstance(state, str) else json.dumps(state, ensure_ascii=False, separators=(",", ":"))
-    size = len(rendered.encode("utf-8"))
-    if size > STATE_BYTES_PER_TOKEN * max_length:
-        at_least = size // STATE_BYTES_PER_TOKEN
-        raise MaxTokensExceededError(
-            f"the state is {size} bytes, so at least {at_least} tokens; the context is {max_length} tokens: "
-            "shorten the state", input_tokens=at_least, max_tokens=max_length)
 
 
 def internal_error(envelope: bool = False) -> JSONResponse:
@@ -253,6 +243,14 @@ def create_app(models: Mapping[str, Any], config: ServerConfig | None = None) ->
                   description="Clef decision models served locally: the SystemOne API (`POST /v1/systemone`) "
                               "that Jev clients speak, and Cloudflare's Workers AI envelope.")
     app.state.clef = state
+    # outermost last: metrics see every answer, the guard runs before CORS and the routes
+    if config.cors_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["authorization", "content-type", "content-encoding"],
+                           expose_headers=["retry-after", "retry-after-ms"], max_age=600)
+    app.add_middleware(HostGuard, hosts=config.host_names, origins=config.cors_origins)
     app.add_middleware(MetricsMiddleware, metrics=state.metrics,
                        static_paths=[p for p in (app.docs_url, app.redoc_url, app.openapi_url) if p])
 
@@ -298,8 +296,9 @@ def create_app(models: Mapping[str, Any], config: ServerConfig | None = None) ->
 
 
 def _install_error_handlers(app: FastAPI) -> None:
-    names = {400: "api_usage_error", 401: "authentication_error", 404: "not_found", 405: "method_not_allowed",
-             413: "request_too_large", 415: "unsupported_media_type"}
+    names = {400: "api_usage_error", 401: "authentication_error", 403: "forbidden", 404: "not_found",
+             405: "method_not_allowed", 408: "request_timeout", 413: "request_too_large",
+             415: "unsupported_media_type"}
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:

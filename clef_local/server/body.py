@@ -3,8 +3,11 @@
 Size is bounded twice: the raw body (``max_bytes``, 413 before anything is decoded) and the decompressed body
 (the same limit, enforced while decompressing, so a small zstd bomb cannot expand past it). JSON that Python
 would accept but the rest of the pipeline could not handle is refused here, at the door: ``NaN``/``Infinity``,
-nesting deeper than :data:`MAX_DEPTH`, and lone UTF-16 surrogates (``"\\ud800"``), which the tokenizer cannot
-encode. What is refused here never reaches the inference thread.
+nesting deeper than :data:`MAX_DEPTH`, lone UTF-16 surrogates (``"\\ud800"``), which the tokenizer cannot
+encode, and duplicate keys (``{"q": 1, "q": 2}``), which parsers resolve differently (Python keeps the last,
+others the first), so that two readers of one body could see two requests. What is refused here never reaches
+the inference thread. The body must be declared ``application/json`` (:func:`check_content_type`): a web page can
+send ``text/plain`` or form bodies to a local server without the browser asking first, never JSON.
 """
 
 from __future__ import annotations
@@ -42,6 +45,46 @@ class UnsupportedEncodingError(ClefError):
     error_type = "unsupported_media_type"
 
 
+class UnsupportedMediaTypeError(ClefError):
+    """A body that is not declared ``application/json`` (HTTP 415)."""
+
+    status_code = 415
+    error_type = "unsupported_media_type"
+
+
+class _DuplicateKeyError(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def check_content_type(value: str | None) -> None:
+    """Accept ``application/json`` (any case, with parameters; a ``charset`` must be UTF-8), refuse the rest (415).
+
+    Browsers send ``text/plain``, form and multipart bodies cross-origin without a CORS preflight, so accepting
+    them as JSON would let any web page drive a local server; ``application/json`` needs the server's consent.
+    """
+    media, _, params = (value or "").partition(";")
+    media = media.strip().lower()
+    if media == "application/json":
+        for param in params.split(";"):
+            name, _, setting = param.partition("=")
+            charset = setting.strip().strip('"').lower()
+            if name.strip().lower() == "charset" and charset not in ("utf-8", "utf8"):
+                raise UnsupportedMediaTypeError(f"Content-Type charset {charset[:40]!r} is not supported; JSON bodies "
+                                                "are UTF-8: send Content-Type: application/json")
+        return
+    if not media:
+        raise UnsupportedMediaTypeError("the request has no Content-Type; send the JSON body with "
+                                        "Content-Type: application/json")
+    if media.startswith("multipart/"):
+        raise UnsupportedMediaTypeError("multipart bodies (images and other assets) are not supported by clef-local "
+                                        "yet; send a JSON body with a text or JSON state, Content-Type: "
+                                        "application/json")
+    raise UnsupportedMediaTypeError(f"Content-Type {media[:60]!r} is not supported; send a JSON body with "
+                                    "Content-Type: application/json")
+
+
 def _zstd_module() -> Any:
     try:
         from compression import zstd  # Python 3.14+
@@ -75,22 +118,28 @@ def _zstd(data: bytes, limit: int) -> bytes:
 
 
 def _zlib(data: bytes, limit: int, wbits: int, name: str) -> bytes:
-    decoder = zlib.decompressobj(wbits)
+    """A zlib stream (``deflate``) or every member of a gzip body, a chunk at a time, never making more than
+    ``limit`` bytes; bytes after the end of a deflate stream, or a gzip member that does not decode, are refused."""
     out = bytearray()
+    pending = data
     try:
-        pending = data
         while pending:
-            out += decoder.decompress(pending, _CHUNK)
-            if len(out) > limit:
-                raise BodyTooLargeError(f"the {name} body decompresses to more than {limit} bytes")
-            pending = decoder.unconsumed_tail
-            if decoder.eof:
-                break
-        out += decoder.flush()
+            decoder = zlib.decompressobj(wbits)
+            while pending:
+                out += decoder.decompress(pending, _CHUNK)
+                if len(out) > limit:
+                    raise BodyTooLargeError(f"the {name} body decompresses to more than {limit} bytes")
+                pending = decoder.unconsumed_tail
+                if decoder.eof:
+                    break
+            out += decoder.flush()
+            if not decoder.eof:
+                raise BadEncodingError(f"the {name} body is truncated")
+            pending = decoder.unused_data
+            if pending and name != "gzip":
+                raise BadEncodingError(f"the {name} body has {len(pending)} bytes after its end")
     except zlib.error as exc:
         raise BadEncodingError(f"the body is not valid {name}: {exc}") from None
-    if not decoder.eof:
-        raise BadEncodingError(f"the {name} body is truncated")
     if len(out) > limit:
         raise BodyTooLargeError(f"the {name} body decompresses to more than {limit} bytes")
     return bytes(out)
@@ -120,6 +169,18 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object's members as a dict; a key given twice raises (``object_pairs_hook``)."""
+    value = dict(pairs)
+    if len(value) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _DuplicateKeyError(key)
+            seen.add(key)
+    return value
+
+
 def parse_json(data: bytes) -> Any:
     """Parse a JSON body; anything unusable raises :class:`RequestValidationError` (HTTP 422)."""
     try:
@@ -130,7 +191,11 @@ def parse_json(data: bytes) -> Any:
     if not text.strip():
         raise _invalid("the request body is empty; send a JSON object with model, state and questions", "missing")
     try:
-        value = json.loads(text, parse_constant=_reject_constant)
+        value = json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_unique_object)
+    except _DuplicateKeyError as exc:
+        key = exc.key if len(exc.key) <= 60 else exc.key[:59] + "…"
+        raise _invalid(f"the key {key!r} appears twice in one JSON object; send each key once", "json_duplicate_key"
+                       ) from None
     except json.JSONDecodeError as exc:
         raise _invalid(f"JSON decode error: {exc.msg} (line {exc.lineno}, column {exc.colno})", "json_invalid",
                        [exc.pos]) from None

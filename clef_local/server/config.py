@@ -10,12 +10,18 @@ from pathlib import Path
 from typing import Any, Literal
 
 from clef_local.errors import ApiUsageError
+from clef_local.server.guard import allowed_host_names, check_origin_value, split_authority
 
 # The names Jev clients send without being told otherwise: the official SDKs default to "jev-latest", and
 # "jev-preview" is the other documented alias. Both answer with the first --model (the default model).
 JEV_ALIASES: tuple[str, ...] = ("jev-latest", "jev-preview")
 DEFAULT_NAME = "clef-local"
 MAX_BODY_BYTES = 13 * 1024 * 1024  # the hosted API's limit; larger bodies get 413
+# A client on this machine sends its headers in milliseconds and 13 MiB in well under a second; these bound how
+# long a slow (or hostile) client can hold a connection, and how many it can hold.
+HEADER_TIMEOUT_S = 10.0
+BODY_TIMEOUT_S = 30.0
+MAX_CONNECTIONS = 128
 
 
 @dataclass(frozen=True)
@@ -32,6 +38,11 @@ class ServerConfig:
     max_body_bytes: int = MAX_BODY_BYTES
     aliases: tuple[str, ...] = JEV_ALIASES
     graceful_timeout_s: float = 30.0
+    allowed_hosts: tuple[str, ...] = ()  # Host names accepted besides localhost, 127.0.0.1, [::1] and `host`
+    cors_origins: tuple[str, ...] = ()  # web page origins allowed to call the API (CORS); none by default
+    header_timeout_s: float = HEADER_TIMEOUT_S
+    body_timeout_s: float = BODY_TIMEOUT_S
+    max_connections: int = MAX_CONNECTIONS
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -44,6 +55,25 @@ class ServerConfig:
             raise ApiUsageError(f"--confidence must be jev or reference, got {self.confidence!r}")
         if self.api_key is not None and (not self.api_key or not self.api_key.isascii() or " " in self.api_key):
             raise ApiUsageError("--api-key must be non-empty printable ASCII without spaces")
+        for flag, seconds in (("--header-timeout", self.header_timeout_s), ("--body-timeout", self.body_timeout_s)):
+            if not seconds > 0:
+                raise ApiUsageError(f"{flag} must be a positive number of seconds, got {seconds}")
+        if self.max_connections < 1:
+            raise ApiUsageError(f"--max-connections must be at least 1, got {self.max_connections}")
+        for name in self.allowed_hosts:
+            parsed = split_authority(name)
+            if parsed is None or parsed[1] is not None:
+                raise ApiUsageError(f"--allowed-host {name[:100]!r}: expected a host name or address without a port "
+                                    "(any port is accepted), such as my-box.local or 192.168.1.4")
+        try:
+            object.__setattr__(self, "cors_origins", tuple(check_origin_value(o) for o in self.cors_origins))
+        except ValueError as exc:
+            raise ApiUsageError(str(exc)) from None
+
+    @property
+    def host_names(self) -> frozenset[str]:
+        """The ``Host`` names this server answers (:mod:`clef_local.server.guard`)."""
+        return allowed_host_names(self.host, self.allowed_hosts)
 
 
 def parse_model_specs(specs: Sequence[str]) -> dict[str, Path]:

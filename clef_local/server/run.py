@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import sys
 import threading
@@ -11,9 +12,47 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from clef_local.server.config import DEFAULT_NAME, ServerConfig, bind_warning, parse_model_specs
+from clef_local.errors import ApiUsageError
+from clef_local.server.config import (
+    BODY_TIMEOUT_S,
+    DEFAULT_NAME,
+    HEADER_TIMEOUT_S,
+    MAX_CONNECTIONS,
+    ServerConfig,
+    bind_warning,
+    parse_model_specs,
+)
 
 log = logging.getLogger(__name__)
+# What the serve extra installs (pyproject.toml), by import name.
+SERVE_MODULES = ("fastapi", "uvicorn", *(("backports.zstd",) if sys.version_info < (3, 14) else ()))
+
+
+def require_serve_extra() -> None:
+    """Fail at once, before any model loads, when the ``serve`` extra is not installed (one line, exit status 2)."""
+    missing = [name for name in SERVE_MODULES if _missing(name)]
+    if missing:
+        raise ApiUsageError(f"clef-local serve needs {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'}"
+                            " not installed: pip install 'clef-local[serve]'")
+
+
+def _missing(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is None
+    except ModuleNotFoundError:  # the parent package of a dotted name (backports) is missing
+        return True
+
+
+def uvicorn_options(config: ServerConfig) -> dict[str, Any]:
+    """The uvicorn settings every clef-local server runs with (``serve`` and :class:`ThreadedServer`).
+
+    The h11 protocol with read deadlines and a connection cap (:mod:`clef_local.server.connections`), no
+    WebSocket support (no route needs it), no ``server`` header, and the graceful shutdown timeout.
+    """
+    from clef_local.server.connections import guarded_protocol
+
+    return {"http": guarded_protocol(config.header_timeout_s, config.body_timeout_s, config.max_connections),
+            "ws": "none", "server_header": False, "timeout_graceful_shutdown": int(config.graceful_timeout_s)}
 
 
 def load_models(specs: Mapping[str, Path], *, dtype: str | None = None, device: str | None = None,
@@ -33,15 +72,22 @@ def load_models(specs: Mapping[str, Path], *, dtype: str | None = None, device: 
 
 def serve(model_specs: Sequence[str] = (), *, host: str = "127.0.0.1", port: int = 8077, api_key: str | None = None,
           max_batch: int = 8, max_wait_ms: float = 5.0, max_queue: int = 64, confidence: str = "jev",
-          dtype: str | None = None, device: str | None = None, log_level: str = "info") -> int:
+          dtype: str | None = None, device: str | None = None, log_level: str = "info",
+          allowed_hosts: Sequence[str] = (), cors_origins: Sequence[str] = (),
+          header_timeout: float = HEADER_TIMEOUT_S, body_timeout: float = BODY_TIMEOUT_S,
+          max_connections: int = MAX_CONNECTIONS) -> int:
     """Load the models and serve them until interrupted (SIGINT/SIGTERM finish in-flight requests first).
 
     ``model_specs`` are ``NAME=DIR`` strings; none means the default model, served as ``clef-local``.
     """
+    require_serve_extra()
     import uvicorn
 
     config = ServerConfig(host=host, port=port, api_key=api_key, max_batch=max_batch, max_wait_ms=max_wait_ms,
-                          max_queue=max_queue, confidence=confidence)  # type: ignore[arg-type]
+                          max_queue=max_queue, confidence=confidence,  # type: ignore[arg-type]
+                          allowed_hosts=tuple(allowed_hosts), cors_origins=tuple(cors_origins),
+                          header_timeout_s=header_timeout, body_timeout_s=body_timeout,
+                          max_connections=max_connections)
     if model_specs:
         specs = parse_model_specs(model_specs)
     else:
@@ -55,8 +101,7 @@ def serve(model_specs: Sequence[str] = (), *, host: str = "127.0.0.1", port: int
     from clef_local.server.app import create_app
 
     app = create_app(models, config)
-    uvicorn.run(app, host=host, port=port, log_level=log_level,
-                timeout_graceful_shutdown=int(config.graceful_timeout_s), server_header=False)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, **uvicorn_options(config))
     return 0
 
 
@@ -76,10 +121,23 @@ def main(argv: list[str] | None = None) -> int:
                         help="how long a batch waits for more requests after its first (default 5)")
     parser.add_argument("--max-queue", type=int, default=64,
                         help="most requests waiting; beyond it the server answers 429 with Retry-After")
+    parser.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                        help="also answer requests whose Host is NAME (repeatable; localhost, 127.0.0.1, [::1] and "
+                             "the --host address always are); any other Host gets 400")
+    parser.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                        help="let web pages from ORIGIN (e.g. http://localhost:3000) call the API (repeatable; "
+                             "default: no web page may, and no CORS headers are sent)")
+    parser.add_argument("--header-timeout", type=float, default=HEADER_TIMEOUT_S, metavar="S",
+                        help=f"seconds a client has to send a request's headers (default {HEADER_TIMEOUT_S:g})")
+    parser.add_argument("--body-timeout", type=float, default=BODY_TIMEOUT_S, metavar="S",
+                        help=f"seconds a client has to send a request's body (default {BODY_TIMEOUT_S:g})")
+    parser.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS, metavar="N",
+                        help=f"open connections at most; more get 503 (default {MAX_CONNECTIONS})")
     add_confidence_flag(parser)
     add_runtime_flags(parser, backend=False)
     add_network_flag(parser)
     args = parser.parse_args(argv)
+    require_serve_extra()  # before the models load: a missing extra is a one-line error, not minutes later
 
     from clef_local.airgap import airgap
 
@@ -88,7 +146,10 @@ def main(argv: list[str] | None = None) -> int:
                      max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, max_queue=args.max_queue,
                      confidence=args.confidence, dtype=args.dtype,
                      device=None if args.device == "auto" else args.device,
-                     log_level="debug" if logging.getLogger().getEffectiveLevel() <= logging.DEBUG else "info")
+                     log_level="debug" if logging.getLogger().getEffectiveLevel() <= logging.DEBUG else "info",
+                     allowed_hosts=args.allowed_host, cors_origins=args.cors_origin,
+                     header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+                     max_connections=args.max_connections)
 
 
 class ThreadedServer:
@@ -101,8 +162,9 @@ class ThreadedServer:
     def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, *, graceful_timeout_s: int = 30) -> None:
         import uvicorn
 
-        self.config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
-                                     timeout_graceful_shutdown=graceful_timeout_s, server_header=False)
+        options = uvicorn_options(app.state.clef.config)  # the deadlines and connection cap of the app's config
+        options["timeout_graceful_shutdown"] = graceful_timeout_s
+        self.config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on", **options)
         self.server = uvicorn.Server(self.config)
         self.thread = threading.Thread(target=self.server.run, name="clef-uvicorn", daemon=True)
         self.host = host

@@ -1,35 +1,81 @@
-"""Air-gapped runs: no hub access and no connection to anything but this machine (README.md, issue 6).
+"""Air-gapped runs: no hub access and no traffic to anything but this machine (README.md, docs/quality.md).
 
-``with airgap():`` sets ``HF_HUB_OFFLINE=1``, ``TRANSFORMERS_OFFLINE=1`` and ``HF_DATASETS_OFFLINE=1`` and patches
-``socket.socket.connect``/``connect_ex``, ``socket.create_connection`` and ``socket.getaddrinfo`` (name lookups
-other than ``localhost``) so that any attempt to reach a non-loopback address raises
-:class:`~clef_local.errors.NetworkBlockedError` naming the target, *before* a packet leaves. Loopback
-(127.0.0.0/8, ::1, ``localhost``), Unix sockets and the unspecified address (0.0.0.0, ::, used to bind a server)
-stay allowed, so ``clef-local serve`` keeps listening and loopback
-clients keep working. ``airgap(enabled=False)`` changes nothing and reports ``network: on``.
+Two layers, the stronger one where the OS allows it:
+
+**The guard** (``with airgap():``, every command that loads a model). It sets ``HF_HUB_OFFLINE=1``,
+``TRANSFORMERS_OFFLINE=1``, ``HF_DATASETS_OFFLINE=1`` and ``HF_HUB_DISABLE_TELEMETRY=1`` in ``os.environ`` (child
+processes inherit them) and turns on an audit hook (:func:`sys.addaudithook`). CPython raises its ``socket.*``
+audit events inside the C functions themselves, so the hook sees ``_socket`` calls, ``asyncio`` and every library
+built on Python's socket module, before the system call:
+
+- ``socket.connect`` (``connect``, ``connect_ex``), ``socket.sendto``, ``socket.sendmsg`` (TCP, UDP, any
+  family): allowed to loopback (127.0.0.0/8, ::1, ``localhost``), the unspecified address and the machine-local
+  families (Unix sockets, netlink); anything else raises :class:`~clef_local.errors.NetworkBlockedError` naming
+  the target, before a packet is built;
+- ``socket.__new__``: raw IP sockets and packet sockets (which address interfaces directly) are refused;
+- ``socket.getaddrinfo``: numeric addresses (no lookup happens) and loopback names only; it is the one door for
+  names, the one every client library uses, so loopback clients keep working;
+- ``socket.gethostbyname`` (and ``gethostbyname_ex``): numeric addresses only, ``localhost`` included in the
+  refusal, since nothing here needs these IPv4-only lookups and any name the hosts file lacks is a DNS query;
+- ``socket.gethostbyaddr`` and ``socket.getnameinfo``: refused (a reverse lookup is a resolver query; the hook
+  cannot see ``getnameinfo``'s flags). ``socket.getfqdn``, their one stdlib caller (``http.server``), falls back
+  to the name it was given.
+
+``bind``/``listen``/``accept`` stay allowed, so ``clef-local serve`` listens (on any address it is told) and
+answers. A hook cannot be removed: it is installed on the first ``airgap()`` and, while no guard is active,
+returns after reading one module global. What the guard cannot see: code that bypasses Python's socket module (C
+extensions with their own sockets such as ``uvloop`` or libcurl, ``ctypes`` calls into libc), child processes
+(they get the offline environment, not the hook), and connections opened before the guard came up.
+
+**The namespace** (:func:`isolate_process`, Linux). ``clef-local decide``, ``eval``, ``drift`` and ``calibrate``
+move their own process, before anything else runs, into a fresh network namespace (``unshare(CLONE_NEWNET)``; an
+unprivileged user gets a user namespace with it, mapped to the same uid and gid, as ``unshare -rn`` does) whose
+only interface is loopback: there is no route off the machine for anything, C code and children included. The
+guard still runs inside. ``serve`` and ``ui`` cannot do this: their clients are outside the namespace. Where the
+kernel refuses (containers without user namespaces, AppArmor's ``restrict_unprivileged_userns``) the run keeps
+the guard alone and says so: reports and outputs carry ``network: off (namespace)``, ``off (guard)`` or ``on``
+(:func:`network_state`), and ``clef-local doctor`` reports whether the namespace is available here
+(:func:`namespace_support`). ``--allow-network`` turns both off.
 """
 
 from __future__ import annotations
 
+import errno
 import ipaddress
+import json
 import logging
 import os
 import socket
+import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NoReturn
 
 from clef_local.errors import NetworkBlockedError
 
 log = logging.getLogger(__name__)
 
-OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+               "HF_HUB_DISABLE_TELEMETRY": "1"}
+NAMESPACE_COMMANDS = frozenset({"decide", "eval", "drift", "calibrate"})
+ALLOW_FLAG = "--allow-network"
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWNET = 0x40000000
+_SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
 _LOCAL_NAMES = {"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback", ""}
+_INET = frozenset({socket.AF_INET, socket.AF_INET6})
+# families whose peers are on this machine by construction: Unix sockets, and netlink (the kernel itself)
+_LOCAL_FAMILIES = frozenset(f for f in (getattr(socket, "AF_UNIX", None), getattr(socket, "AF_NETLINK", None))
+                            if f is not None)
+_PACKET = getattr(socket, "AF_PACKET", None)
 _lock = threading.Lock()
 _depth = 0
-_saved: dict[str, Any] = {}
+_active = False  # read by the audit hook on every audited event of the process: keep it a plain global
+_hook_installed = False
+_namespace: str | None = None  # what isolate_process entered ("network namespace", ...), None if nothing
+_namespace_refusal: str | None = None  # why isolate_process could not enter one
 
 
 def is_local_host(host: Any) -> bool:
@@ -45,6 +91,8 @@ def is_local_host(host: Any) -> bool:
         address = ipaddress.ip_address(host)
     except ValueError:
         return False  # a name other than localhost: resolving it would already leave the machine
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped  # ::ffff:127.0.0.1 is loopback, ::ffff:192.0.2.1 is not
     return address.is_loopback or address.is_unspecified
 
 
@@ -56,60 +104,81 @@ def _is_numeric(host: Any) -> bool:
     return True
 
 
+def _refuse(what: str) -> NoReturn:
+    raise NetworkBlockedError(f"network access is off: refused {what} (clef-local runs air-gapped; pass "
+                              f"{ALLOW_FLAG} to permit it)")
+
+
 def _target(address: Any) -> tuple[Any, Any]:
     if isinstance(address, tuple) and address:
         return address[0], address[1] if len(address) > 1 else None
     return address, None
 
 
-def _check(family: int, address: Any) -> None:
-    if family == getattr(socket, "AF_UNIX", None) or isinstance(address, str | bytes):
+def _check_peer(sock: Any, address: Any, what: str) -> None:
+    family = getattr(sock, "family", None)
+    if family in _LOCAL_FAMILIES:
         return
-    host, port = _target(address)
-    if not is_local_host(host):
-        raise NetworkBlockedError(f"network access is off: refused a connection to {host}:{port} (clef-local runs "
-                                  "air-gapped; pass --allow-network to permit it)")
+    if family in _INET:
+        host, port = _target(address)
+        if not is_local_host(host):
+            _refuse(f"{what} {host}:{port}")
+        return
+    _refuse(f"{what} {address!r} (address family {family}: only loopback, Unix and netlink sockets are allowed)")
 
 
-def _install() -> None:
-    original_connect = socket.socket.connect
-    original_connect_ex = socket.socket.connect_ex
-    original_create = socket.create_connection
-    original_getaddrinfo = socket.getaddrinfo
-    _saved.update(connect=original_connect, connect_ex=original_connect_ex, create_connection=original_create,
-                  getaddrinfo=original_getaddrinfo)
-
-    def connect(self: socket.socket, address: Any) -> None:
-        _check(self.family, address)
-        return original_connect(self, address)
-
-    def connect_ex(self: socket.socket, address: Any) -> int:
-        _check(self.family, address)
-        return original_connect_ex(self, address)
-
-    def create_connection(address: Any, *args: Any, **kwargs: Any) -> socket.socket:
-        _check(socket.AF_INET, address)
-        return original_create(address, *args, **kwargs)
-
-    def getaddrinfo(host: Any, port: Any, *args: Any, **kwargs: Any) -> Any:
-        # numeric addresses resolve without leaving the machine (a server binding its LAN address needs that);
-        # connecting to them is what connect/create_connection refuse
-        if not is_local_host(host) and not _is_numeric(host):
-            raise NetworkBlockedError(f"network access is off: refused to resolve {host}:{port} (clef-local runs "
-                                      "air-gapped; pass --allow-network to permit it)")
-        return original_getaddrinfo(host, port, *args, **kwargs)
-
-    socket.socket.connect = connect  # type: ignore[method-assign,assignment]
-    socket.socket.connect_ex = connect_ex  # type: ignore[method-assign,assignment]
-    socket.create_connection = create_connection
-    socket.getaddrinfo = getaddrinfo
+def _on_connect(args: tuple[Any, ...]) -> None:
+    _check_peer(args[0], args[1], "a connection to")
 
 
-def _uninstall() -> None:
-    socket.socket.connect = _saved.pop("connect")  # type: ignore[method-assign]
-    socket.socket.connect_ex = _saved.pop("connect_ex")  # type: ignore[method-assign]
-    socket.create_connection = _saved.pop("create_connection")
-    socket.getaddrinfo = _saved.pop("getaddrinfo")
+def _on_send(args: tuple[Any, ...]) -> None:
+    if args[1] is not None:  # sendmsg without an address: a connected socket, checked when it connected
+        _check_peer(args[0], args[1], "sending to")
+
+
+def _on_new(args: tuple[Any, ...]) -> None:
+    family, kind = args[1], args[2]
+    if family == _PACKET or (family in _INET and kind != -1 and kind & 0xF == socket.SOCK_RAW):
+        _refuse(f"a raw socket (family {family}, type {kind}): it can send to any address")
+
+
+def _on_getaddrinfo(args: tuple[Any, ...]) -> None:
+    # numeric addresses resolve without leaving the machine (a server binding its LAN address needs that);
+    # connecting to them is what the connect check refuses
+    host, port = args[0], args[1]
+    if not is_local_host(host) and not _is_numeric(host):
+        _refuse(f"to resolve {host}:{port}")
+
+
+def _on_gethostbyname(args: tuple[Any, ...]) -> None:
+    if not _is_numeric(args[0]):
+        _refuse(f"to resolve {args[0]} with gethostbyname (only getaddrinfo resolves, loopback names only)")
+
+
+def _on_reverse(args: tuple[Any, ...]) -> None:
+    _refuse(f"a reverse lookup of {args[0]!r}")
+
+
+_HANDLERS: dict[str, Callable[[tuple[Any, ...]], None]] = {
+    "socket.connect": _on_connect, "socket.sendto": _on_send, "socket.sendmsg": _on_send,
+    "socket.__new__": _on_new, "socket.getaddrinfo": _on_getaddrinfo, "socket.gethostbyname": _on_gethostbyname,
+    "socket.gethostbyaddr": _on_reverse, "socket.getnameinfo": _on_reverse,
+}
+
+
+def _audit(event: str, args: tuple[Any, ...]) -> None:
+    if not _active:  # the hook lives as long as the process; off, it costs this test and nothing more
+        return
+    handler = _HANDLERS.get(event)
+    if handler is not None:
+        handler(args)
+
+
+def _install_hook() -> None:
+    global _hook_installed
+    if not _hook_installed:
+        sys.addaudithook(_audit)
+        _hook_installed = True
 
 
 def _set_hub_constants(value: bool | None) -> bool | None:
@@ -124,19 +193,24 @@ def _set_hub_constants(value: bool | None) -> bool | None:
 
 
 def network_state() -> str:
-    """``"off"`` inside an active :func:`airgap`, else ``"on"``."""
-    return "off" if _depth > 0 else "on"
+    """``"off (namespace)"`` inside an active :func:`airgap` in a process that :func:`isolate_process` moved into
+    its own network namespace, ``"off (guard)"`` inside an active :func:`airgap` otherwise, else ``"on"``."""
+    if _depth == 0:
+        return "on"
+    return "off (namespace)" if _namespace else "off (guard)"
 
 
 @contextmanager
 def airgap(enabled: bool = True) -> Iterator[str]:
-    """Run the body with the network off (``enabled``); yields the state string ``"off"`` or ``"on"``.
+    """Run the body with the network off (``enabled``); yields :func:`network_state` (``"off (guard)"``,
+    ``"off (namespace)"`` or ``"on"``), the value reports print as ``network:``.
 
-    Nested uses share one guard; the environment, the socket functions and the hub constant are restored on exit.
+    Nested uses share one guard; the environment and the hub constant are restored on exit, and the hook goes
+    back to doing nothing.
     """
-    global _depth
+    global _depth, _active
     if not enabled:
-        log.info("network: on (--allow-network)")
+        log.info("network: on (%s)", ALLOW_FLAG)
         yield network_state()
         return
     with _lock:
@@ -146,18 +220,144 @@ def airgap(enabled: bool = True) -> Iterator[str]:
             env_before = {k: os.environ.get(k) for k in OFFLINE_ENV}
             os.environ.update(OFFLINE_ENV)
             hub_before = _set_hub_constants(True)
-            _install()
-            log.info("network: off (loopback only; pass --allow-network to permit other addresses)")
+            _install_hook()
+            _active = True
+            log.info("network: %s (loopback only; pass %s to permit other addresses)", network_state(), ALLOW_FLAG)
     try:
-        yield "off"
+        yield network_state()
     finally:
         with _lock:
             _depth -= 1
             if first:
-                _uninstall()
+                _active = False
                 _set_hub_constants(hub_before)
                 for key, value in env_before.items():
                     if value is None:
                         os.environ.pop(key, None)
                     else:
                         os.environ[key] = value
+
+
+# ---------------------------------------------------------------------------------------------- the namespace
+def wants_network(args: Sequence[str]) -> bool:
+    """Whether a command line asks for ``--allow-network``. argparse also accepts any unambiguous prefix down to
+    ``--a``, so every such prefix counts (an ambiguous one makes argparse fail the command anyway)."""
+    for arg in args:
+        if arg == "--":
+            return False
+        if len(arg) > 2 and arg.startswith("--") and ALLOW_FLAG.startswith(arg):
+            return True
+    return False
+
+
+def _loopback_up() -> None:
+    import fcntl
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        request = struct.pack("16sh22x", b"lo", 0)  # struct ifreq: name, flags, the rest of the union
+        flags = struct.unpack("16sh", fcntl.ioctl(sock, _SIOCGIFFLAGS, request)[:18])[1]
+        fcntl.ioctl(sock, _SIOCSIFFLAGS, struct.pack("16sh22x", b"lo", flags | _IFF_UP))
+
+
+def _map_ids(uid: int, gid: int) -> None:
+    # the same ids inside as outside: files keep their owner, tools see the same user (unshare -r maps to root)
+    for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+        with open(f"/proc/self/{name}", "w", encoding="ascii") as file:
+            file.write(text)
+
+
+def enter_network_namespace() -> str:
+    """Move this process into a new network namespace whose only interface is loopback (brought up); returns what
+    it entered (``"network namespace"`` or ``"user + network namespace"``).
+
+    Linux only, and only while the process runs a single thread (a user namespace requires it, and a namespace
+    entered by one thread of many would not hold the others). Raises :class:`OSError` saying why when the kernel
+    refuses; nothing has changed then. There is no way back: call it at the start of a process of its own.
+    """
+    if not sys.platform.startswith("linux"):
+        raise OSError(errno.ENOSYS, f"network namespaces are a Linux feature (this is {sys.platform})")
+    threads = len(os.listdir("/proc/self/task"))
+    if threads != 1:
+        raise OSError(errno.EINVAL, f"the process already runs {threads} threads; a namespace must be entered "
+                                    "before any thread starts")
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    uid, gid = os.geteuid(), os.getegid()
+    kind = "network namespace"
+    if libc.unshare(CLONE_NEWNET) != 0:  # needs CAP_SYS_ADMIN; an ordinary user takes a user namespace with it
+        code = ctypes.get_errno()
+        if code != errno.EPERM:
+            raise OSError(code, f"unshare(CLONE_NEWNET) was refused: {os.strerror(code)}")
+        if libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) != 0:
+            code = ctypes.get_errno()
+            raise OSError(code, f"unshare(CLONE_NEWUSER | CLONE_NEWNET) was refused: {os.strerror(code)}")
+        kind = "user + network namespace"
+        try:
+            _map_ids(uid, gid)
+        except OSError as exc:  # isolated all the same; only the ids look different inside
+            log.warning("in a new user namespace but could not map uid %d / gid %d into it (%s): the process sees "
+                        "itself as the overflow user", uid, gid, exc)
+    try:
+        _loopback_up()
+    except OSError as exc:  # still no route off the machine; only loopback connections fail
+        log.warning("in a new %s but could not bring its loopback interface up (%s): loopback connections "
+                    "will fail in this run", kind, exc)
+        kind += " (loopback down)"
+    return kind
+
+
+def isolate_process(command: str | None, args: Sequence[str]) -> str | None:
+    """For ``clef-local COMMAND ARGS`` run as its own process: enter a fresh network namespace when the command is
+    one of :data:`NAMESPACE_COMMANDS` and ``--allow-network`` is absent. Returns what was entered, or None (not such
+    a command, or the kernel refused: then the reason is logged, the guard alone keeps the run offline and
+    :func:`network_state` says ``off (guard)``). Never call it in a process that must keep its network: tests,
+    servers, notebooks."""
+    global _namespace, _namespace_refusal
+    if command not in NAMESPACE_COMMANDS or wants_network(args) or _namespace:
+        return _namespace
+    try:
+        _namespace = enter_network_namespace()
+    except OSError as exc:
+        _namespace_refusal = str(exc)
+        log.info("no network namespace for this run (%s): the in-process guard keeps it offline", exc)
+        return None
+    log.info("network: this process runs in its own %s, loopback only", _namespace)
+    return _namespace
+
+
+_PROBE = """
+import json, socket, sys
+from clef_local.airgap import enter_network_namespace
+try:
+    kind = enter_network_namespace()
+except OSError as exc:
+    print(json.dumps({"available": False, "why_not": str(exc)}))
+    sys.exit(0)
+names = [name for _, name in socket.if_nameindex()]
+print(json.dumps({"available": names == ["lo"], "kind": kind, "interfaces": names,
+                  "why_not": None if names == ["lo"] else f"interfaces left inside: {names}"}))
+"""
+
+
+def namespace_support(timeout: float = 20.0) -> dict[str, Any]:
+    """Whether this machine lets a clef-local process enter its own network namespace: tried for real in a child
+    process (the parent is not touched). ``{"available": bool, "kind": ..., "interfaces": [...], "why_not": str}``."""
+    if not sys.platform.startswith("linux"):
+        return {"available": False, "why_not": f"network namespaces are a Linux feature (this is {sys.platform})"}
+    try:
+        done = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=timeout,
+                              check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return {"available": False, "why_not": f"the probe did not run: {exc}"}
+    try:
+        return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+    except (ValueError, IndexError):
+        return {"available": False, "why_not": f"the probe failed (exit {done.returncode}): "
+                                               f"{done.stderr.strip()[-300:]}"}
+
+
+def namespace_refusal() -> str | None:
+    """Why :func:`isolate_process` could not enter a namespace in this process (None: it did, or never tried)."""
+    return _namespace_refusal

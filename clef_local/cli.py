@@ -67,12 +67,17 @@ def split_global_flags(argv: list[str]) -> tuple[int, str | None, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    own_process = argv is None  # the console script or `python -m`: a process of its own, not a caller's
     argv = sys.argv[1:] if argv is None else argv
     level, command, rest = split_global_flags(argv)
     if command not in COMMANDS:
         build_parser().parse_args(argv or ["--help"])  # prints help / the unknown-command error and exits
         return 2
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    if own_process:  # before the command's imports start threads: decide/eval/drift/calibrate lose the network
+        from clef_local.airgap import isolate_process
+
+        isolate_process(command, rest)
     module_name, function, _ = COMMANDS[command]
     from clef_local.errors import ClefError
 

@@ -191,7 +191,7 @@ def test_drift_cli_gates_and_outputs(tiny_llama: Path, tempered: Path, tmp_path:
     out = capsys.readouterr().out
     assert "network: off" in out and "gates passed" in out
     bundle = json.loads((tmp_path / "r.json").read_text())
-    assert bundle["network"] == "off" and bundle["drift"][0]["summary"]["flips"] == 0
+    assert bundle["network"] == "off (guard)" and bundle["drift"][0]["summary"]["flips"] == 0
     assert bundle["drift"][0]["meta"]["head"] == "same as the reference's"  # a temperature is not a new head
     assert "| llama-t3 |" in (tmp_path / "r.md").read_text()
     assert main([*base, "--gate", "kl_mean<=0"]) == 1

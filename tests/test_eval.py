@@ -73,7 +73,7 @@ def test_eval_cli_outputs(tiny_llama: Path, tmp_path: Path, capsys):
     preds = [json.loads(x) for x in (tmp_path / "p.jsonl").read_text().splitlines()]
     assert [p["id"] for p in preds] == ["a", "b"] and preds[0]["response"]["answers"]["c"]["type"] == "choice"
     metrics = json.loads((tmp_path / "m.json").read_text())
-    assert metrics["requests"] == 2 and metrics["meta"]["network"] == "off"
+    assert metrics["requests"] == 2 and metrics["meta"]["network"] == "off (guard)"
     page = (tmp_path / "r.html").read_text()
     assert "network: off" in page and "data:image/png;base64," in page
 

@@ -10,6 +10,10 @@ Execution providers: ``device="cpu"`` → ``CPUExecutionProvider``; ``device="cu
 ``CUDAExecutionProvider`` (the ``onnxruntime-gpu`` wheel and a GPU), with ONNX Runtime's usual CPU placement of the
 few nodes CUDA has no kernel for. A provider that is not available is an :class:`OnnxProviderError` naming the
 available ones; there is no silent fallback to the CPU.
+
+Threads: a session runs :func:`clef_local.planning.hardware.thread_plan`'s intra-op threads (physical cores minus
+one, ``$CLEF_LOCAL_THREADS`` to override) and one inter-op thread (:func:`session_options`), like the server's torch
+forwards; ONNX Runtime's own default, one thread per physical core, oversubscribes a loaded machine the same way.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from clef_local.backends.numpy_head import NumpyHead
 from clef_local.errors import ClefError, ReleaseError
 from clef_local.formats.release import Release, read_json
 from clef_local.formats.safetensors import bf16_to_float32
+from clef_local.planning.hardware import ThreadPlan, thread_plan
 from clef_local.runtime.layout import pad_batch
 
 if TYPE_CHECKING:
@@ -57,6 +62,21 @@ def providers_for(device: str, available: list[str]) -> list[Any]:
     return [wanted]
 
 
+def session_options(plan: ThreadPlan | None = None) -> Any:
+    """``onnxruntime.SessionOptions`` for an inference session: all graph optimizations, warnings off, sequential
+    execution with ``plan``'s threads (default :func:`~clef_local.planning.hardware.thread_plan` for one worker)."""
+    import onnxruntime as ort
+
+    plan = plan or thread_plan(workers=1)
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.log_severity_level = 3  # ORT's warnings about CPU placement of shape ops are noise here
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.intra_op_num_threads = plan.intra_op
+    options.inter_op_num_threads = plan.inter_op
+    return options
+
+
 def read_onnx_config(path: Path) -> dict[str, Any]:
     """``onnx/onnx_config.json`` of a release; a release without an export is a :class:`ReleaseError` with the fix."""
     file = path / ONNX_DIR / ONNX_CONFIG
@@ -85,9 +105,8 @@ class OnnxBackend:
         directory = release.path / ONNX_DIR
         self.device = "cpu" if device in ("auto", "") else device
         providers = providers_for(self.device, ort.get_available_providers())
-        options = ort.SessionOptions()
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        options.log_severity_level = 3  # ORT's warnings about CPU placement of shape ops are noise here
+        self.thread_plan = thread_plan(workers=1)
+        options = session_options(self.thread_plan)
         try:
             self.session = ort.InferenceSession(str(directory / self.config["model"]), options, providers=providers)
         except Exception as exc:  # ORT raises its own Fail/InvalidGraph/NoSuchFile classes
@@ -100,8 +119,8 @@ class OnnxBackend:
         self.embedding = np.load(directory / embedding["file"], mmap_mode="r")
         self.embedding_dtype = embedding["dtype"]
         self.head = NumpyHead.from_release(release)
-        log.info("onnx backend: %s (%s) on %s", directory / self.config["model"], self.format,
-                 ", ".join(self.session.get_providers()))
+        log.info("onnx backend: %s (%s) on %s; %s", directory / self.config["model"], self.format,
+                 ", ".join(self.session.get_providers()), self.thread_plan.describe())
 
     def hidden_states(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
         """``last_hidden_state`` ``[B, T, hidden]`` as float32."""
@@ -127,4 +146,5 @@ class OnnxBackend:
     def describe(self) -> dict[str, Any]:
         return {"backend": self.name, "device": self.device, "providers": self.session.get_providers(),
                 "onnx_format": self.format, "backbone_dtype": self.config.get("dtype"),
-                "matmul_nbits": self.config.get("matmul_nbits"), "head_dtype": "float32", "head_runtime": "numpy"}
+                "matmul_nbits": self.config.get("matmul_nbits"), "head_dtype": "float32", "head_runtime": "numpy",
+                "intra_op_threads": self.thread_plan.intra_op, "inter_op_threads": self.thread_plan.inter_op}

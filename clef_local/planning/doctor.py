@@ -1,4 +1,5 @@
-"""``clef-local doctor``: this machine's hardware and which backends are installed (and the extra that adds each).
+"""``clef-local doctor``: this machine's hardware, which backends are installed (and the extra that adds each), the
+inference threads clef-local will use, and how it keeps runs offline here (namespace or in-process guard).
 
     clef-local doctor
     clef-local doctor --json
@@ -95,10 +96,24 @@ def components(probe: bool = True) -> list[Component]:
     return out
 
 
+def network_isolation() -> dict[str, Any]:
+    """How ``decide``/``eval``/``drift``/``calibrate`` keep offline on this machine: their own network namespace when
+    the kernel allows it (tried for real in a child process), else the in-process guard alone; ``serve`` always uses
+    the guard alone (its clients are outside any namespace)."""
+    from clef_local.airgap import NAMESPACE_COMMANDS, namespace_support
+
+    support = namespace_support()
+    commands = sorted(NAMESPACE_COMMANDS)
+    mode = "off (namespace)" if support["available"] else "off (guard)"
+    return {"namespace": bool(support["available"]), "why_not": support.get("why_not"),
+            "kind": support.get("kind"), "commands": {**{c: mode for c in commands}, "serve": "off (guard)"}}
+
+
 def report(probe: bool = True) -> dict[str, Any]:
-    """Hardware, components, the backends the loader can use, and what ``auto`` would pick here."""
+    """Hardware, components, the backends the loader can use, what ``auto`` would pick here, the inference threads
+    (:func:`~clef_local.planning.hardware.thread_plan`) and the network isolation (:func:`network_isolation`)."""
     from clef_local.planning.choice import choose, installed_backends
-    from clef_local.planning.hardware import detect
+    from clef_local.planning.hardware import detect, thread_plan
 
     hardware = detect()
     backends = installed_backends()
@@ -111,7 +126,8 @@ def report(probe: bool = True) -> dict[str, Any]:
             auto[scheme] = {"error": str(exc)}
     return {"hardware": hardware.to_json(), "hardware_summary": hardware.summary(),
             "backends": {name: {"available": why is None, "why_not": why} for name, why in backends.items()},
-            "components": [asdict(c) | {"install": c.install} for c in components(probe)], "auto": auto}
+            "components": [asdict(c) | {"install": c.install} for c in components(probe)], "auto": auto,
+            "threads": thread_plan(workers=1).to_json(), "network": network_isolation()}
 
 
 def render(info: dict[str, Any]) -> str:
@@ -135,6 +151,17 @@ def render(info: dict[str, Any]) -> str:
         text = choice.get("error") or (f"{choice['backend']} on {choice['device']}, {choice['dtype']}, kernel "
                                        f"{choice['kernel']}")
         lines.append(f"  {scheme:<5} {text}")
+    lines += ["", "threads (the server's inference thread, ONNX Runtime sessions)", f"  {info['threads']['summary']}"]
+    net = info["network"]
+    lines += ["", "network (air-gapped by default; --allow-network lifts it)"]
+    if net["namespace"]:
+        lines.append(f"  {', '.join(c for c, m in net['commands'].items() if m == 'off (namespace)')}: off "
+                     f"(namespace): each run in its own {net['kind']}, loopback only")
+    else:
+        lines.append(f"  no network namespace here ({net['why_not']}): every command runs with the in-process "
+                     "guard alone, off (guard)")
+    lines.append("  serve: off (guard): its clients are outside any namespace, so it keeps the host's network and "
+                 "refuses non-loopback traffic in-process")
     return "\n".join(lines)
 
 

@@ -2,7 +2,8 @@
 
 :func:`detect` never fails on a missing package: torch and mlx are imported lazily and only to probe. Named devices
 (:func:`named_device`: ``rtx4090``, ``a100-80g``, ``h200``, ``mac-36``, ``"24GB"``, ...) describe machines that are
-not this one, so the planner can answer "would it fit there?".
+not this one, so the planner can answer "would it fit there?". :func:`physical_cores` and :func:`thread_plan` size
+the inference threads (the server's torch threads, ONNX Runtime sessions) so that they never oversubscribe the cores.
 """
 
 from __future__ import annotations
@@ -12,9 +13,12 @@ import logging
 import os
 import platform
 import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
+
+from clef_local.errors import ApiUsageError
 
 log = logging.getLogger(__name__)
 
@@ -288,3 +292,138 @@ def resolve_device(device: str) -> Hardware:
 def with_free(hardware: Hardware, free_bytes: int) -> Hardware:
     """A copy of ``hardware`` with ``free_bytes`` free (tests, what-ifs)."""
     return replace(hardware, free_bytes=free_bytes)
+
+
+# ------------------------------------------------------------------------------------------------------ threads
+THREADS_ENV = "CLEF_LOCAL_THREADS"
+# Cores left to everything that is not the forward: the event loop, HTTP parsing and JSON, the OS, and whatever
+# else shares the machine. An OpenMP forward waits at every barrier for its slowest thread, so one thread that
+# shares its core with other work stalls all of them (docs/hardware.md#threads, docs/benchmarks.md#threads).
+RESERVED_CORES = 1
+
+
+def _cgroup_paths() -> dict[str, str]:
+    """``{controller: path}`` of this process's cgroups (``""`` for the v2 unified hierarchy)."""
+    try:
+        text = Path("/proc/self/cgroup").read_text()
+    except OSError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) == 3:
+            for controller in parts[1].split(","):
+                out[controller] = parts[2]
+    return out
+
+
+def cgroup_cpu_limit(root: Path = Path("/sys/fs/cgroup"), paths: Mapping[str, str] | None = None) -> float | None:
+    """The CPU quota of this process's cgroup in CPUs (``cpu.max`` of cgroup v2 or ``cpu.cfs_quota_us`` /
+    ``cpu.cfs_period_us`` of v1, the tightest along the path up to the root), or None when there is none."""
+    paths = _cgroup_paths() if paths is None else paths
+    hierarchies = ((root, "", _cpu_max), (root / "cpu", "cpu", _cfs_quota), (root / "cpu,cpuacct", "cpu", _cfs_quota))
+    limits = []
+    for base, controller, read in hierarchies:
+        if controller not in paths or not base.is_dir():
+            continue
+        here = base / paths[controller].lstrip("/")
+        for directory in (here, *here.parents):
+            if directory == base.parent:
+                break
+            if (quota := read(directory)) is not None:
+                limits.append(quota)
+    return min(limits) if limits else None
+
+
+def _cpu_max(directory: Path) -> float | None:
+    try:
+        quota, period = (directory / "cpu.max").read_text().split()[:2]
+    except (OSError, ValueError):
+        return None
+    return None if quota == "max" else int(quota) / int(period)
+
+
+def _cfs_quota(directory: Path) -> float | None:
+    try:
+        quota = int((directory / "cpu.cfs_quota_us").read_text())
+        period = int((directory / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return None if quota <= 0 or period <= 0 else quota / period
+
+
+def physical_cores(cpus: Iterable[int] | None = None, sysfs: Path = Path("/sys/devices/system/cpu"),
+                   quota: float | None = None) -> int:
+    """Physical cores this process may run on: the distinct (package, core) pairs of the CPUs in its affinity mask
+    (hyper-threads of one core count once; a CPU without topology files counts as a core), capped by the cgroup
+    CPU quota (``quota``, default :func:`cgroup_cpu_limit`; a container limited to 2.5 CPUs gets 2). Outside Linux:
+    the logical CPU count."""
+    if cpus is None:
+        try:
+            cpus = os.sched_getaffinity(0)
+        except AttributeError:  # macOS, Windows
+            return os.cpu_count() or 1
+    cores: set[tuple[str, str]] = set()
+    for cpu in cpus:
+        topology = sysfs / f"cpu{cpu}" / "topology"
+        try:
+            cores.add(((topology / "physical_package_id").read_text().strip(),
+                       (topology / "core_id").read_text().strip()))
+        except OSError:
+            cores.add(("cpu", str(cpu)))
+    count = max(len(cores), 1)
+    quota = cgroup_cpu_limit() if quota is None else quota
+    return max(1, min(count, int(quota))) if quota else count
+
+
+@dataclass(frozen=True)
+class ThreadPlan:
+    """Threads for inference: ``intra_op`` per forward (``torch.set_num_threads``, ONNX Runtime's
+    ``intra_op_num_threads``) and ``inter_op`` (1: clef-local runs no parallel graph branches), for ``workers``
+    inference threads on ``physical_cores`` cores; ``source`` says who chose ``intra_op``."""
+
+    intra_op: int
+    inter_op: int
+    physical_cores: int
+    workers: int
+    source: Literal["rule", "argument", "CLEF_LOCAL_THREADS", "OMP_NUM_THREADS"]
+
+    def describe(self) -> str:
+        why = {"rule": f"{self.physical_cores} physical core(s) − {RESERVED_CORES} for the event loop and the rest "
+                       f"of the machine, over {self.workers} inference thread(s); set {THREADS_ENV} to override",
+               "argument": "as asked", THREADS_ENV: f"from {THREADS_ENV}", "OMP_NUM_THREADS": "from OMP_NUM_THREADS"}
+        return (f"{self.intra_op} intra-op thread(s) per inference thread, {self.inter_op} inter-op "
+                f"({why[self.source]})")
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__} | {"summary": self.describe()}
+
+
+def _threads_value(name: str, value: str) -> int:
+    try:
+        number = int(value.split(",")[0])  # OMP_NUM_THREADS may list nested levels: "4,2"
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise ApiUsageError(f"{name}={value!r} is not a thread count; set it to a whole number ≥ 1 or unset it")
+    return number
+
+
+def thread_plan(workers: int = 1, threads: int | None = None, *, cores: int | None = None,
+                environ: Mapping[str, str] | None = None) -> ThreadPlan:
+    """How many threads each of ``workers`` inference threads may use. ``threads`` (an explicit setting, e.g. a
+    ``--threads`` flag) wins, then ``$CLEF_LOCAL_THREADS``, then ``$OMP_NUM_THREADS`` (the user's choice for every
+    OpenMP program), then the rule: ``(physical cores − RESERVED_CORES) // workers``, at least 1. The rule comes
+    from measurements under a competing load (docs/benchmarks.md#threads)."""
+    if workers < 1:
+        raise ApiUsageError(f"inference workers must be ≥ 1, got {workers}")
+    environ = os.environ if environ is None else environ
+    cores = physical_cores() if cores is None else cores
+    if threads is not None:
+        if threads < 1:
+            raise ApiUsageError(f"threads must be ≥ 1, got {threads}")
+        return ThreadPlan(threads, 1, cores, workers, "argument")
+    for name in (THREADS_ENV, "OMP_NUM_THREADS"):
+        if environ.get(name):
+            return ThreadPlan(_threads_value(name, environ[name]), 1, cores, workers, name)  # type: ignore[arg-type]
+    return ThreadPlan(max(1, (cores - RESERVED_CORES) // workers), 1, cores, workers, "rule")

@@ -5,7 +5,8 @@ title=None, network=None) -> Path``: ``results`` are :class:`~clef_local.quality
 candidates against one reference (one table, one line each; ``floor``, the reference against itself in another
 dtype or backend, is shown beside them); ``evals`` :class:`~clef_local.quality.results.EvalResult` s;
 ``calibration`` the dicts of :func:`clef_local.quality.calibrate.CalibrationResult.to_json`. ``network``
-("off"/"on") is stated at the top.
+(``off (namespace)``, ``off (guard)`` or ``on``: :func:`clef_local.airgap.network_state`) is stated at the top;
+a report of runs that differ names every value (:func:`network_field`).
 
     clef-local report --json drift.json [eval.json …] --html report.html [--md report.md]
 """
@@ -17,7 +18,7 @@ import datetime as dt
 import html
 import json
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,7 @@ table{border-collapse:collapse;margin:8px 0 20px;font-size:13px}th,td{border:1px
 th{background:#eef1f7}td.n{text-align:right;font-variant-numeric:tabular-nums}.floor{color:#666;font-style:italic}
 .fail{color:#b00020;font-weight:600}.ok{color:#1b7a3a}img{max-width:49%;border:1px solid #eee;margin:2px}
 .net{display:inline-block;padding:2px 8px;border-radius:4px;background:#e4f4e8}.small{font-size:12px;color:#555}
-code{background:#f3f3f3;padding:1px 3px}"""
+.net.on{background:#fbe4e4}code{background:#f3f3f3;padding:1px 3px}"""
 
 
 def _fmt(value: Any, spec: str = "g") -> str:
@@ -197,17 +198,31 @@ def _gates_html(results: Sequence[DriftResult]) -> str:
     return f"<h2>Gates</h2><ul>{''.join(lines)}</ul>" if lines else ""
 
 
+def network_field(values: Iterable[str | None]) -> str:
+    """The ``network:`` value of a report from those of its runs: the one value they share (``off (namespace)``,
+    ``off (guard)``, ``on``, or ``off`` from results saved before the guard named its kind), ``unknown`` when no run
+    recorded one, and ``mixed: on, off (guard)`` (``on`` first) when they differ, so that a report never claims an
+    air gap that one of its runs did not have."""
+    distinct = list(dict.fromkeys(value for value in values if value))
+    if not distinct:
+        return "unknown"
+    if len(distinct) == 1:
+        return distinct[0]
+    return "mixed: " + ", ".join(sorted(distinct, key=lambda value: (value != "on", value)))
+
+
 def render_html(results: Sequence[DriftResult], *, evals: Sequence[EvalResult] = (),
                 calibration: Sequence[Mapping[str, Any]] = (), floor: DriftResult | None = None,
                 title: str | None = None, network: str | None = None) -> str:
     """The report as one HTML string (no external resources)."""
     metas = [r.meta for r in results] + [e.meta for e in evals]
-    network = network or next((meta["network"] for meta in metas if "network" in meta), "unknown")
+    network = network or network_field(meta.get("network") for meta in metas)
     reference = _name(results[0].reference) if results else ""
     title = title or (f"clef-local drift report: {reference}" if results else "clef-local report")
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
              f"<style>{CSS}</style></head><body><h1>{html.escape(title)}</h1>",
-             f"<p><span class='net'>network: {html.escape(network)}</span> · generated "
+             f"<p><span class='net{' on' if network.startswith(('on', 'mixed')) else ''}'>network: "
+             f"{html.escape(network)}</span> · generated "
              f"{dt.datetime.now(dt.UTC).strftime('%Y-%m-%d %H:%M UTC')}</p>"]
     if results:
         meta = results[0].meta
@@ -287,6 +302,7 @@ def write_report(results: Sequence[DriftResult], html_path: str | Path, *, evals
 def load_results(paths: Sequence[Path]) -> dict[str, Any]:
     """Merge saved JSON files (bundles, drift, eval or calibration JSON) into ``write_report``'s arguments."""
     merged: dict[str, Any] = {"results": [], "evals": [], "calibration": [], "floor": None, "network": None}
+    networks: list[str | None] = []
     for path in paths:
         try:
             data = json.loads(Path(path).read_text(encoding="utf-8"))
@@ -298,7 +314,7 @@ def load_results(paths: Sequence[Path]) -> dict[str, Any]:
             merged["evals"] += [EvalResult.from_json(d) for d in data.get("evals", [])]
             merged["calibration"] += data.get("calibration", [])
             merged["floor"] = DriftResult.from_json(data["floor"]) if data.get("floor") else merged["floor"]
-            merged["network"] = data.get("network") or merged["network"]
+            networks.append(data.get("network"))
         elif fmt == "clef-local-drift/1":
             merged["results"].append(DriftResult.from_json(data))
         elif fmt == "clef-local-eval/1":
@@ -308,6 +324,8 @@ def load_results(paths: Sequence[Path]) -> dict[str, Any]:
         else:
             raise ValueError(f"{path}: not a clef-local result (format {fmt!r}); pass the --json output of drift, "
                              "eval or calibrate")
+    networks += [item.meta.get("network") for item in [*merged["results"], *merged["evals"]]]
+    merged["network"] = network_field(networks) if any(networks) else None
     return merged
 
 

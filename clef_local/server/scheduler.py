@@ -10,6 +10,12 @@ ones to 8K); ``decide_batch`` then splits again on exact token counts with its d
 CPU). While that thread computes, new requests queue up and form the next batch. A full queue raises
 :class:`QueueFullError` (HTTP 429 with ``Retry-After``).
 
+Threads: the inference thread's forwards use :func:`clef_local.planning.hardware.thread_plan` intra-op threads
+(physical cores minus one for the event loop, ``threads=`` or ``$CLEF_LOCAL_THREADS`` to override) and one inter-op
+thread, set when the scheduler starts and restored when it stops: torch's default of one thread per core
+oversubscribes a server whose event loop needs a core too, and on a loaded machine every forward then waits for its
+slowest thread (docs/benchmarks.md#threads).
+
 Errors stay with the request that caused them: requests are validated before they are queued, and if a batch
 still fails (a state too long for the context, images, anything the model refuses), its requests are re-run
 one by one, so each gets its own answer or its own error. The numbers are those of ``decide_batch``, which are
@@ -22,6 +28,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import sys
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -30,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from clef_local.errors import ClefError
+from clef_local.planning.hardware import ThreadPlan, thread_plan
 from clef_local.runtime.batching import split_by_length
 from clef_local.server.metrics import ServerMetrics
 
@@ -77,11 +85,32 @@ class _Job:
     enqueued: float = field(default_factory=time.perf_counter)
 
 
+def apply_torch_threads(plan: ThreadPlan) -> int | None:
+    """Set torch's intra-op threads to ``plan.intra_op`` and its inter-op threads to ``plan.inter_op`` (the latter
+    only where torch still allows it: once per process, before any inter-op work). Returns the intra-op count it
+    replaced, or None when torch is not loaded (an ONNX or MLX model: their sessions size their own threads)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    before = int(torch.get_num_threads())
+    torch.set_num_threads(plan.intra_op)
+    if torch.get_num_interop_threads() != plan.inter_op:
+        try:
+            torch.set_num_interop_threads(plan.inter_op)
+        except RuntimeError as exc:  # torch allows it once, before inter-op work: a second server in one process
+            log.info("torch inter-op threads stay at %d (%s)", torch.get_num_interop_threads(), exc)
+    return before
+
+
 class BatchScheduler:
-    """Collects requests into batches and runs them on one inference thread."""
+    """Collects requests into batches and runs them on one inference thread.
+
+    ``threads``: intra-op threads of that thread's forwards (None: :func:`~clef_local.planning.hardware.thread_plan`).
+    """
 
     def __init__(self, models: Mapping[str, Any], *, max_batch: int = 8, max_wait_ms: float = 5.0,
-                 max_queue: int = 64, confidence: str = "jev", metrics: ServerMetrics | None = None) -> None:
+                 max_queue: int = 64, confidence: str = "jev", metrics: ServerMetrics | None = None,
+                 threads: int | None = None) -> None:
         self.models = models
         self.max_batch = max_batch
         self.max_wait = max_wait_ms / 1000.0
@@ -96,6 +125,8 @@ class BatchScheduler:
         self._running = 0  # requests in the batch being computed
         self._taken: list[_Job] = []  # the collected batch: taken off the queue, not all answered yet
         self._batch_seconds = 0.05  # moving average, for Retry-After
+        self.thread_plan = thread_plan(workers=1, threads=threads)  # one inference thread (see the class doc)
+        self._threads_before: int | None = None
 
     # ------------------------------------------------------------------ state
     @property
@@ -119,6 +150,8 @@ class BatchScheduler:
         if self._task is not None:
             return
         self._wakeup = asyncio.Event()
+        self._threads_before = apply_torch_threads(self.thread_plan)
+        log.info("inference: %s", self.thread_plan.describe())
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="clef-inference")
         self._task = asyncio.get_running_loop().create_task(self._collect(), name="clef-batch-collector")
 
@@ -140,6 +173,9 @@ class BatchScheduler:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
         self._task = self._executor = None
+        if self._threads_before is not None and (torch := sys.modules.get("torch")) is not None:
+            torch.set_num_threads(self._threads_before)  # the process may go on (tests, an embedding app)
+            self._threads_before = None
 
     # ------------------------------------------------------------------ requests
     async def submit(self, model: str, request: dict[str, Any], body_bytes: int = 0) -> dict[str, Any]:

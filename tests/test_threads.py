@@ -1,0 +1,165 @@
+"""Inference threads: physical cores (hyper-threads and cgroup quotas counted right), the rule and its overrides,
+and the server's inference thread / ONNX Runtime sessions actually running with them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from clef_local.errors import ApiUsageError
+from clef_local.planning.hardware import (
+    RESERVED_CORES,
+    ThreadPlan,
+    cgroup_cpu_limit,
+    physical_cores,
+    thread_plan,
+)
+
+
+def _sysfs(root: Path, topology: dict[int, tuple[int, int]]) -> Path:
+    for cpu, (package, core) in topology.items():
+        directory = root / f"cpu{cpu}" / "topology"
+        directory.mkdir(parents=True)
+        (directory / "physical_package_id").write_text(f"{package}\n")
+        (directory / "core_id").write_text(f"{core}\n")
+    return root
+
+
+def test_physical_cores_count_hyperthreads_once(tmp_path: Path) -> None:
+    # 2 packages × 2 cores × 2 hyper-threads: CPUs 0-3 on package 0, 4-7 on package 1; siblings n and n+2
+    topology = {cpu: (cpu // 4, cpu % 2) for cpu in range(8)}
+    sysfs = _sysfs(tmp_path, topology)
+    assert physical_cores(range(8), sysfs, quota=0) == 4
+    assert physical_cores({0, 2}, sysfs, quota=0) == 1  # two siblings of one core
+    assert physical_cores({0, 1, 4}, sysfs, quota=0) == 3  # core_id 0 of package 0 and of package 1 differ
+    assert physical_cores(range(8), sysfs, quota=2.5) == 2  # a container limited to 2.5 CPUs
+    assert physical_cores(range(8), sysfs, quota=0.5) == 1
+    assert physical_cores({11, 12}, sysfs, quota=0) == 2  # no topology files: each CPU counts
+
+
+def test_cgroup_quota_v2_and_v1(tmp_path: Path) -> None:
+    v2 = tmp_path / "v2"
+    (v2 / "app" / "worker").mkdir(parents=True)
+    (v2 / "cpu.max").write_text("max 100000\n")
+    (v2 / "app" / "cpu.max").write_text("150000 100000\n")  # the parent is tighter than the leaf
+    (v2 / "app" / "worker" / "cpu.max").write_text("400000 100000\n")
+    assert cgroup_cpu_limit(v2, {"": "/app/worker"}) == 1.5
+    (v2 / "app" / "cpu.max").write_text("max 100000\n")
+    assert cgroup_cpu_limit(v2, {"": "/app/worker"}) == 4.0
+    v1 = tmp_path / "v1"
+    (v1 / "cpu").mkdir(parents=True)
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert cgroup_cpu_limit(v1, {"cpu": "/"}) is None
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("200000\n")
+    assert cgroup_cpu_limit(v1, {"cpu": "/"}) == 2.0
+    assert cgroup_cpu_limit(tmp_path / "none", {}) is None
+
+
+@pytest.mark.parametrize(("cores", "workers", "expected"), [(1, 1, 1), (2, 1, 1), (4, 1, 3), (16, 1, 15), (16, 2, 7),
+                                                            (16, 3, 5), (2, 4, 1)])
+def test_the_rule(cores: int, workers: int, expected: int) -> None:
+    assert RESERVED_CORES == 1
+    plan = thread_plan(workers, cores=cores, environ={})
+    assert (plan.intra_op, plan.inter_op, plan.source) == (expected, 1, "rule")
+    assert plan.intra_op * workers + RESERVED_CORES <= max(cores, workers + RESERVED_CORES)  # never oversubscribed
+    assert f"{cores} physical core(s)" in plan.describe()
+
+
+def test_overrides_in_order() -> None:
+    env = {"CLEF_LOCAL_THREADS": "3", "OMP_NUM_THREADS": "5"}
+    assert thread_plan(threads=2, cores=8, environ=env).intra_op == 2
+    assert (thread_plan(cores=8, environ=env).intra_op, thread_plan(cores=8, environ=env).source) == \
+        (3, "CLEF_LOCAL_THREADS")
+    assert thread_plan(cores=8, environ={"OMP_NUM_THREADS": "4,2"}).intra_op == 4
+    assert thread_plan(cores=8, environ={"OMP_NUM_THREADS": ""}).source == "rule"
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"environ": {"CLEF_LOCAL_THREADS": "many"}}, "CLEF_LOCAL_THREADS='many' is not a thread count"),
+    ({"environ": {"CLEF_LOCAL_THREADS": "0"}}, "CLEF_LOCAL_THREADS='0'"),
+    ({"environ": {"OMP_NUM_THREADS": "-2"}}, "OMP_NUM_THREADS='-2'"),
+    ({"threads": 0, "environ": {}}, "threads must be ≥ 1, got 0"),
+    ({"workers": 0, "environ": {}}, "workers must be ≥ 1, got 0"),
+])
+def test_bad_settings_name_the_value(kwargs: dict, message: str) -> None:
+    with pytest.raises(ApiUsageError, match=message.replace("(", r"\(")):
+        thread_plan(cores=4, **kwargs)
+
+
+SERVER = """
+import asyncio, json, sys
+import torch
+from clef_local.server.scheduler import BatchScheduler
+
+seen = {}
+
+class Model:
+    def decide_batch(self, requests, confidence, batch_size):
+        seen.update(intra=torch.get_num_threads(), inter=torch.get_num_interop_threads())
+        return [{"ok": True} for _ in requests]
+
+async def main():
+    torch.set_num_threads(3)  # what the process ran with before the server started
+    scheduler = BatchScheduler({"m": Model()}, threads=None if sys.argv[1] == "auto" else int(sys.argv[1]))
+    await scheduler.start()
+    await scheduler.submit("m", {"state": "x"})
+    await scheduler.stop()
+    seen["after"] = torch.get_num_threads()
+    seen["plan"] = scheduler.thread_plan.intra_op
+
+asyncio.run(main())
+print(json.dumps(seen))
+"""
+
+
+@pytest.mark.parametrize(("setting", "env"), [("auto", {}), ("2", {}), ("auto", {"CLEF_LOCAL_THREADS": "2"})],
+                         ids=["rule", "argument", "environment"])
+def test_the_inference_thread_runs_with_the_plan(setting: str, env: dict[str, str]) -> None:
+    """In a fresh process (torch's inter-op count can be set once per process): the forward sees the plan's
+    intra-op threads and one inter-op thread; stopping restores what the process had."""
+    clean = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "CLEF_LOCAL_THREADS")}
+    done = subprocess.run([sys.executable, "-c", SERVER, setting], capture_output=True, text=True, timeout=120,
+                          env={**clean, **env}, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    seen = json.loads(done.stdout)
+    expected = thread_plan(environ={}).intra_op if setting == "auto" and not env else 2
+    assert seen == {"intra": expected, "inter": 1, "after": 3, "plan": expected}
+
+
+def test_onnx_sessions_use_the_plan(tmp_path: Path) -> None:
+    onnx = pytest.importorskip("onnx")
+    ort = pytest.importorskip("onnxruntime")
+    from onnx import TensorProto, helper
+
+    from clef_local.backends.onnx_backend import session_options
+
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    path = tmp_path / "relu.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    options = session_options(ThreadPlan(3, 1, 4, 1, "argument"))
+    assert (options.intra_op_num_threads, options.inter_op_num_threads) == (3, 1)
+    assert options.execution_mode == ort.ExecutionMode.ORT_SEQUENTIAL
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    assert session.get_session_options().intra_op_num_threads == 3
+    assert session.run(None, {"x": [-1.0, 2.0]})[0].tolist() == [0.0, 2.0]
+    assert session_options().intra_op_num_threads == thread_plan(workers=1).intra_op
+
+
+def test_doctor_shows_the_threads(capsys: pytest.CaptureFixture[str]) -> None:
+    from clef_local.planning import doctor
+
+    assert doctor.main(["--json", "--no-probe"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    plan = thread_plan(workers=1)
+    assert info["threads"]["intra_op"] == plan.intra_op and info["threads"]["inter_op"] == 1
+    assert info["threads"]["physical_cores"] == physical_cores()
+    assert doctor.main(["--no-probe"]) == 0
+    assert plan.describe() in capsys.readouterr().out

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 # name -> (module, function, one-line help). Quick commands log warnings only (their answer is their output);
@@ -29,6 +30,10 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "report": ("clef_local.quality.report", "main", "render drift/eval results as HTML, Markdown and JSON"),
     "train-head": ("clef_local.training.train_head", "main", "train a joint schema head on a frozen backbone"),
 }
+# Commands that run a model: torch and OpenMP read OMP_NUM_THREADS when torch is imported, so the thread rule
+# (planning.hardware.thread_plan: never oversubscribe the physical cores) is set before any of them imports it.
+MODEL_COMMANDS = frozenset({"decide", "inspect", "serve", "ui", "quantize", "export-onnx", "eval", "drift",
+                            "calibrate", "train-head", "batch"})
 CHATTY = frozenset({"serve", "quantize", "export-onnx", "eval", "drift", "calibrate", "train-head"})
 
 
@@ -78,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         from clef_local.airgap import isolate_process
 
         isolate_process(command, rest)
+        if command in MODEL_COMMANDS and "OMP_NUM_THREADS" not in os.environ:
+            from clef_local.planning.hardware import thread_plan
+
+            os.environ["OMP_NUM_THREADS"] = str(thread_plan().intra_op)
     module_name, function, _ = COMMANDS[command]
     from clef_local.errors import ClefError
 

@@ -111,7 +111,8 @@ class ServerState:
         self.config = config
         self.table = ModelTable(models, config.aliases)
         self.scheduler = BatchScheduler(models, max_batch=config.max_batch, max_wait_ms=config.max_wait_ms,
-                                        max_queue=config.max_queue, confidence=config.confidence)
+                                        max_queue=config.max_queue, confidence=config.confidence,
+                                        threads=config.threads)
         self.metrics = ServerMetrics(lambda: self.scheduler.queue_depth, lambda: self.scheduler.in_flight)
         self.scheduler.metrics = self.metrics
 

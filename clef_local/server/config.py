@@ -43,6 +43,7 @@ class ServerConfig:
     header_timeout_s: float = HEADER_TIMEOUT_S
     body_timeout_s: float = BODY_TIMEOUT_S
     max_connections: int = MAX_CONNECTIONS
+    threads: int | None = None  # intra-op threads of the inference thread (None: planning.hardware.thread_plan)
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -60,6 +61,8 @@ class ServerConfig:
                 raise ApiUsageError(f"{flag} must be a positive number of seconds, got {seconds}")
         if self.max_connections < 1:
             raise ApiUsageError(f"--max-connections must be at least 1, got {self.max_connections}")
+        if self.threads is not None and self.threads < 1:
+            raise ApiUsageError(f"--threads must be at least 1, got {self.threads}")
         for name in self.allowed_hosts:
             parsed = split_authority(name)
             if parsed is None or parsed[1] is not None:

@@ -75,7 +75,7 @@ def serve(model_specs: Sequence[str] = (), *, host: str = "127.0.0.1", port: int
           dtype: str | None = None, device: str | None = None, log_level: str = "info",
           allowed_hosts: Sequence[str] = (), cors_origins: Sequence[str] = (),
           header_timeout: float = HEADER_TIMEOUT_S, body_timeout: float = BODY_TIMEOUT_S,
-          max_connections: int = MAX_CONNECTIONS) -> int:
+          max_connections: int = MAX_CONNECTIONS, threads: int | None = None) -> int:
     """Load the models and serve them until interrupted (SIGINT/SIGTERM finish in-flight requests first).
 
     ``model_specs`` are ``NAME=DIR`` strings; none means the default model, served as ``clef-local``.
@@ -87,7 +87,7 @@ def serve(model_specs: Sequence[str] = (), *, host: str = "127.0.0.1", port: int
                           max_queue=max_queue, confidence=confidence,  # type: ignore[arg-type]
                           allowed_hosts=tuple(allowed_hosts), cors_origins=tuple(cors_origins),
                           header_timeout_s=header_timeout, body_timeout_s=body_timeout,
-                          max_connections=max_connections)
+                          max_connections=max_connections, threads=threads)
     if model_specs:
         specs = parse_model_specs(model_specs)
     else:
@@ -133,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"seconds a client has to send a request's body (default {BODY_TIMEOUT_S:g})")
     parser.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS, metavar="N",
                         help=f"open connections at most; more get 503 (default {MAX_CONNECTIONS})")
+    parser.add_argument("--threads", type=int, metavar="N",
+                        help="intra-op threads of the inference thread (default: physical cores − 1, or "
+                             "$CLEF_LOCAL_THREADS / $OMP_NUM_THREADS; docs/hardware.md#threads)")
     add_confidence_flag(parser)
     add_runtime_flags(parser, backend=False)
     add_network_flag(parser)
@@ -149,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                      log_level="debug" if logging.getLogger().getEffectiveLevel() <= logging.DEBUG else "info",
                      allowed_hosts=args.allowed_host, cors_origins=args.cors_origin,
                      header_timeout=args.header_timeout, body_timeout=args.body_timeout,
-                     max_connections=args.max_connections)
+                     max_connections=args.max_connections, threads=args.threads)
 
 
 class ThreadedServer:

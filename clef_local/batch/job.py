@@ -126,10 +126,11 @@ def _identity(job: BatchJob, questions: dict[str, Any] | None) -> dict[str, Any]
         "id_column": job.input.id_column,
         "chunk_rows": job.chunk_rows,
         "batch_size": s.batch_size,
-        "confidence": s.confidence,
+        "confidence": s.confidence or "jev",  # None: the model's, and the job loads it with the default
         "truncate_state": s.truncate_state,
         "digits": s.digits,
-        **{key: job.load_options.get(key) for key in ("backend", "device", "dtype")},
+        # as the flags say them (None and "auto" are the same request)
+        **{key: job.load_options.get(key) or "auto" for key in ("backend", "device", "dtype")},
     }
 
 
@@ -148,6 +149,9 @@ def _local_results(model: ClefModel, chunks: Iterator[tuple[int, list[Row]]], se
 
 
 def _check_output(job: BatchJob, out_format: str, questions: dict[str, Any] | None) -> None:
+    if job.input.format != "jsonl" and questions is None:
+        raise BatchError(f"--in {job.input.path}: a {job.input.format.upper()} input needs --schema FILE (the "
+                         "questions every row is asked)")
     if out_format != "jsonl" and questions is None:
         raise BatchError(f"--out {job.out}: a {out_format.upper()} output has one column per question, so it needs "
                          "--schema FILE; write JSONL for requests that bring their own questions")
@@ -204,8 +208,8 @@ def run_batch(job: BatchJob, *, model: ClefModel | None = None) -> Summary:
     out_format = file_format(job.out, "--out")
     questions = job.input.questions
     _check_output(job, out_format, questions)
+    total = count_rows(job.input)  # reads the whole input once: a missing column fails here, before any journal
     journal = Journal.open(job.parts, _identity(job, questions), force=job.force)
-    total = count_rows(job.input)
     chunks = (total + job.chunk_rows - 1) // job.chunk_rows
     done_rows = sum(c.rows for c in journal.committed.values())
     pending = (item for item in chunked(iter_rows(job.input), job.chunk_rows) if item[0] not in journal.committed)

@@ -73,7 +73,7 @@ def plan_replicas(nodes: Sequence[Mapping[str, float]], *, replicas: int | None 
         if count < 1 or gpu_slots < count:
             need = max(count, 1)
             raise BatchError(f"{need} replica(s) × {gpus_per_replica:g} GPU need {need * gpus_per_replica:g} GPU(s) but"
-                             f"  {_cluster(nodes)}; lower --replicas or --gpus-per-replica, add GPU "
+                             f" {_cluster(nodes)}; lower --replicas or --gpus-per-replica, add GPU "
                              "workers, or run on CPUs (--gpus-per-replica 0)")
     else:
         count = replicas or len(nodes)

@@ -37,7 +37,7 @@ from clef_local.batch.io import (
     write_table,
 )
 from clef_local.batch.journal import Journal, file_sha256, model_fingerprint, replacing
-from clef_local.batch.ray_runner import RaySettings, add_ray_flags, ray_settings
+from clef_local.batch.ray_runner import RaySettings, add_ray_flags, check_reach, ray_settings
 from clef_local.batch.work import ChunkResult, ChunkSettings, EncodedChunk, decide_encoded, encode_chunk
 from clef_local.errors import BatchError
 from clef_local.options import add_confidence_flag, add_model_flags, add_network_flag, load_options, model_path
@@ -208,6 +208,8 @@ def run_batch(job: BatchJob, *, model: ClefModel | None = None) -> Summary:
     out_format = file_format(job.out, "--out")
     questions = job.input.questions
     _check_output(job, out_format, questions)
+    if job.ray is not None:
+        check_reach(job.ray, job.airgapped)
     total = count_rows(job.input)  # reads the whole input once: a missing column fails here, before any journal
     journal = Journal.open(job.parts, _identity(job, questions), force=job.force)
     chunks = (total + job.chunk_rows - 1) // job.chunk_rows

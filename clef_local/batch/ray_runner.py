@@ -265,14 +265,15 @@ class RayPredictor:
                 progress: Callable[[int, int], None] | None = None,
                 batch_seconds: list[float] | None = None) -> list[Prediction]:
         """Every request's :class:`Prediction`, in order; ``batch_seconds`` receives the replicas' batch times."""
-        n = self.chunk_requests
-        payloads = [(k, pickle.dumps(("predict", k, list(requests[k * n:(k + 1) * n]), batch_size)))
-                    for k in range((len(requests) + n - 1) // n)]
         parts: dict[int, list[Prediction]] = {}
         done = 0
         started = time.perf_counter()
         with ray_session(self.settings, airgapped=self.airgapped) as ray:
             plan = cluster_plan(ray, self.settings)
+            # at least four chunks per replica (a short file still spreads), at most chunk_requests each
+            n = max(1, min(self.chunk_requests, -(-len(requests) // (4 * plan.replicas))))
+            payloads = [(k, pickle.dumps(("predict", k, list(requests[k * n:(k + 1) * n]), batch_size)))
+                        for k in range(-(-len(requests) // n))]
             for chunk, (predictions, seconds) in run_payloads(
                     ray, payloads, model_path=self.path, load_options=self.load_options, plan=plan,
                     airgapped=self.airgapped, timeout_s=self.settings.timeout_s):

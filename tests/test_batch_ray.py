@@ -152,3 +152,17 @@ def test_a_cluster_too_small_fails_at_once_naming_its_resources(cluster: Any, ti
     assert main(["batch", "--model", str(tiny_qwen), "--in", str(source), "--out", str(tmp_path / "o.jsonl"),
                  "--ray", "10.1.2.3:6379", "--no-progress"]) == 2  # refused before any connection is tried
     assert "pass --allow-network" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # 84 s on a busy 2-core machine: two actor pools (reference, candidate) each load the model
+def test_drift_with_ray_compares_what_a_local_run_compares(cluster: Any, tiny_llama: Path, tmp_path: Path) -> None:
+    from clef_local.quality.drift_cli import main as drift_main
+
+    bundles = {}
+    for name, extra in (("local", []), ("ray", ["--ray", "auto", "--replicas", "2"])):
+        out = tmp_path / f"{name}.json"
+        assert drift_main(["--reference", str(tiny_llama), "--candidate", str(tiny_llama), "--limit", "6",
+                           "--dtype", "float32", "--no-progress", "--json", str(out), *extra]) == 0
+        bundles[name] = json.loads(out.read_text())["drift"][0]["summary"]
+    assert bundles["ray"]["questions"] == bundles["local"]["questions"] > 0
+    assert bundles["ray"]["flips"] == 0 and bundles["ray"]["kl_max"] < 1e-9

@@ -56,10 +56,14 @@ def main(argv: list[str] | None = None) -> int:
     model.decide(requests[0])  # warm-up
     rows: list[tuple[str, float]] = []
 
+    def report(name: str, seconds: float) -> None:  # each run as it ends, so a stopped benchmark keeps its numbers
+        rows.append((name, seconds))
+        print(f"{name}: {seconds:.1f} s, {len(requests) / seconds:.3f} rows/s", file=sys.stderr, flush=True)
+
     started = time.perf_counter()
     for request in requests:
         model.decide(request)
-    rows.append(("loop of `ClefModel.decide`", time.perf_counter() - started))
+    report("loop of `ClefModel.decide`", time.perf_counter() - started)
 
     def job(out: str, ray: RaySettings | None) -> BatchJob:
         return BatchJob(model=model_dir, input=InputSpec(source, "jsonl"), out=folder / out,
@@ -68,13 +72,13 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.perf_counter()
     summary = run_batch(job("local.jsonl", None), model=model)
-    rows.append(("`batch` (one process)", time.perf_counter() - started))
+    report("`batch` (one process)", time.perf_counter() - started)
     assert summary.answered == len(requests), summary.text()
     del model
     for replicas in [int(r) for r in args.replicas.split(",") if r]:
         started = time.perf_counter()
         summary = run_batch(job(f"ray{replicas}.jsonl", RaySettings("local", replicas=replicas)))
-        rows.append((f"`batch --ray local --replicas {replicas}`", time.perf_counter() - started))
+        report(f"`batch --ray local --replicas {replicas}`", time.perf_counter() - started)
         assert summary.answered == len(requests), summary.text()
         same = (folder / f"ray{replicas}.jsonl").read_bytes() == (folder / "local.jsonl").read_bytes()
         print(f"ray {replicas} replica(s): output {'identical to' if same else 'DIFFERS from'} the local job's",

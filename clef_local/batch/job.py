@@ -36,7 +36,7 @@ from clef_local.batch.io import (
     read_schema,
     write_table,
 )
-from clef_local.batch.journal import Journal, file_sha256, model_fingerprint, replacing
+from clef_local.batch.journal import JOURNAL, Journal, file_sha256, model_fingerprint, replacing
 from clef_local.batch.ray_runner import RaySettings, add_ray_flags, check_reach, ray_settings
 from clef_local.batch.work import ChunkResult, ChunkSettings, EncodedChunk, decide_encoded, encode_chunk
 from clef_local.errors import BatchError
@@ -164,7 +164,7 @@ def _check_output(job: BatchJob, out_format: str, questions: dict[str, Any] | No
     if job.chunk_rows < 1 or job.settings.batch_size < 1:
         raise BatchError(f"--chunk-rows and --batch-size must be ≥ 1, got {job.chunk_rows} and "
                          f"{job.settings.batch_size}")
-    resumable = (job.parts / "journal.jsonl").is_file()
+    resumable = (job.parts / JOURNAL).is_file()
     if job.out.exists() and not resumable and not job.force:
         raise BatchError(f"--out {job.out} exists; pass --force to overwrite it")
 

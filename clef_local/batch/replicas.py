@@ -90,6 +90,7 @@ def plan_replicas(nodes: Sequence[Mapping[str, float]], *, replicas: int | None 
         if cpus < MIN_REPLICA_CPUS:
             raise BatchError(f"{count} replica(s) would get {cpus:.3g} CPU each: {_cluster(nodes)} and each node "
                              f"keeps {RESERVED_CPUS:g} CPU for Ray Data's own tasks; lower --replicas or add workers")
-    # torch threads: the replica's share rounded (a 0.75-CPU share still computes on one thread)
-    threads = max(1, math.floor(cpus + 0.5))
+    # torch threads: never more than the CPUs reserved (at least one). More threads than cores oversubscribe a busy
+    # machine: 2 threads on a 1.5-CPU share of a shared 2-core machine ran several times slower (docs/benchmarks.md)
+    threads = max(1, math.floor(cpus + 1e-9))
     return ReplicaPlan(count, math.floor(cpus * 1e4) / 1e4, float(gpus_per_replica), threads)

@@ -90,10 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     for name, seconds in rows:
         print(f"| {name} | {seconds:.1f} | {len(requests) / seconds:.3f} |")
     speed = {name: len(requests) / seconds for name, seconds in rows}
-    names = [name for name, _ in rows]
-    print(f"batch / loop of decide: {speed[names[1]] / speed[names[0]]:.2f}×")
-    if len(rows) >= 4:
-        print(f"Ray 2 replicas / 1 replica: {speed[names[3]] / speed[names[2]]:.2f}×")
+    print(f"batch / loop of decide: {speed['`batch` (one process)'] / speed['loop of `ClefModel.decide`']:.2f}×")
+    ray = {name: value for name, value in speed.items() if "--replicas 1`" in name or "--replicas 2`" in name}
+    if len(ray) == 2:
+        one, two = (speed[f"`batch --ray local --replicas {n}`"] for n in (1, 2))
+        print(f"Ray 2 replicas / 1 replica: {two / one:.2f}×")
     return 0
 
 

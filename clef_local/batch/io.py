@@ -249,15 +249,9 @@ def write_table(parts: Sequence[Path], out: Path, fmt: str, questions: dict[str,
                 row["id"] = None if row["id"] is None else str(row["id"])
         return pa.Table.from_pylist(rows, schema=schema)
 
-    if fmt == "parquet":
-        with pq.ParquetWriter(out, schema) as writer:
-            for chunk in lines:
-                if chunk:
-                    writer.write_table(table(chunk))
-            if not any(lines):
-                writer.write_table(schema.empty_table())
-        return
-    with pacsv.CSVWriter(out, schema) as writer:
+    with (pq.ParquetWriter(out, schema) if fmt == "parquet" else pacsv.CSVWriter(out, schema)) as writer:
         for chunk in lines:
             if chunk:
                 writer.write_table(table(chunk))
+        if not any(lines):  # no row answered: still the columns (a CSV header, a Parquet schema)
+            writer.write_table(schema.empty_table())

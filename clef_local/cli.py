@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "doctor": ("clef_local.planning.doctor", "main", "show this machine's hardware and which backends are installed"),
     "plan": ("clef_local.planning.planner", "main", "estimate the memory each variant needs, before loading anything"),
     "data": ("clef_local.data.convert", "main", "convert BANKING77 / NLU++ files into SystemOne request JSONL"),
+    "batch": ("clef_local.batch.job", "main", "decide every row of a JSONL, CSV or Parquet file (resumable, --ray)"),
     "eval": ("clef_local.quality.evaluate", "main", "evaluate a model on labelled requests (offline)"),
     "drift": ("clef_local.quality.drift_cli", "main", "compare a variant's probabilities with its reference"),
     "calibrate": ("clef_local.quality.calibrate", "main", "fit per-type temperatures that pull a variant back"),
@@ -34,7 +35,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 # (planning.hardware.thread_plan: never oversubscribe the physical cores) is set before any of them imports it.
 MODEL_COMMANDS = frozenset({"decide", "inspect", "serve", "ui", "quantize", "export-onnx", "eval", "drift",
                             "calibrate", "train-head", "batch"})
-CHATTY = frozenset({"serve", "quantize", "export-onnx", "eval", "drift", "calibrate", "train-head"})
+CHATTY = frozenset({"serve", "quantize", "export-onnx", "batch", "eval", "drift", "calibrate", "train-head"})
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -78,3 +78,8 @@ class InsufficientMemoryError(ClefError):
 
     status_code = 500
     error_type = "insufficient_memory"
+
+
+class BatchError(ClefError):
+    """A ``clef-local batch`` job that cannot run as asked: an input it cannot read, a journal written for another
+    model or schema, a Ray cluster too small for the replicas (the message names the value and the fix)."""

@@ -149,9 +149,20 @@ class ClefModel:
         wall time (backbone and head; validation and encoding excluded). See :meth:`predict_batches` for how
         batches are cut.
         """
-        results: list[Prediction | None] = [None] * len(requests)
+        encoded = [self.encode(r, truncate_state=truncate_state) for r in requests]
+        return self.predict_encoded(encoded, batch_size=batch_size, progress=progress, batch_seconds=batch_seconds)
+
+    def predict_encoded(self, encoded: Sequence[tuple[dict[str, Any], EncodedRecord]], *, batch_size: int = 8,
+                        progress: Callable[[int, int], None] | None = None,
+                        batch_seconds: list[float] | None = None) -> list[Prediction]:
+        """:meth:`predict` for requests that went through :meth:`encode` already (``(record, encoded)`` pairs).
+
+        Lets a caller validate and tokenize on another thread while the backbone runs (``clef-local batch``), and
+        keep a bad request's error to itself instead of failing the whole list.
+        """
+        results: list[Prediction | None] = [None] * len(encoded)
         done = 0
-        batches = self.predict_batches(requests, truncate_state=truncate_state, batch_size=batch_size)
+        batches = self.encoded_batches(encoded, batch_size=batch_size)
         began = time.perf_counter()
         for chunk, predictions in batches:
             if batch_seconds is not None:
@@ -160,7 +171,7 @@ class ClefModel:
                 results[i] = prediction
             done += len(chunk)
             if progress is not None:
-                progress(done, len(requests))
+                progress(done, len(encoded))
             began = time.perf_counter()
         return [r for r in results if r is not None]
 
@@ -176,6 +187,13 @@ class ClefModel:
         if batch_size < 1:
             raise ValueError(f"batch_size must be ≥ 1, got {batch_size}")
         encoded = [self.encode(r, truncate_state=truncate_state) for r in requests]
+        return self.encoded_batches(encoded, batch_size=batch_size)
+
+    def encoded_batches(self, encoded: Sequence[tuple[dict[str, Any], EncodedRecord]], *, batch_size: int = 8
+                        ) -> Iterator[tuple[list[int], list[Prediction]]]:
+        """:meth:`predict_batches` for ``(record, encoded)`` pairs from :meth:`encode` (the same batches)."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be ≥ 1, got {batch_size}")
         chunks = split_by_length([self._backbone_positions(e[1]) for e in encoded], self.pad_waste,
                                  max_size=batch_size)
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from clef_local.batch.ray_runner import RaySettings, add_ray_flags
 from clef_local.options import add_network_flag, add_runtime_flags
 from clef_local.quality.drift import drift_from_predictions, head_difference
 from clef_local.quality.metrics import LABEL_DELTAS
@@ -93,10 +94,13 @@ def _progress(desc: str, total: int, enabled: bool) -> Any:
 
 
 def _run(path: str | Path, requests: list[dict[str, Any]], *, dtype: str | None, backend: str, device: str,
-         batch_size: int, desc: str, show: bool) -> list[Any]:
+         batch_size: int, desc: str, show: bool, ray: RaySettings | None = None, airgapped: bool = True) -> list[Any]:
     import clef_local
+    from clef_local.batch.ray_runner import RayPredictor
 
-    model = clef_local.load(path, dtype=dtype, backend=backend, device=device)
+    options: dict[str, Any] = {"dtype": dtype, "backend": backend, "device": device}
+    model = (RayPredictor(path, ray, load_options=options, airgapped=airgapped) if ray
+             else clef_local.load(path, dtype=dtype, backend=backend, device=device))
     bar = _progress(desc, len(requests), show)
     try:
         return model.predict(requests, batch_size=batch_size, progress=lambda d, _t: bar.update(d - bar.n))
@@ -130,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--md", type=Path, help="write the tables as Markdown")
     add_network_flag(parser)
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_ray_flags(parser)  # --ray: every model's predictions from Ray replicas (docs/batch.md)
     return parser
 
 
@@ -165,8 +170,12 @@ def main(argv: list[str] | None = None) -> int:
 
     dtype = None if args.dtype == "auto" else args.dtype
     show = not args.no_progress
-    common = {"backend": args.backend, "device": args.device, "batch_size": args.batch_size, "show": show}
+    common = {"backend": args.backend, "device": args.device, "batch_size": args.batch_size, "show": show,
+              "airgapped": not args.allow_network}
     try:
+        from clef_local.batch.ray_runner import ray_settings
+
+        common["ray"] = ray_settings(args)
         with airgap(not args.allow_network) as network:
             requests, labels, source = _requests(args)
             meta = {"network": network, "data": source, "dtype": args.dtype, "requests": len(requests)}

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from clef_local.batch.ray_runner import add_ray_flags
 from clef_local.data.datasets import Example
 from clef_local.options import add_model_flags, add_network_flag, load_options, model_path
 from clef_local.quality.metrics import labelled_report
@@ -27,6 +28,7 @@ from clef_local.quality.results import EvalResult, EvalRow, gold_index
 from clef_local.runtime.schema import QUESTION_TYPES
 
 if TYPE_CHECKING:
+    from clef_local.batch.ray_runner import RayPredictor
     from clef_local.model import ClefModel, Prediction
 
 log = logging.getLogger(__name__)
@@ -54,9 +56,10 @@ def _progress_bar(total: int, enabled: bool) -> Any:
     return tqdm(total=total, unit="req", disable=not enabled, file=sys.stderr, desc="eval")
 
 
-def evaluate(model: ClefModel, examples: Sequence[Example], *, batch_size: int = 8, data_name: str = "",
-             progress: Callable[[int, int], None] | None = None) -> tuple[EvalResult, list[Prediction]]:
-    """Run labelled examples through ``model``; metrics per type, latency and throughput."""
+def evaluate(model: ClefModel | RayPredictor, examples: Sequence[Example], *, batch_size: int = 8,
+             data_name: str = "", progress: Callable[[int, int], None] | None = None
+             ) -> tuple[EvalResult, list[Prediction]]:
+    """Run labelled examples through ``model`` (or a Ray actor pool); metrics per type, latency and throughput."""
     requests = [e.request for e in examples]
     started = time.perf_counter()
     batch_times: list[float] = []
@@ -118,10 +121,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write the metrics (and rows, for `clef-local report`) as JSON")
     add_network_flag(parser)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_ray_flags(parser)
     args = parser.parse_args(argv)
     if args.batch_size < 1:
         parser.error(f"--batch-size must be ≥ 1, got {args.batch_size}")
     from clef_local.airgap import airgap
+    from clef_local.batch.ray_runner import RayPredictor, ray_settings
     from clef_local.data.jsonl import DataFormatError, read_jsonl
     from clef_local.errors import ClefError
 
@@ -132,7 +137,10 @@ def main(argv: list[str] | None = None) -> int:
             examples = read_jsonl(args.data, limit=args.limit)
             if not examples:
                 raise DataFormatError(f"{args.data}: no requests")
-            model = clef_local.load(model_path(args.model), **load_options(args))
+            ray = ray_settings(args)  # --ray: the predictions come from replicas, as in `clef-local batch --ray`
+            model = (RayPredictor(model_path(args.model), ray, load_options=load_options(args),
+                                  airgapped=not args.allow_network) if ray
+                     else clef_local.load(model_path(args.model), **load_options(args)))
             bar = _progress_bar(len(examples), not args.no_progress)
             result, predictions = evaluate(model, examples, batch_size=args.batch_size, data_name=str(args.data),
                                            progress=lambda done, _total: bar.update(done - bar.n))

@@ -1,0 +1,125 @@
+"""Deciding one chunk of rows: the same code in the local job and in every Ray replica, so both write the same bytes.
+
+Each row is validated and tokenized on its own (:meth:`ClefModel.encode`): a row the server would answer with a 4xx
+(a schema error, a state too long) becomes a line of the errors file and the other rows go on. The rows that encode
+are decided together (:meth:`ClefModel.predict_encoded`: length-bucketed batches, the server's rules in
+:mod:`clef_local.runtime.batching`), and each answer becomes one JSONL line ``{"id": …, **response}``. Batches are
+cut inside a chunk only, so a chunk's bytes do not depend on which chunks ran before it (a resumed job's output
+equals an uninterrupted one's).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from clef_local.batch.io import Row, RowError
+from clef_local.errors import ClefError
+from clef_local.runtime.answers import Confidence, round_floats
+
+if TYPE_CHECKING:
+    from clef_local.model import ClefModel
+    from clef_local.runtime.encoding import EncodedRecord
+
+
+@dataclass(frozen=True)
+class ChunkSettings:
+    """What changes a chunk's bytes besides the model and the rows."""
+
+    batch_size: int = 8
+    confidence: Confidence | None = None  # None: the model's
+    truncate_state: bool = False
+    digits: int | None = 4  # floats rounded as on the wire; None keeps full precision
+
+
+@dataclass(frozen=True)
+class ChunkResult:
+    """One decided chunk: its answers' and errors' JSONL bytes, their counts and the time it took."""
+
+    chunk: int
+    out: bytes
+    err: bytes
+    rows: int
+    errors: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class EncodedChunk:
+    """A chunk after validation and tokenization: the rows that encode, and the errors of those that do not."""
+
+    chunk: int
+    rows: list[Row]
+    encoded: list[tuple[Row, dict[str, Any], EncodedRecord]]
+    errors: dict[int, RowError]  # row position → why it has no answer
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
+def row_error(exc: ClefError) -> RowError:
+    return RowError(exc.status_code, exc.error_type, str(exc), exc.to_detail())
+
+
+def encode_chunk(model: ClefModel, chunk: int, rows: Sequence[Row], settings: ChunkSettings) -> EncodedChunk:
+    """Validate and tokenize every row; a 4xx :class:`ClefError` stays with its row, anything else propagates."""
+    encoded = []
+    errors: dict[int, RowError] = {}
+    for row in rows:
+        if row.request is None:
+            errors[row.position] = row.error or RowError(422, "validation_error", "no request")
+            continue
+        try:
+            record, enc = model.encode(row.request, truncate_state=settings.truncate_state)
+        except ClefError as exc:
+            if not 400 <= exc.status_code < 500:
+                raise  # a broken release or a full device is the job's problem, not the row's
+            errors[row.position] = row_error(exc)
+            continue
+        encoded.append((row, record, enc))
+    return EncodedChunk(chunk, list(rows), encoded, errors)
+
+
+def decide_encoded(model: ClefModel, encoded: EncodedChunk, settings: ChunkSettings,
+                   progress: Callable[[int], None] | None = None) -> ChunkResult:
+    """Run the encoded rows through the model and serialize the chunk (answers and errors in row order).
+
+    ``progress(rows)`` is called after each batch with the number of rows it finished.
+    """
+    started = time.perf_counter()
+    done = 0
+
+    def step(finished: int, _total: int) -> None:
+        nonlocal done
+        if progress is not None:
+            progress(finished - done)
+        done = finished
+
+    predictions = model.predict_encoded([(record, enc) for _, record, enc in encoded.encoded],
+                                        batch_size=settings.batch_size, progress=step)
+    mode = settings.confidence or model.confidence
+    answers = {row.position: p.response(mode) for (row, _, _), p in zip(encoded.encoded, predictions, strict=True)}
+    out, err = [], []
+    for row in encoded.rows:
+        if row.position in answers:
+            response = answers[row.position]
+            if settings.digits is not None:
+                response = round_floats(response, settings.digits)
+            out.append(_dumps({"id": row.id, **response}) + "\n")
+        else:
+            e = encoded.errors[row.position]
+            err.append(_dumps({"id": row.id, "row": row.position, "status": e.status, "error_type": e.error_type,
+                               "message": e.message, "detail": e.detail}) + "\n")
+    if progress is not None and encoded.errors:
+        progress(len(encoded.errors))
+    return ChunkResult(encoded.chunk, "".join(out).encode(), "".join(err).encode(), len(encoded.rows), len(err),
+                       time.perf_counter() - started)
+
+
+def decide_chunk(model: ClefModel, chunk: int, rows: Sequence[Row], settings: ChunkSettings) -> ChunkResult:
+    """:func:`encode_chunk` then :func:`decide_encoded` (what a Ray replica runs for each chunk)."""
+    return decide_encoded(model, encode_chunk(model, chunk, rows, settings), settings)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from clef_local.backends.linear_attention import log_linear_attention_paths
 from clef_local.backends.placement import Stage, place_pipeline, to_device_except
 from clef_local.backends.quantized import kernel_counts, prepare_quantized, quantized_prefixes, swap_linears
 from clef_local.errors import ReleaseError
@@ -44,6 +45,11 @@ def resolve_dtype(name: str | torch.dtype | None, release: Release) -> torch.dty
     if key not in DTYPES:
         raise ValueError(f"unknown dtype {key!r}; use one of {', '.join(DTYPES)} or 'auto'")
     return DTYPES[key]
+
+
+def qwen3_5_type(config: Any) -> str:
+    """The transformers model type whose modeling module holds the text layers (``qwen3_5`` for Clef)."""
+    return str(getattr(config, "model_type", "qwen3_5")).removesuffix("_text")
 
 
 def variant_scheme(config: dict[str, Any]) -> str | None:
@@ -119,6 +125,9 @@ class TorchBackbone:
             self.model = model.to(self.device).eval()
         self.layers = prepare_quantized(self.model)
         self.output_embedding = self.model.get_output_embeddings().weight
+        text_config = self.model.config.get_text_config()
+        self.linear_attention = (log_linear_attention_paths(self.device.type, qwen3_5_type(self.model.config))
+                                 if "linear_attention" in (getattr(text_config, "layer_types", None) or []) else {})
 
     @torch.inference_mode()
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -188,6 +197,8 @@ class TorchBackend:
                "backbone_dtype": str(self.backbone.dtype).split(".")[-1],
                "embeddings": "host" if self.backbone.host_embeddings else "device",
                "backbone_parameters": params, "head_parameters": head_params, "head_dtype": "float32"}
+        if self.backbone.linear_attention:
+            out["linear_attention"] = dict(self.backbone.linear_attention)
         if self.backbone.split:
             out["split"] = [{"device": d, "layers": [a, b]} for d, a, b in self.backbone.split]
         if self.backbone.scheme is not None:

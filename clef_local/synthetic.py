@@ -1,21 +1,17 @@
-"""Full-size random Clef releases in any stored format, written streaming (the weights of
-:func:`clef_local.testing.build_shaped_release`).
-
-Real Clef weights cannot be downloaded everywhere, but their shapes are public (``clef_local/planning/configs``): a
-release with random weights of the exact shapes exercises every byte of memory, every kernel and the loader's
-arithmetic. :func:`write_shaped_weights` writes the backbone shards, ``config.json``, the joint head and the
-manifest of such a release directly in a variant's stored format (docs/format.md §6): ``bf16`` (the release's
-dtype), ``int4`` (uint32 nibbles + per-group scales and biases, MLX layout), ``int8`` / ``fp8`` (a byte per weight +
-a float32 scale per row) or ``nf4`` (bitsandbytes' serialization). What is quantized is decided by
-:func:`clef_local.quant.predicate.should_quantize`, as ``clef-local quantize`` decides it.
+"""Full-size random Clef releases in any stored format, written streaming (behind
+:func:`clef_local.testing.build_shaped_release`): random weights of the exact public shapes exercise every byte of
+memory, every kernel and the loader's arithmetic. :func:`write_shaped_weights` writes the backbone shards,
+``config.json``, the head and the manifest directly in a stored format (docs/format.md §6): ``bf16``, ``int4``
+(MLX layout), ``int8``, ``fp8`` or ``nf4`` (bitsandbytes' serialization), quantizing what ``clef-local quantize``
+would (:func:`clef_local.quant.predicate.should_quantize`).
 
 - Values: quantized layers get uniform random codes with scales such that the dequantized weights have zero mean
   and the config's ``initializer_range`` as standard deviation (int4: ``bias = -8·scale`` with a random sign per
   group, a grid spanning zero as MLX orients it, which tinygemm repacks exactly); other linear and embedding
   matrices are N(0, initializer_range) (bf16 values from a fixed table of 65,536 normal quantiles indexed by
   random 16-bit numbers: four times faster than sampling); everything else (norms, ``A_log``, ``dt_bias``,
-  ``conv1d``, the vision patch embedding) comes from the architecture's own ``_init_weights``. The head follows
-  :func:`clef_local.testing.build_tiny_release`'s rules (every parameter matters).
+  ``conv1d``, the vision patch embedding) comes from the architecture's own ``_init_weights``; the head has
+  :func:`clef_local.testing.build_tiny_release`'s rules.
 - Streaming: the safetensors header is computed from the shapes, then each tensor is produced in pieces of
   :data:`PIECE_BYTES` by a thread pool (numpy releases the GIL) and written in order while the file's SHA-256 is
   computed, with at most ``2 × workers`` pieces in flight: a few pieces held, whatever the model's size.
@@ -141,14 +137,14 @@ def _fp8_low(codes: np.ndarray) -> np.ndarray:
 def _fp8_rms() -> float:
     import torch
 
-    codes = torch.from_numpy(_fp8_low(np.arange(256, dtype=np.uint8))).view(torch.float8_e4m3fn).float()
-    return float(codes.square().mean().sqrt())
+    return float(torch.from_numpy(_fp8_low(np.arange(256, dtype=np.uint8))).view(torch.float8_e4m3fn).float()
+                 .square().mean().sqrt())
 
 
 def _nf4_rms() -> float:
-    from clef_local.quant import nf4
+    from clef_local.quant.nf4 import NF4_CODE
 
-    return float(np.sqrt(np.mean(np.square(nf4.NF4_CODE))))
+    return float(np.sqrt(np.mean(np.square(NF4_CODE))))
 
 
 INT4_CODE_RMS = math.sqrt((16 * 16 - 1) / 12)  # RMS of q - 8 for q uniform on 0..15 (mean -1/2, zeroed by the sign)
@@ -213,6 +209,11 @@ def _make_piece(tensor: Stored, seed: int, index: int, start: int, count: int) -
     return np.ascontiguousarray(values)
 
 
+def tensor_values(tensor: Stored, seed: int = 0) -> np.ndarray:
+    """All of ``tensor``'s stored values (bit patterns for BF16 / fp8), as :func:`write_safetensors` writes them."""
+    return np.concatenate([_make_piece(tensor, seed, *piece) for piece in _pieces(tensor)]).reshape(tensor.shape)
+
+
 def safetensors_header(tensors: list[Stored], metadata: Mapping[str, str] | None = None) -> bytes:
     """The 8-byte length and the JSON header (padded with spaces to a multiple of 8) of a file of ``tensors``,
     laid out in the given order."""
@@ -227,16 +228,17 @@ def safetensors_header(tensors: list[Stored], metadata: Mapping[str, str] | None
     return struct.pack("<Q", len(text)) + text
 
 
-def write_safetensors(path: Path, tensors: list[Stored], *, seed: int, workers: int) -> str:
-    """Write ``tensors`` to ``path`` piece by piece (module docstring); return the file's SHA-256."""
+def write_safetensors(path: Path, tensors: list[Stored], *, seed: int, workers: int, hashed: bool = True) -> str:
+    """Write ``tensors`` to ``path`` piece by piece (module docstring); return the file's SHA-256 ("" unhashed)."""
     import hashlib
 
-    digest = hashlib.sha256()
+    digest = hashlib.sha256() if hashed else None
     in_flight: deque[Future[np.ndarray]] = deque()
     with path.open("wb") as f, ThreadPoolExecutor(max_workers=workers, thread_name_prefix="synthetic") as pool:
         def emit(data: bytes | memoryview) -> None:
             f.write(data)
-            digest.update(data)
+            if digest is not None:  # hashing costs about as much as writing on a fast disk
+                digest.update(data)
 
         emit(safetensors_header(tensors))
         for tensor in tensors:
@@ -246,7 +248,7 @@ def write_safetensors(path: Path, tensors: list[Stored], *, seed: int, workers: 
                     emit(in_flight.popleft().result().view(np.uint8).data)
         while in_flight:
             emit(in_flight.popleft().result().view(np.uint8).data)
-    return digest.hexdigest()
+    return digest.hexdigest() if digest is not None else ""
 
 
 def shaped_config(config: Mapping[str, Any], *, layers: int | None = None, vocab_size: int | None = None,
@@ -320,8 +322,7 @@ def _initialized(model: Any, names: list[str], seed: int, dtype: str) -> dict[st
 
 @dataclass(frozen=True)
 class Backbone:
-    """The stored tensors of a backbone (model order), the tensors kept as released (with the predicate's reason),
-    the quantized weights' names and the bytes their stored tensors take."""
+    """A backbone's stored tensors (model order), those kept as released (and why), the quantized weights."""
 
     tensors: list[Stored]
     kept: dict[str, str]
@@ -430,7 +431,7 @@ def write_shaped_weights(config_path: str | Path, out: str | Path, *, scheme: st
                          layers: int | None = None, vocab_size: int | None = None, seed: int = 0,
                          token_ids: Mapping[str, int] | None = None, head_config: str | Path | None = None,
                          group_size: int = 64, shard_bytes: int = DEFAULT_SHARD_BYTES,
-                         workers: int | None = None, manifest_fields: Mapping[str, Any] | None = None) -> Path:
+                         workers: int | None = None, hashes: bool = True) -> Path:
     """Write the backbone shards (+ index), ``config.json``, ``generation_config.json``, the joint head and, last,
     ``clef_local_manifest.json`` (every file in ``out``, SHA-256 included) of a random release shaped like
     ``config_path`` into the existing directory ``out``; return ``out``.
@@ -438,7 +439,8 @@ def write_shaped_weights(config_path: str | Path, out: str | Path, *, scheme: st
     ``head_config`` defaults to ``NAME.joint_head_config.json`` or ``joint_head_config.json`` beside the config;
     its ``hidden_size`` must match the backbone's. ``layers`` / ``vocab_size`` / ``token_ids``: see
     :func:`shaped_config`. ``group_size``: int4 group (32/64/128) or nf4 block. ``workers``: generating threads
-    (default: the usable cores). The tokenizer and the legal files are the caller's.
+    (default: the usable cores). ``hashes=False`` leaves the weight files' SHA-256 out of the manifest (sizes and
+    headers are still checked on load). The tokenizer and the legal files are the caller's.
     """
     if scheme not in SCHEMES:
         raise ValueError(f"unknown scheme {scheme!r}; choose one of {', '.join(SCHEMES)}")
@@ -462,12 +464,12 @@ def write_shaped_weights(config_path: str | Path, out: str | Path, *, scheme: st
     shards = shard_plan(backbone.tensors, shard_bytes)
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-    hashes: dict[str, str] = {}
+    digests: dict[str, str] = {}
     for file_name, shard in zip(names, shards, strict=True):
         log.info("writing %s (%d tensors, %.2f GiB)", out / file_name, len(shard), sum(t.nbytes for t in shard) / GiB)
-        hashes[file_name] = write_safetensors(out / file_name, shard, seed=seed, workers=workers)
-    hashes["joint_head.safetensors"] = write_safetensors(out / "joint_head.safetensors", head_tensors(head),
-                                                         seed=seed + 1, workers=workers)
+        digests[file_name] = write_safetensors(out / file_name, shard, seed=seed, workers=workers, hashed=hashes)
+    digests["joint_head.safetensors"] = write_safetensors(out / "joint_head.safetensors", head_tensors(head),
+                                                          seed=seed + 1, workers=workers, hashed=hashes)
     shutil.copyfile(head_path, out / "joint_head_config.json")
     if len(shards) > 1:
         _dump(out / "model.safetensors.index.json", {
@@ -478,12 +480,14 @@ def write_shaped_weights(config_path: str | Path, out: str | Path, *, scheme: st
         _dump(out / "config.json", config)
     _dump(out / "generation_config.json", {"eos_token_id": text.get("eos_token_id"),
                                            "pad_token_id": text.get("pad_token_id")})
-    files = {name: {"size": (out / name).stat().st_size, "sha256": hashes.get(name) or sha256(out / name)}
-             for name in list_files(out)}
+    files: dict[str, dict[str, Any]] = {name: {"size": (out / name).stat().st_size} for name in list_files(out)}
+    for name, entry in files.items():
+        if name not in digests or digests[name]:
+            entry["sha256"] = digests.get(name) or sha256(out / name)
     group = group_size if scheme in ("int4", "nf4") else None
     fields: dict[str, Any] = {"tool": "clef-local", "synthetic": {
         "config": config_path.name, "scheme": scheme, "layers": layers, "vocab_size": vocab_size, "seed": seed,
-        "group_size": group}, **(manifest_fields or {})}
+        "group_size": group}}
     if scheme != "bf16":
         fields["scheme"] = {"name": scheme, "group_size": group, "bits_per_weight": round(
             8 * backbone.quantized_bytes / sum(math.prod(model.get_parameter(n).shape) for n in backbone.quantized),

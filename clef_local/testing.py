@@ -162,7 +162,7 @@ def build_tiny_release(
 def build_shaped_release(config: str | Path, out: str | Path, *, scheme: str = "bf16", layers: int | None = None,
                          seed: int = 0, vocab_size: int | None = None, head_config: str | Path | None = None,
                          group_size: int = 64, shard_bytes: int = DEFAULT_SHARD_BYTES,
-                         workers: int | None = None) -> Path:
+                         workers: int | None = None, hashes: bool = True) -> Path:
     """Write a release with random weights of the exact shapes of the backbone ``config`` (a ``config.json``
     path; ``clef_local.planning.planner.packaged_config("clef")`` is Clef 27B's) at ``out``, return that path.
 
@@ -173,7 +173,7 @@ def build_shaped_release(config: str | Path, out: str | Path, *, scheme: str = "
     with every file's SHA-256 (:mod:`clef_local.synthetic`). ``layers``: only the first ``layers`` decoder layers
     (a reduced copy of the same shapes, for CPU tests); ``vocab_size``: a smaller vocabulary (the embeddings
     dominate a reduced copy). Seeded and deterministic; ``workers`` threads generate the values (default: every
-    usable core).
+    usable core); ``hashes=False`` leaves the weights' SHA-256 out of the manifest (faster on a fast disk).
     """
     out = _empty_directory(out, "a shaped release")
     ids = _write_tokenizer(out, "qwen3_5")
@@ -185,7 +185,7 @@ def build_shaped_release(config: str | Path, out: str | Path, *, scheme: str = "
     (out / "joint_schema_model.py").write_text(_CANARY, encoding="utf-8")
     return write_shaped_weights(config, out, scheme=scheme, layers=layers, vocab_size=vocab_size, seed=seed,
                                 token_ids=ids, head_config=head_config, group_size=group_size,
-                                shard_bytes=shard_bytes, workers=workers)
+                                shard_bytes=shard_bytes, workers=workers, hashes=hashes)
 
 
 def _empty_directory(path: str | Path, what: str) -> Path:

@@ -175,3 +175,13 @@ def test_clef_27b_shaped_int4_loads_and_answers_on_cpu(tmp_path: Path) -> None:
     assert np.isfinite(probabilities).all() and math.isclose(probabilities.sum(), 1, abs_tol=1e-6)
     print(f"Clef-27B-shaped int4, 4 layers: built in {built:.1f} s, loaded and decided in "
           f"{time.perf_counter() - started - built:.1f} s")
+
+
+def test_unhashed_weights_still_check_and_load(tiny_config: Path, tmp_path: Path) -> None:
+    out = build_shaped_release(tiny_config, tmp_path / "fast", scheme="int4", hashes=False)
+    manifest = read_manifest(out)
+    assert manifest is not None
+    entries = manifest["files"]
+    assert "sha256" not in entries["model.safetensors"] and "sha256" not in entries["joint_head.safetensors"]
+    assert "sha256" in entries["config.json"] and verify(out) == []
+    assert clef_local.load(out, dtype="float32").decide(SHORT_REQUEST)["answers"]["refund"]["type"] == "noul"

@@ -313,7 +313,7 @@ def step_kernels(work: Path, dry_run: bool) -> dict[str, Any]:
     x_all = {k: torch.randn(s["kernel_tokens"], i, device=device, dtype=torch.bfloat16) for k, (o, i) in shapes.items()}
     sync = torch.cuda.synchronize if device.startswith("cuda") else None
     rows, detail = [], []
-    for scheme in ("bf16", "int4", "int8", "fp8", "nf4"):
+    for scheme, force in (("bf16", ""), ("int4", ""), ("int8", ""), ("int8", "int_mm"), ("fp8", ""), ("nf4", "")):
         total, kernels = 0.0, set()
         for label, (out_f, in_f) in shapes.items():
             with torch.device("meta"):
@@ -330,6 +330,8 @@ def step_kernels(work: Path, dry_run: bool) -> dict[str, Any]:
                 model.load_state_dict(state, strict=True, assign=True)
                 model.to(device)
                 ql.prepare_quantized(model)
+                if force == "int_mm":  # torch._int_mm, the kernel without bitsandbytes, beside bnb's
+                    model[0].use_int_mm()
                 layer, kernel = model[0], model[0].kernel
             x = x_all[label]
             with torch.inference_mode():
@@ -339,7 +341,8 @@ def step_kernels(work: Path, dry_run: bool) -> dict[str, Any]:
             flops = 2 * s["kernel_tokens"] * out_f * in_f
             detail.append(f"| {scheme} | {kernel} | {label} [{out_f}, {in_f}] | {ms:.3f} | "
                           f"{flops / (ms * 1e-3) / 1e12:.2f} |")
-        rows.append({"scenario": f"kernels {scheme}: one Clef 27B linear-attention layer's matmuls, "
+        rows.append({"scenario": f"kernels {scheme}{f' ({force})' if force else ''}: one Clef 27B "
+                                 "linear-attention layer's matmuls, "
                                  f"{s['kernel_tokens']:,} tokens", "fits": "-", "latency_ms": total,
                      "tokens_s": s["kernel_tokens"] / total * 1e3,
                      "note": ", ".join(sorted(kernels)) + f" on {device}"})

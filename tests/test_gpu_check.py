@@ -55,7 +55,8 @@ def test_the_dry_run_runs_every_step_on_a_cpu(tmp_path: Path) -> None:
     assert sum(r.startswith("| (b) Clef 27B int8 stage ") and "| not run (no CUDA) |" in r for r in rows) == 2
     assert "| (d) tests marked cuda | not run (no CUDA: every test skipped) |" in table
     assert "(c) gated delta net, reference path" in table and "| kernels nf4: " in table
-    assert (tmp_path / "out" / "kernels.md").read_text().count("\n") == 2 + 5 * 2  # header + 5 schemes × 2 shapes
+    # header + 6 kernels (bf16, int4, int8, int8 through torch._int_mm, fp8, nf4) × 2 shapes
+    assert (tmp_path / "out" / "kernels.md").read_text().count("\n") == 2 + 6 * 2
     assert not any((tmp_path / "work" / name).exists() for name in RELEASES)  # deleted when done
     # a second run finds every result and runs no step again
     again = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--dry-run"], cwd=ROOT, env=env, capture_output=True,

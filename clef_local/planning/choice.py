@@ -5,10 +5,11 @@ here they are only names. The choice is a pure function, :func:`decide`, of the 
 (:mod:`clef_local.planning.hardware`), the variant's scheme, the planner's footprint of the release
 (:mod:`clef_local.planning.planner`) and which backends are installed:
 
-- backend ``auto``: CUDA → torch (bitsandbytes for nf4/int8, ``torch._scaled_mm`` for fp8 on sm_89+, else the
-  weights are dequantized per call); Apple silicon → MLX (int4/int8 as ``mx.quantize`` arrays, nf4/fp8 dequantized);
-  a CPU → torch, or ONNX Runtime when the directory holds an ONNX export (``onnx/``). ``onnx`` is never picked
-  otherwise; an explicit backend that is not installed is an error naming the ones that are.
+- backend ``auto``: CUDA → torch (bitsandbytes for nf4/int8, else ``torch._int_mm`` for int8;
+  ``torch._scaled_mm`` for fp8 on sm_89+, else the weights are dequantized per call); Apple silicon → MLX
+  (int4/int8 as ``mx.quantize`` arrays, nf4/fp8 dequantized); a CPU → torch, or ONNX Runtime when the directory
+  holds an ONNX export (``onnx/``). ``onnx`` is never picked otherwise; an explicit backend that is not installed
+  is an error naming the ones that are.
 - dtype ``None``: bfloat16 where it is fast (CUDA sm_80+, Apple, AMX CPUs), float16 on older CUDA cards, float32 on
   a CPU without AMX (bf16 is slower than float32 there) and on MLX's Linux CPU build.
 - memory: the planner's need for the stored format on the chosen device at the model's context; when it does not
@@ -142,7 +143,7 @@ def kernel_for(backend: str, hardware: Hardware, scheme: str, *, bitsandbytes: b
         if scheme == "int4" and (dtype != "bfloat16" or not (hardware.compute_capability or (0, 0)) >= (8, 0)):
             return DEQUANTIZE  # tinygemm needs sm_80+ and bfloat16 activations
         if scheme == "int8" and not bitsandbytes:
-            return DEQUANTIZE
+            return "int_mm_cuda"  # torch._int_mm (clef_local.backends.quantized)
     return kernel
 
 

@@ -245,7 +245,8 @@ def step_b(work: Path, dry_run: bool) -> dict[str, Any]:
     plan = plan_split(model, tokens)
     rows = []
     for i, (stage, planned) in enumerate(zip(stages, plan.stages, strict=True)):
-        peak = stage["weights"] + stage["rise"] if probe else None
+        # a card of its own would hold its weights, its activations' peak and a CUDA context of its own
+        peak = stage["weights"] + stage["rise"] + probe["outside"] if probe else None
         rows.append({"scenario": f"(b) Clef 27B int8 stage {i} (layers {stage['layers'][0]}-{stage['layers'][1] - 1})"
                                  f" of 2 × 24 GiB, {tokens:,} tokens",
                      "fits": ("yes" if peak <= 24 * GiB else "no") if peak is not None else "not run (no CUDA)",
@@ -276,6 +277,8 @@ def stage_meter(model: Any, on_cuda: bool) -> list[dict[str, Any]]:
     stages = []
     for index, (_, start, stop) in enumerate(backbone.split):
         modules = [layers[i] for i in range(start, stop)]
+        if index == 0:  # the vision tower sits on the first card (the plan counts it there)
+            modules += [m for m in (getattr(backbone.model.model, "visual", None),) if m is not None]
         if index == len(backbone.split) - 1:
             modules += [backbone.text_model.norm, model.backend.head]
         weights = sum(t.numel() * t.element_size() for m in modules for t in [*m.parameters(), *m.buffers()])
@@ -315,6 +318,10 @@ def step_kernels(work: Path, dry_run: bool) -> dict[str, Any]:
     rows, detail = [], []
     for scheme, force in (("bf16", ""), ("int4", ""), ("int8", ""), ("int8", "int_mm"), ("fp8", ""), ("nf4", "")):
         total, kernels = 0.0, set()
+        name = f"kernels {scheme}{f' ({force})' if force else ''}"
+        if scheme == "nf4" and importlib.util.find_spec("bitsandbytes") is None:
+            rows.append({"scenario": name, "fits": "not run (bitsandbytes is not installed)"})
+            continue
         for label, (out_f, in_f) in shapes.items():
             with torch.device("meta"):
                 model = nn.Sequential(nn.Linear(in_f, out_f, bias=False))
@@ -341,8 +348,7 @@ def step_kernels(work: Path, dry_run: bool) -> dict[str, Any]:
             flops = 2 * s["kernel_tokens"] * out_f * in_f
             detail.append(f"| {scheme} | {kernel} | {label} [{out_f}, {in_f}] | {ms:.3f} | "
                           f"{flops / (ms * 1e-3) / 1e12:.2f} |")
-        rows.append({"scenario": f"kernels {scheme}{f' ({force})' if force else ''}: one Clef 27B "
-                                 "linear-attention layer's matmuls, "
+        rows.append({"scenario": f"{name}: one Clef 27B linear-attention layer's matmuls, "
                                  f"{s['kernel_tokens']:,} tokens", "fits": "-", "latency_ms": total,
                      "tokens_s": s["kernel_tokens"] / total * 1e3,
                      "note": ", ".join(sorted(kernels)) + f" on {device}"})

@@ -311,11 +311,14 @@ def _short(text: str, limit: int = 40) -> str:
 
 def load(path: str | Path, *, device: str = "auto", dtype: str | None = None, backend: str = "auto",
          max_length: int | None = None, confidence: Confidence = "jev",
-         limits: Limits = DEFAULT_LIMITS) -> ClefModel:
+         limits: Limits = DEFAULT_LIMITS, max_memory: str | dict[str, Any] | None = None) -> ClefModel:
     """Load a Clef release (or variant) directory.
 
     ``backend`` is ``"auto"``, ``"torch"``, ``"mlx"`` or ``"onnx"`` and ``device`` ``"auto"``, ``"cpu"``, ``"cuda"``
-    (``"cuda:N"``) or ``"mps"``; :mod:`clef_local.planning.choice` decides what ``"auto"`` means on this machine.
+    (``"cuda:N"``), ``"mps"``, or several (``"cuda:0,cuda:1"``: the decoder layers split over them, torch only);
+    :mod:`clef_local.planning.choice` decides what ``"auto"`` means on this machine. ``max_memory`` caps devices
+    (``{"cuda:0": "24GiB"}``, ``"cuda:0=24GiB"``, or ``"24GiB"`` for every device): a model that does not fit under
+    the cap is refused before loading, and on CUDA the allocator is capped too (docs/hardware.md).
     ``dtype`` is the backbone's compute dtype (``None``: as stored, BF16 for real releases; ``"float32"`` for
     exact comparisons); the joint schema head always runs in float32. ``max_length`` defaults to the smaller of
     the reference's 16,384 and the backbone's context.
@@ -324,7 +327,7 @@ def load(path: str | Path, *, device: str = "auto", dtype: str | None = None, ba
 
     release = read_release(path)
     started = time.perf_counter()
-    runner = build_backend(release, backend=backend, device=device, dtype=dtype)
+    runner = build_backend(release, backend=backend, device=device, dtype=dtype, max_memory=max_memory)
     model = ClefModel(release, runner, ReleaseTokenizer(release.path),
                       max_length=max_length, confidence=confidence, limits=limits)
     log.info("loaded %s in %.1f s", release.path, time.perf_counter() - started)

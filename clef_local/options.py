@@ -14,7 +14,10 @@ CONFIDENCES = ("jev", "reference")
 DTYPE_HELP = ("backbone compute dtype (default auto: the loader's choice for this machine — bfloat16 on GPUs, Apple "
               "silicon and AMX CPUs, float32 on other CPUs); the head always runs in float32")
 BACKEND_HELP = "runtime for the backbone (default auto: chosen from the hardware and the variant, see `doctor`)"
-DEVICE_HELP = "auto, cpu, cuda, cuda:N or mps (default auto)"
+DEVICE_HELP = ("auto, cpu, cuda, cuda:N or mps (default auto); several, comma-separated (cuda:0,cuda:1), split the "
+               "decoder layers over them")
+MAX_MEMORY_HELP = ("cap device memory, e.g. cuda:0=24GiB,cuda:1=24GiB or 24GiB for every device: refuse what does "
+                   "not fit under it (on CUDA the allocator is capped too)")
 
 
 def add_model_flags(parser: argparse.ArgumentParser, *, model_help: str | None = None, backend: bool = True,
@@ -22,18 +25,21 @@ def add_model_flags(parser: argparse.ArgumentParser, *, model_help: str | None =
     """``--model`` (and ``--backend``, ``--device``, ``--dtype`` unless switched off) on ``parser``."""
     parser.add_argument("--model", type=Path,
                         help=model_help or "release or variant directory (default: the built-in demo model)")
-    add_runtime_flags(parser, backend=backend, device=device, dtype=dtype)
+    add_runtime_flags(parser, backend=backend, device=device, dtype=dtype, max_memory=device)
 
 
 def add_runtime_flags(parser: argparse.ArgumentParser, *, backend: bool = True, device: bool = True,
-                      dtype: bool = True) -> None:
-    """``--backend``, ``--device``, ``--dtype`` (for commands whose model flag is their own)."""
+                      dtype: bool = True, max_memory: bool = False) -> None:
+    """``--backend``, ``--device``, ``--dtype`` (for commands whose model flag is their own), and ``--max-memory``
+    for commands that load through :func:`load_options`."""
     if dtype:
         parser.add_argument("--dtype", choices=DTYPES, default="auto", help=DTYPE_HELP)
     if backend:
         parser.add_argument("--backend", choices=BACKENDS, default="auto", help=BACKEND_HELP)
     if device:
         parser.add_argument("--device", default="auto", help=DEVICE_HELP)
+    if max_memory:
+        parser.add_argument("--max-memory", help=MAX_MEMORY_HELP)
 
 
 def add_network_flag(parser: argparse.ArgumentParser) -> None:
@@ -56,6 +62,8 @@ def load_options(args: argparse.Namespace) -> dict[str, Any]:
         out["backend"] = args.backend
     if hasattr(args, "device"):
         out["device"] = args.device
+    if getattr(args, "max_memory", None):
+        out["max_memory"] = args.max_memory
     return out
 
 

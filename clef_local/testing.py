@@ -18,6 +18,7 @@ from typing import Any, Literal
 import torch
 
 from clef_local.runtime.head import HeadConfig, JointSchemaHead
+from clef_local.synthetic import DEFAULT_SHARD_BYTES, write_shaped_weights
 
 SPECIAL_TOKENS = (
     "<|endoftext|>", "<|im_start|>", "<|im_end|>",
@@ -143,10 +144,7 @@ def build_tiny_release(
         raise ValueError(f"backbone must be 'qwen3_5' or 'llama', not {backbone!r}")
     if shards < 1:
         raise ValueError(f"shards must be >= 1, not {shards}")
-    out = Path(path)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"refusing to build a tiny release into {out}: it exists and is not an empty directory")
-    out.mkdir(parents=True, exist_ok=True)
+    out = _empty_directory(path, "a tiny release")
 
     ids = _write_tokenizer(out, backbone)
     vocab_size = -(-(max(ids.values()) + 1) // 8) * 8
@@ -158,6 +156,43 @@ def build_tiny_release(
     (out / "LICENSE").write_text(_LICENSE, encoding="utf-8")
     (out / "NOTICE").write_text(_NOTICE, encoding="utf-8")
     (out / "joint_schema_model.py").write_text(_CANARY, encoding="utf-8")
+    return out
+
+
+def build_shaped_release(config: str | Path, out: str | Path, *, scheme: str = "bf16", layers: int | None = None,
+                         seed: int = 0, vocab_size: int | None = None, head_config: str | Path | None = None,
+                         group_size: int = 64, shard_bytes: int = DEFAULT_SHARD_BYTES,
+                         workers: int | None = None, hashes: bool = True) -> Path:
+    """Write a release with random weights of the exact shapes of the backbone ``config`` (a ``config.json``
+    path; ``clef_local.planning.planner.packaged_config("clef")`` is Clef 27B's) at ``out``, return that path.
+
+    The backbone is stored directly as ``scheme`` (``bf16``, ``int4``, ``int8``, ``nf4``, ``fp8``; docs/format.md
+    §6), streamed piece by piece (the memory held is a few tens of MiB whatever the model's size), with a random
+    head of ``head_config`` (default: the one beside ``config``), the tokenizer and legal files of
+    :func:`build_tiny_release` (the special token ids in ``config.json`` are set to that tokenizer's) and a manifest
+    with every file's SHA-256 (:mod:`clef_local.synthetic`). ``layers``: only the first ``layers`` decoder layers
+    (a reduced copy of the same shapes, for CPU tests); ``vocab_size``: a smaller vocabulary (the embeddings
+    dominate a reduced copy). Seeded and deterministic; ``workers`` threads generate the values (default: every
+    usable core); ``hashes=False`` leaves the weights' SHA-256 out of the manifest (faster on a fast disk).
+    """
+    out = _empty_directory(out, "a shaped release")
+    ids = _write_tokenizer(out, "qwen3_5")
+    _write_processor_configs(out)
+    (out / "LICENSE").write_text(_LICENSE, encoding="utf-8")
+    (out / "NOTICE").write_text(_NOTICE.replace("TINY RANDOM", "RANDOM").replace("build_tiny_release",
+                                                                                  "build_shaped_release"),
+                                encoding="utf-8")
+    (out / "joint_schema_model.py").write_text(_CANARY, encoding="utf-8")
+    return write_shaped_weights(config, out, scheme=scheme, layers=layers, vocab_size=vocab_size, seed=seed,
+                                token_ids=ids, head_config=head_config, group_size=group_size,
+                                shard_bytes=shard_bytes, workers=workers, hashes=hashes)
+
+
+def _empty_directory(path: str | Path, what: str) -> Path:
+    out = Path(path)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"refusing to build {what} into {out}: it exists and is not an empty directory")
+    out.mkdir(parents=True, exist_ok=True)
     return out
 
 

@@ -80,3 +80,23 @@ def int8_matmul(x: torch.Tensor, packed: dict[str, torch.Tensor]) -> torch.Tenso
                                                scale.reshape(-1).to(x.dtype).contiguous())
         return y.reshape(*lead, y.shape[-1])
     return x @ dequantize(packed, x.dtype).T
+
+
+INT_MM_MIN_ROWS = 17  # torch._int_mm on CUDA takes more than 16 rows: shorter inputs are padded with zero rows
+
+
+def int_mm_matmul(x: torch.Tensor, packed: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``x @ W.T`` with int8 activations and ``torch._int_mm`` (W8A8, the int8 tensor-core GEMM on CUDA; CPUs run
+    it too): ``sx = max|x_row| / 127``, ``xq = rint(x / sx)``, ``acc = xq @ q.T`` in int32, ``y = acc · sx ·
+    scale.T`` in float32, cast to ``x.dtype``. Per element the activations' rounding adds at most ``sx / 2``.
+    ``in`` and ``out`` must be multiples of 8 on CUDA."""
+    weight, scale = packed["weight"], packed["weight_scale"]
+    lead, rows = x.shape[:-1], x.reshape(-1, x.shape[-1]).shape[0]
+    x2 = x.reshape(rows, x.shape[-1]).float()
+    sx = (x2.abs().amax(dim=1, keepdim=True) / QMAX).clamp_(min=1e-12)
+    xq = torch.round(x2 / sx).clamp_(-QMAX, QMAX).to(torch.int8)
+    if x.device.type == "cuda" and rows < INT_MM_MIN_ROWS:
+        xq = torch.nn.functional.pad(xq, (0, 0, 0, INT_MM_MIN_ROWS - rows))
+    acc = torch._int_mm(xq, weight.t())[:rows]
+    y = acc.float().mul_(sx).mul_(scale.reshape(1, -1).float())
+    return y.to(x.dtype).reshape(*lead, y.shape[-1])

@@ -67,6 +67,22 @@ def test_cuda_layer_matches_dequantize_then_matmul(scheme: str, dtype: torch.dty
     assert worst <= TOLERANCE[scheme]
 
 
+def test_cuda_int8_through_int_mm_matches_dequantize_then_matmul():
+    """int8 without bitsandbytes: ``torch._int_mm`` on int8 activations (W8A8), short calls padded to 17 rows."""
+    layer, weight, _ = _cuda_layer("int8", torch.bfloat16)
+    layer.use_int_mm()
+    worst = 0.0
+    for tokens in (1, 16, 21, 300):
+        x = torch.randn(tokens, weight.shape[1], device="cuda", generator=torch.Generator("cuda").manual_seed(tokens))
+        with torch.inference_mode():
+            y = layer(x.to(torch.bfloat16))
+        reference = x.to(torch.bfloat16).float() @ weight.T
+        assert y.dtype == torch.bfloat16 and y.shape == reference.shape
+        worst = max(worst, float((y.float() - reference).abs().max() / reference.abs().max()))
+    print(f"cuda int8 via torch._int_mm: max error / max |x @ W.T| = {worst:.2e}")
+    assert worst <= TOLERANCE["int8"]
+
+
 @pytest.mark.skipif(not SM89, reason="torch._scaled_mm with fp8 needs sm_89+")
 def test_fp8_scaled_mm_is_not_a_silent_dequantize():
     layer, _, _ = _cuda_layer("fp8", torch.bfloat16)

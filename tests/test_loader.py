@@ -50,7 +50,7 @@ def test_cuda_cards_run_torch_with_the_scheme_kernels() -> None:
                                   "int4": "tinygemm_cuda", "nf4": "bnb_matmul_4bit"}
     ampere = named_device("a100-80g")  # sm_80: no FP8 matmul, weights dequantized per call; tinygemm runs
     assert _kernels(ampere)["fp8"] == DEQUANTIZE and _kernels(ampere)["int4"] == "tinygemm_cuda"
-    assert choose(CARD_24, "int8", installed=ALL, bitsandbytes=False).kernel == DEQUANTIZE
+    assert choose(CARD_24, "int8", installed=ALL, bitsandbytes=False).kernel == "int_mm_cuda"  # torch._int_mm
     turing = replace(CARD_24, compute_capability=(7, 5), bf16=False, fast_bf16=False, fp8=False)
     assert choose(turing, "bf16", installed=ALL).dtype == "float16"
     assert choose(turing, "int4", installed=ALL).kernel == DEQUANTIZE  # tinygemm: sm_80+, bf16 only

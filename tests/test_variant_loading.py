@@ -280,14 +280,15 @@ def test_repack_by_row_blocks_is_bit_identical():
 
 
 def test_cuda_kernel_paths_checked_on_cpu():
-    """The CUDA paths (fp8 row-wise ``torch._scaled_mm``, bitsandbytes int8) forced onto torch's / bitsandbytes' CPU
-    implementations: within the activation-quantization error of dequantize-then-matmul (e4m3 activations: 2^-4
-    relative per element, bound 5e-2 of max |y|; int8 activations: 1/254, bound 3e-2)."""
+    """The CUDA paths (fp8 row-wise ``torch._scaled_mm``, bitsandbytes int8, ``torch._int_mm`` int8) forced onto
+    torch's / bitsandbytes' CPU implementations: within the activation-quantization error of dequantize-then-matmul
+    (e4m3 activations: 2^-4 relative per element, bound 5e-2 of max |y|; int8 activations: 1/254, bound 3e-2)."""
     pytest.importorskip("bitsandbytes")
     weight = torch.randn(64, 128, generator=torch.Generator().manual_seed(2))
     x = torch.randn(3, 5, 128, generator=torch.Generator().manual_seed(3))
     for scheme, switch, bound in (("fp8", lambda m: m.use_scaled_mm(torch.float32), 5e-2),
-                                  ("int8", lambda m: m.use_bnb_int8(), 3e-2)):
+                                  ("int8", lambda m: m.use_bnb_int8(), 3e-2),
+                                  ("int8", lambda m: m.use_int_mm(), 3e-2)):
         stored = quant.get(scheme).quantize(weight)
         headers = {f"0.{k}": (tuple(v.shape), v.dtype) for k, v in stored.items()}
         with torch.device("meta"):

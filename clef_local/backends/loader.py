@@ -12,44 +12,103 @@ from pathlib import Path
 from typing import Any
 
 from clef_local.backends.base import Backend
-from clef_local.errors import ApiUsageError
+from clef_local.errors import ApiUsageError, InsufficientMemoryError
 from clef_local.formats.release import Release
-from clef_local.planning.choice import BACKENDS, decide, importable, installed_backends, onnx_cuda
-from clef_local.planning.hardware import GiB
+from clef_local.planning.caps import cap_for, parse_max_memory, resolve_devices, with_cap
+from clef_local.planning.choice import (
+    BACKENDS,
+    LoadDecision,
+    decide,
+    decide_split,
+    importable,
+    installed_backends,
+    onnx_cuda,
+)
+from clef_local.planning.hardware import GiB, Hardware
 
 log = logging.getLogger(__name__)
 
 
 def build_backend(release: Release, *, backend: str = "auto", device: str = "auto", dtype: Any = None,
-                  context: int | None = None, check_memory: bool = True) -> Backend:
+                  context: int | None = None, check_memory: bool = True,
+                  max_memory: str | dict[str, Any] | None = None) -> Backend:
     """The backend for ``release``: chosen by :func:`clef_local.planning.choice.decide` for this machine
-    (``device`` ``auto``, ``cpu``, ``cuda[:N]``, ``mps``), checked against the planner at ``context`` tokens
-    (default: the model's context, at most 16,384), logged, and recorded as ``backend.load_decision``."""
+    (``device`` ``auto``, ``cpu``, ``cuda[:N]``, ``mps``, or several for a pipeline split of the layers:
+    ``cuda:0,cuda:1``), checked against the planner at ``context`` tokens (default: the model's context, at most
+    16,384) under the ``max_memory`` caps (``{"cuda:0": "24GiB"}`` or ``"cuda:0=24GiB"``,
+    :mod:`clef_local.planning.caps`; on CUDA the allocator is capped too), logged, and recorded as
+    ``backend.load_decision``. ``auto`` on a machine with several CUDA cards splits the layers over all of them
+    when the model does not fit on the first one alone."""
     from clef_local.planning.census import stored_format
     from clef_local.planning.hardware import detect
     from clef_local.planning.planner import DEFAULT_CONTEXT, footprint_from_release
 
     try:
-        hardware = detect(device)
+        caps = parse_max_memory(max_memory)
+        devices = resolve_devices(device, caps, detect)
     except ValueError as exc:
         raise ApiUsageError(str(exc)) from exc
+    hardware = devices[0]
     scheme = stored_format(release.config)
-    footprint = footprint_from_release(release.path) if check_memory else None
+    split = len(devices) > 1
+    footprint = footprint_from_release(release.path) if check_memory or split else None
     context = context or min(DEFAULT_CONTEXT, release.max_position_embeddings or DEFAULT_CONTEXT)
     onnx_export = (Path(release.path) / "onnx").is_dir()
-    decision = decide(hardware, scheme, footprint, context=context, backend=backend, dtype=dtype,
-                      installed=installed_backends(), onnx_export=onnx_export,
-                      bitsandbytes=importable("bitsandbytes"), check_memory=check_memory, source=str(release.path),
-                      onnx_cuda=hardware.kind == "cuda" and (backend == "onnx" or onnx_export) and onnx_cuda())
-    log.info("backend %s on %s, %s, %s kernel: %s%s", decision.backend, decision.device, decision.dtype,
-             decision.kernel, decision.reason,
-             f" (needs {decision.need_bytes / GiB:.2f} of {decision.available_bytes / GiB:.1f} GiB)"
-             if decision.need_bytes is not None and decision.available_bytes is not None else "")
+    kwargs: dict[str, Any] = dict(backend=backend, dtype=dtype, installed=installed_backends(),
+                                  bitsandbytes=importable("bitsandbytes"), check_memory=check_memory,
+                                  source=str(release.path))
+    if split:
+        decision = decide_split(devices, scheme, footprint, context=context, **kwargs)
+    else:
+        try:
+            decision = decide(hardware, scheme, footprint, context=context, onnx_export=onnx_export,
+                              onnx_cuda=hardware.kind == "cuda" and (backend == "onnx" or onnx_export) and onnx_cuda(),
+                              **kwargs)
+        except InsufficientMemoryError:
+            cards = _other_cards(hardware, caps) if device == "auto" and backend in ("auto", "torch") else []
+            if not cards:
+                raise
+            decision = decide_split([hardware, *cards], scheme, footprint, context=context, **kwargs)
+            log.info("the model does not fit on %s alone: split over %d cards", hardware.device, len(cards) + 1)
+    _log_decision(decision)
+    if caps and decision.backend == "torch":
+        _cap_cuda(decision, caps)
     module_name, class_name = BACKENDS[decision.backend]
     cls = getattr(importlib.import_module(module_name), class_name)
     # an ONNX export runs in the precision it was exported in unless a dtype was asked for
     asked = dtype not in (None, "auto")
+    options: dict[str, Any] = {"split": decision.split} if decision.split else {}
     runner: Backend = cls(release, device=decision.device,
-                          dtype=decision.dtype if decision.backend != "onnx" or asked else None)
+                          dtype=decision.dtype if decision.backend != "onnx" or asked else None, **options)
     runner.load_decision = decision
     return runner
+
+
+def _log_decision(decision: LoadDecision) -> None:
+    log.info("backend %s on %s, %s, %s kernel: %s%s", decision.backend, decision.device, decision.dtype,
+             decision.kernel, decision.reason,
+             f" (needs {decision.need_bytes / GiB:.2f} of {decision.available_bytes / GiB:.1f} GiB)"
+             if decision.need_bytes is not None and decision.available_bytes is not None else "")
+
+
+def _other_cards(first: Hardware, caps: dict[str, int]) -> list[Hardware]:
+    """The CUDA cards after ``first`` (capped), for ``auto``'s split; none on a machine with one card."""
+    if first.kind != "cuda":
+        return []
+    import torch
+
+    from clef_local.planning.hardware import detect_cuda
+
+    found = [detect_cuda(i) for i in range(1, torch.cuda.device_count())]
+    return [with_cap(h, cap_for(caps, h.device)) for h in found if h is not None]
+
+
+def _cap_cuda(decision: LoadDecision, caps: dict[str, int]) -> None:
+    """Cap the allocator of every CUDA device the decision uses that has a cap (the whole device's cap, also when
+    it is listed several times)."""
+    from clef_local.backends.placement import limit_cuda_memory
+
+    for name in dict.fromkeys(decision.device.split(",")):
+        cap = cap_for(caps, name)
+        if name.startswith("cuda") and cap is not None:
+            limit_cuda_memory(name, cap)

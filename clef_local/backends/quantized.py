@@ -14,7 +14,7 @@ activation dtype at each call, never cached in full precision):
        CPU                                                   CUDA
 =====  ====================================================  ===================================================
 int4   ``dequantize`` (see below)                             ``tinygemm_cuda`` (sm_80+, x bf16, out % 8 == 0)
-int8   ``torch_int8pack_cpu`` (x bf16/f16; see below)          ``bnb_int8`` (bitsandbytes installed)
+int8   ``torch_int8pack_cpu`` (x bf16/f16; see below)          ``bnb_int8`` (bitsandbytes), else ``int_mm_cuda``
 nf4    ``bnb_matmul_4bit`` (bitsandbytes required)            ``bnb_matmul_4bit``
 fp8    ``dequantize`` (slow ``_scaled_mm`` on CPUs)            ``scaled_mm_rowwise`` (sm_89+, in, out % 16 == 0)
 =====  ====================================================  ===================================================
@@ -272,8 +272,9 @@ class Int8Linear(_PerRowLinear):
 
     ``torch_int8pack_cpu``: ``y = aten._weight_int8pack_mm(x, q, scale)`` = ``(x @ q.T) * scale`` (weight-only;
     the scale is cast to the activation dtype) for calls of fewer than :data:`INT8_KERNEL_ROWS` rows, dequantize for
-    longer ones. ``bnb_int8``: :func:`bnb_int8_matmul` (activations quantized too).
-    ``dequantize``: ``y = x @ (q * scale).T`` per call.
+    longer ones. ``bnb_int8``: :func:`bnb_int8_matmul` (activations quantized too). ``int_mm_cuda`` (CUDA without
+    bitsandbytes; in and out multiples of 8): :func:`quant.int8.int_mm_matmul`, ``torch._int_mm`` on int8
+    activations. ``dequantize``: ``y = x @ (q * scale).T`` per call.
     """
 
     scheme = "int8"
@@ -289,6 +290,8 @@ class Int8Linear(_PerRowLinear):
             self._set_kernel("torch_int8pack_cpu")
         elif device.type == "cuda" and nf4.bitsandbytes_available():
             self.use_bnb_int8()
+        elif device.type == "cuda" and not (self.in_features % 8 or self.out_features % 8):
+            self.use_int_mm()
         else:
             self._set_kernel(DEQUANTIZE, f"no fast int8 kernel for {device.type} / {self.compute_dtype}"
                              + (" (bitsandbytes is not installed)" if device.type == "cuda" else ""))
@@ -298,11 +301,17 @@ class Int8Linear(_PerRowLinear):
         self.register_buffer("scb", (self.weight_scale.reshape(-1) * int8.QMAX).float(), persistent=False)
         self._set_kernel("bnb_int8")
 
+    def use_int_mm(self) -> None:
+        """Run through :func:`quant.int8.int_mm_matmul` (CUDA without bitsandbytes; CPUs run it too, for tests)."""
+        self._set_kernel("int_mm_cuda", "" if nf4.bitsandbytes_available() else "bitsandbytes is not installed")
+
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "torch_int8pack_cpu" and x.numel() < INT8_KERNEL_ROWS * x.shape[-1]:
             return int8.int8_matmul(x, self.packed())
         if self.kernel == "bnb_int8":
             return bnb_int8_matmul(x, self.weight, self.scb)
+        if self.kernel == "int_mm_cuda":  # CPUs run it too (tests, the kernel table of benchmarks/flagship.py)
+            return int8.int_mm_matmul(x, self.packed())
         return super()._matmul(x)
 
 

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from clef_local.backends.linear_attention import log_linear_attention_paths
+from clef_local.backends.placement import Stage, place_pipeline, to_device_except
 from clef_local.backends.quantized import kernel_counts, prepare_quantized, quantized_prefixes, swap_linears
 from clef_local.errors import ReleaseError
 from clef_local.formats.release import QWEN3_5, SINGLE_WEIGHTS, WEIGHTS_INDEX, Release, find_weight_files
@@ -45,6 +47,11 @@ def resolve_dtype(name: str | torch.dtype | None, release: Release) -> torch.dty
     return DTYPES[key]
 
 
+def qwen3_5_type(config: Any) -> str:
+    """The transformers model type whose modeling module holds the text layers (``qwen3_5`` for Clef)."""
+    return str(getattr(config, "model_type", "qwen3_5")).removesuffix("_text")
+
+
 def variant_scheme(config: dict[str, Any]) -> str | None:
     """The scheme of a quantized variant's ``config.json`` (``quantization_config.clef_local.scheme``), else None."""
     quant = config.get("quantization_config")
@@ -65,16 +72,20 @@ class TorchBackbone:
 
     def __init__(self, path: Path, config: dict[str, Any], *, device: str = "cpu",
                  dtype: torch.dtype = torch.float32, weight_files: Sequence[Path] | None = None,
-                 host_embeddings: bool | None = None) -> None:
+                 host_embeddings: bool | None = None, split: Sequence[Stage] = ()) -> None:
         """``host_embeddings`` (default: on a CUDA device) keeps ``embed_tokens`` and ``lm_head`` in host memory:
         both are only gathered from (a few rows per request), and on Clef 27B they are ~2.5 GB each
-        (docs/hardware.md)."""
+        (docs/hardware.md). ``split``: ``(device, first layer, end layer)`` per pipeline stage
+        (:mod:`clef_local.backends.placement`); ``device`` is then ignored: the hidden states come out on the last
+        stage's device."""
         import transformers
 
         qwen3_5 = config.get("model_type") == "qwen3_5" or QWEN3_5 in (config.get("architectures") or [])
         cls = transformers.Qwen3_5ForConditionalGeneration if qwen3_5 else transformers.AutoModelForCausalLM
         self.scheme = variant_scheme(config)
-        self.device = torch.device(device)
+        self.split = tuple(split)
+        self.device = torch.device(self.split[-1][0] if self.split else device)
+        self.input_device = torch.device(self.split[0][0]) if self.split else self.device  # where the layers start
         self.dtype = dtype
         path = Path(path)
         if weight_files is None and (self.scheme is not None or (path / SINGLE_WEIGHTS).is_file()
@@ -99,24 +110,35 @@ class TorchBackbone:
         # Without media only the text model runs (docs/format.md §3); with a vision tower it sits beside it.
         self.text_model = getattr(base, "language_model", base)
         self.host_embeddings = self.device.type == "cuda" if host_embeddings is None else host_embeddings
-        if self.host_embeddings:
-            _to_device_except(model, self.device, {id(self.text_model.get_input_embeddings()),
-                                                   id(model.get_output_embeddings())})
+        embeddings = {id(self.text_model.get_input_embeddings()), id(model.get_output_embeddings())}
+        self.pipeline_hooks: list[Any] = []
+        if self.split:
+            self.pipeline_hooks = place_pipeline(model, self.text_model, self.split,
+                                                 embeddings if self.host_embeddings else set())
+            if not self.host_embeddings:  # the output embedding is gathered for the head, on the last device
+                model.get_output_embeddings().to(self.device)
+            self.model = model.eval()
+        elif self.host_embeddings:
+            to_device_except(model, self.device, embeddings)
             self.model = model.eval()
         else:
             self.model = model.to(self.device).eval()
         self.layers = prepare_quantized(self.model)
         self.output_embedding = self.model.get_output_embeddings().weight
+        text_config = self.model.config.get_text_config()
+        self.linear_attention = (log_linear_attention_paths(self.device.type, qwen3_5_type(self.model.config))
+                                 if "linear_attention" in (getattr(text_config, "layer_types", None) or []) else {})
 
     @torch.inference_mode()
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """The text model's final (normed) hidden states, ``[B, T, hidden]``."""
         if self.host_embeddings:  # gather on the host, ship only [B, T, hidden] to the device
-            embeds = self.text_model.get_input_embeddings()(input_ids.cpu()).to(self.device)
-            out = self.text_model(inputs_embeds=embeds, attention_mask=attention_mask.to(self.device),
+            embeds = self.text_model.get_input_embeddings()(input_ids.cpu()).to(self.input_device)
+            out = self.text_model(inputs_embeds=embeds, attention_mask=attention_mask.to(self.input_device),
                                   use_cache=False, return_dict=True)
         else:
-            out = self.text_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+            out = self.text_model(input_ids=input_ids.to(self.input_device),
+                                  attention_mask=attention_mask.to(self.input_device), use_cache=False,
                                   return_dict=True)
         return out.last_hidden_state
 
@@ -126,33 +148,20 @@ class TorchBackbone:
         return table.index_select(0, token_ids.to(table.device)).to(self.device)
 
 
-def _to_device_except(module: torch.nn.Module, device: torch.device, keep: set[int]) -> None:
-    """Move ``module`` to ``device`` except the submodules whose ``id`` is in ``keep`` (they stay where they are)."""
-    for child in module.children():
-        if id(child) in keep:
-            continue
-        if any(id(m) in keep for m in child.modules()):
-            _to_device_except(child, device, keep)
-        else:
-            child.to(device)
-    for name, param in module._parameters.items():
-        if param is not None:
-            module._parameters[name] = torch.nn.Parameter(param.to(device), requires_grad=param.requires_grad)
-    for name, buffer in module._buffers.items():
-        if buffer is not None:
-            module._buffers[name] = buffer.to(device)
-
-
 class TorchBackend:
     """Runs the backbone and the head for a padded batch of encoded records."""
 
     name = "torch"
     load_decision: LoadDecision | None = None  # set by clef_local.backends.loader
 
-    def __init__(self, release: Release, *, device: str = "cpu", dtype: str | torch.dtype | None = None) -> None:
+    def __init__(self, release: Release, *, device: str = "cpu", dtype: str | torch.dtype | None = None,
+                 split: Sequence[Stage] = ()) -> None:
+        """``split``: a pipeline split of the decoder layers (:class:`TorchBackbone`); the head runs on the last
+        stage's device."""
         self.release = release
         self.backbone = TorchBackbone(release.path, release.config, device=device,
-                                      dtype=resolve_dtype(dtype, release), weight_files=release.weight_files)
+                                      dtype=resolve_dtype(dtype, release), weight_files=release.weight_files,
+                                      split=split)
         self.device = self.backbone.device
         self.head = load_head(release, device=self.device)
 
@@ -183,10 +192,15 @@ class TorchBackend:
     def describe(self) -> dict[str, Any]:
         params = sum(p.numel() for p in self.backbone.model.parameters())
         head_params = sum(p.numel() for p in self.head.parameters())
-        out = {"backend": self.name, "device": str(self.device),
+        device = ",".join(d for d, _, _ in self.backbone.split) if self.backbone.split else str(self.device)
+        out = {"backend": self.name, "device": device,
                "backbone_dtype": str(self.backbone.dtype).split(".")[-1],
                "embeddings": "host" if self.backbone.host_embeddings else "device",
                "backbone_parameters": params, "head_parameters": head_params, "head_dtype": "float32"}
+        if self.backbone.linear_attention:
+            out["linear_attention"] = dict(self.backbone.linear_attention)
+        if self.backbone.split:
+            out["split"] = [{"device": d, "layers": [a, b]} for d, a, b in self.backbone.split]
         if self.backbone.scheme is not None:
             out.update(scheme=self.backbone.scheme, kernels=kernel_counts(self.backbone.layers),
                        kernel_layers=dict(self.backbone.layers))

@@ -55,6 +55,17 @@ def read_head_config(path: Path) -> HeadConfig:
     return HeadConfig(**raw)
 
 
+def head_config_beside(config_path: Path) -> Path | None:
+    """The joint head config that goes with a bare backbone ``config_path``: ``NAME.joint_head_config.json`` beside
+    ``NAME.config.json`` (the packaged shapes), else ``joint_head_config.json`` beside it, else None."""
+    stem = config_path.name.removesuffix(".json").removesuffix(".config").removesuffix("config")
+    for candidate in (config_path.with_name(f"{stem}.joint_head_config.json" if stem else HEAD_CONFIG),
+                      config_path.with_name(HEAD_CONFIG)):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
 @dataclass(frozen=True)
 class Release:
     """A release directory, read but not loaded: configs and the list of weight files."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,6 +59,12 @@ class WeightCensus:
     head: int  # the joint schema head in float32 (as it runs)
     head_stored: int = 0  # joint_head.safetensors' tensors as stored
     params: dict[str, int] = field(default_factory=dict)  # parameter counts by role (config source only)
+    layers: tuple[int, ...] = ()  # bytes of each decoder layer of the text model (part of the two text roles)
+
+    @property
+    def text_rest(self) -> int:
+        """Text-model bytes outside the decoder layers (the final norm, ...): they sit with the last layer."""
+        return self.quantized_linears + self.text_other - sum(self.layers)
 
     @property
     def backbone(self) -> int:
@@ -84,6 +91,25 @@ def should_quantize(name: str, shape: tuple[int, ...], group_size: int | None) -
     from clef_local.quant import predicate
 
     return predicate.should_quantize(name, shape, group_size)
+
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def layer_index(name: str) -> int | None:
+    """The decoder layer a text-model tensor belongs to (``...layers.N....``), or None."""
+    match = _LAYER.search(name)
+    return int(match.group(1)) if match else None
+
+
+def _per_layer(sizes: Iterable[tuple[str, int]]) -> tuple[int, ...]:
+    """Bytes per decoder layer from (text tensor name, bytes) pairs; layers without a tensor count 0."""
+    totals: dict[int, int] = {}
+    for name, size in sizes:
+        index = layer_index(name)
+        if index is not None:
+            totals[index] = totals.get(index, 0) + size
+    return tuple(totals.get(i, 0) for i in range(max(totals) + 1)) if totals else ()
 
 
 def _role(name: str) -> str:
@@ -134,6 +160,7 @@ def census_from_shapes(shapes: Mapping[str, tuple[tuple[int, ...], int]], fmt: s
     """Census of full-precision tensors ``{name: (shape, bytes per element)}`` stored as ``fmt``."""
     roles = {"quantized": 0, "text": 0, "embed_tokens": 0, "lm_head": 0, "vision": 0}
     params = dict.fromkeys(("text_linears", "text_other", "embed_tokens", "lm_head", "vision"), 0)
+    text: list[tuple[str, int]] = []
     for name, (shape, size) in shapes.items():
         numel = math.prod(shape)
         role = _role(name)
@@ -144,15 +171,15 @@ def census_from_shapes(shapes: Mapping[str, tuple[tuple[int, ...], int]], fmt: s
         linear, _ = should_quantize(name, shape, None)
         params["text_linears" if linear else "text_other"] += numel
         quantize = fmt != "bf16" and should_quantize(name, shape, _predicate_group(fmt, group_size))[0]
-        if quantize:
-            roles["quantized"] += quantized_bytes(fmt, shape[0], shape[1], size, group_size, source_dtype)
-        elif linear and fmt == "bf16":
-            roles["quantized"] += numel * size  # the same linears, as released: the part a scheme would shrink
-        else:
-            roles["text"] += numel * size
+        nbytes = (quantized_bytes(fmt, shape[0], shape[1], size, group_size, source_dtype) if quantize
+                  else numel * size)
+        # bf16: the same linears, as released, are the part a scheme would shrink
+        roles["quantized" if quantize or (linear and fmt == "bf16") else "text"] += nbytes
+        text.append((name, nbytes))
     return WeightCensus(fmt=fmt, source=source, exact=exact and fmt == "bf16", quantized_linears=roles["quantized"],
                         text_other=roles["text"], embed_tokens=roles["embed_tokens"], lm_head=roles["lm_head"],
-                        vision=roles["vision"], head=head, head_stored=head_stored, params=params)
+                        vision=roles["vision"], head=head, head_stored=head_stored, params=params,
+                        layers=_per_layer(text))
 
 
 def stored_format(config: Mapping[str, Any]) -> str:
@@ -208,7 +235,8 @@ def _census_as_stored(headers: Mapping[str, TensorInfo], fmt: str, head: int, he
     return WeightCensus(fmt=fmt, source="safetensors headers (as stored)", exact=True,
                         quantized_linears=roles["quantized"], text_other=roles["text"],
                         embed_tokens=roles["embed_tokens"], lm_head=roles["lm_head"], vision=roles["vision"],
-                        head=head, head_stored=head_stored)
+                        head=head, head_stored=head_stored,
+                        layers=_per_layer((n, i.nbytes) for n, i in headers.items() if _role(n) == "text"))
 
 
 @functools.lru_cache(maxsize=8)

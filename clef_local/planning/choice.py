@@ -5,10 +5,11 @@ here they are only names. The choice is a pure function, :func:`decide`, of the 
 (:mod:`clef_local.planning.hardware`), the variant's scheme, the planner's footprint of the release
 (:mod:`clef_local.planning.planner`) and which backends are installed:
 
-- backend ``auto``: CUDA → torch (bitsandbytes for nf4/int8, ``torch._scaled_mm`` for fp8 on sm_89+, else the
-  weights are dequantized per call); Apple silicon → MLX (int4/int8 as ``mx.quantize`` arrays, nf4/fp8 dequantized);
-  a CPU → torch, or ONNX Runtime when the directory holds an ONNX export (``onnx/``). ``onnx`` is never picked
-  otherwise; an explicit backend that is not installed is an error naming the ones that are.
+- backend ``auto``: CUDA → torch (bitsandbytes for nf4/int8, else ``torch._int_mm`` for int8;
+  ``torch._scaled_mm`` for fp8 on sm_89+, else the weights are dequantized per call); Apple silicon → MLX
+  (int4/int8 as ``mx.quantize`` arrays, nf4/fp8 dequantized); a CPU → torch, or ONNX Runtime when the directory
+  holds an ONNX export (``onnx/``). ``onnx`` is never picked otherwise; an explicit backend that is not installed
+  is an error naming the ones that are.
 - dtype ``None``: bfloat16 where it is fast (CUDA sm_80+, Apple, AMX CPUs), float16 on older CUDA cards, float32 on
   a CPU without AMX (bf16 is slower than float32 there) and on MLX's Linux CPU build.
 - memory: the planner's need for the stored format on the chosen device at the model's context; when it does not
@@ -30,6 +31,7 @@ from clef_local.errors import ApiUsageError, InsufficientMemoryError
 from clef_local.planning.census import WeightCensus
 from clef_local.planning.estimate import DTYPE_SIZE, Plan, best_fit, max_context, plan
 from clef_local.planning.hardware import GiB, Hardware
+from clef_local.planning.split import SplitPlan, split_plan
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +75,7 @@ class LoadDecision:
     reason: str
     need_bytes: int | None = None
     available_bytes: int | None = None
+    split: tuple[tuple[str, int, int], ...] = ()  # (device, first layer, end layer) per pipeline stage
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -140,7 +143,7 @@ def kernel_for(backend: str, hardware: Hardware, scheme: str, *, bitsandbytes: b
         if scheme == "int4" and (dtype != "bfloat16" or not (hardware.compute_capability or (0, 0)) >= (8, 0)):
             return DEQUANTIZE  # tinygemm needs sm_80+ and bfloat16 activations
         if scheme == "int8" and not bitsandbytes:
-            return DEQUANTIZE
+            return "int_mm_cuda"  # torch._int_mm (clef_local.backends.quantized)
     return kernel
 
 
@@ -217,7 +220,7 @@ def decide(hardware: Hardware, scheme: str, footprint: Any, *, context: int, bac
     if not check_memory or footprint is None:
         return decision
     target = hardware if decision.device != "cpu" or hardware.kind == "cpu" else _as_cpu(hardware)
-    plans = {fmt: _resident_plan(c, footprint, target, decision, context) for fmt, c in footprint.censuses.items()}
+    plans = {fmt: resident_plan(c, footprint, target, decision, context) for fmt, c in footprint.censuses.items()}
     mine = plans[scheme]
     decision = replace(decision, need_bytes=mine.need, available_bytes=mine.available)
     if not mine.fits:
@@ -225,10 +228,52 @@ def decide(hardware: Hardware, scheme: str, footprint: Any, *, context: int, bac
     return decision
 
 
-def _resident_plan(census: WeightCensus, footprint: Any, hardware: Hardware, decision: LoadDecision,
-                   context: int) -> Plan:
+def resident_plan(census: WeightCensus, footprint: Any, hardware: Hardware, decision: LoadDecision,
+                  context: int) -> Plan:
+    """The plan of ``census`` as ``decision``'s backend holds it on ``hardware`` at ``context`` tokens."""
     return plan(resident_census(census, decision.backend), footprint.dims, hardware, context=context,
                 dtype=decision.dtype, host_embeddings=_host_embeddings(decision), media=decision.backend == "torch")
+
+
+def decide_split(devices: list[Hardware], scheme: str, footprint: Any, *, context: int, backend: str = "auto",
+                 dtype: Any = None, installed: Mapping[str, str | None], bitsandbytes: bool = True,
+                 check_memory: bool = True, source: str = "DIR") -> LoadDecision:
+    """:func:`choose` for the first device, then the pipeline split of the stored format over ``devices``
+    (:mod:`clef_local.planning.split`, by the footprint's per-layer bytes); raises
+    :class:`InsufficientMemoryError` when a device's stage does not fit. Torch only. Pure."""
+    decision = choose(devices[0], scheme, backend=backend, dtype=dtype, installed=installed,
+                      bitsandbytes=bitsandbytes)
+    if decision.backend != "torch":
+        raise ApiUsageError(f"a split over several devices runs on the torch backend, not {decision.backend}; "
+                            "drop --backend or give one device")
+    splits = {fmt: resident_split(c, footprint, devices, decision, context) for fmt, c in footprint.censuses.items()}
+    mine = splits[scheme]
+    decision = replace(decision, device=",".join(h.device for h in devices), split=mine.ranges,
+                       need_bytes=sum(s.need for s in mine.stages),
+                       available_bytes=sum(s.available for s in mine.stages),
+                       reason=f"{decision.reason}; layers split over {len(devices)} devices by their bytes")
+    if check_memory and not mine.fits:
+        raise InsufficientMemoryError(split_refusal(mine, splits, source))
+    return decision
+
+
+def resident_split(census: WeightCensus, footprint: Any, devices: list[Hardware], decision: LoadDecision,
+                   context: int) -> SplitPlan:
+    """The split of ``census`` as the torch backend holds it (host embeddings on CUDA, the vision tower loaded)."""
+    return split_plan(census, footprint.dims, devices, context=context, dtype=decision.dtype,
+                      host_embeddings=devices[0].kind == "cuda", media=True)
+
+
+def split_refusal(mine: SplitPlan, splits: Mapping[str, SplitPlan], source: str) -> str:
+    """"int8 split over cuda:0, cuda:1 needs 25.1 + 25.6 GiB at 16,384 tokens, 24.0 + 24.0 GiB free; try ..."."""
+    head = (f"{mine.fmt} split over {', '.join(s.hardware.device for s in mine.stages)} needs "
+            f"{' + '.join(f'{s.need / GiB:.1f}' for s in mine.stages)} GiB at {mine.context:,} tokens, "
+            f"{' + '.join(f'{s.available / GiB:.1f}' for s in mine.stages)} GiB free")
+    smaller = next((sp for fmt, sp in splits.items() if fmt != mine.fmt and sp.fits), None)
+    if smaller is not None:
+        return (f"{head}; try {_BITS_FLAG[smaller.fmt]}: clef-local quantize {_BITS_FLAG[smaller.fmt]} --model "
+                f"{source} --out {source}-{smaller.fmt}")
+    return f"{head}; try a 4-bit variant, a shorter max_length, more devices or larger --max-memory caps"
 
 
 def _host_embeddings(decision: LoadDecision) -> bool:
@@ -258,4 +303,6 @@ def refusal(mine: Plan, plans: Mapping[str, Plan], footprint: Any, hardware: Har
     if longest:
         hints.append(f"max_length={longest} (a context of {longest:,} tokens fits)")
     hints.append("a device with more memory (clef-local plan --device ... shows which)")
+    if hardware.cap_bytes is not None:
+        hints.append(f"a higher --max-memory for {hardware.device} (capped at {hardware.cap_bytes / GiB:.1f} GiB)")
     return f"{head}; try " + ", or ".join(hints)

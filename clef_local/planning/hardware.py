@@ -54,6 +54,7 @@ class Hardware:
     unified_memory: bool = False
     cpu_flags: tuple[str, ...] = ()
     notes: tuple[str, ...] = field(default=())
+    cap_bytes: int | None = None  # a --max-memory cap (clef_local.planning.caps): free_bytes is at most this
 
     @property
     def shares_host_memory(self) -> bool:

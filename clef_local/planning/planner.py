@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from clef_local.errors import ClefError
-from clef_local.formats.release import read_head_config, read_json, read_release
+from clef_local.formats.release import head_config_beside, read_head_config, read_json, read_release
+from clef_local.planning.caps import parse_max_memory, resolve_devices
 from clef_local.planning.census import (
     DEFAULT_GROUP_SIZE,
     FORMATS,
@@ -33,6 +34,7 @@ from clef_local.planning.census import (
 )
 from clef_local.planning.estimate import DTYPE_SIZE, ModelDims, Plan, best_fit, explain, max_context, plan
 from clef_local.planning.hardware import GiB, Hardware, resolve_device
+from clef_local.planning.split import SplitPlan, render_split, split_plan
 
 DEFAULT_CONTEXT = 16_384  # the reference's max_length (docs/format.md §2)
 CONFIGS_DIR = Path(__file__).resolve().parent / "configs"  # NAME.config.json + NAME.joint_head_config.json
@@ -77,6 +79,12 @@ class Footprint:
         return {fmt: plan(c, self.dims, hardware, context=context, batch=batch, dtype=dtype,
                           host_embeddings=host_embeddings, media=media) for fmt, c in self.censuses.items()}
 
+    def splits(self, devices: list[Hardware], *, context: int, batch: int = 1, dtype: str = "bfloat16",
+               host_embeddings: bool = True, media: bool = False) -> dict[str, SplitPlan]:
+        """Each format's pipeline split over ``devices`` (:mod:`clef_local.planning.split`)."""
+        return {fmt: split_plan(c, self.dims, devices, context=context, batch=batch, dtype=dtype,
+                                host_embeddings=host_embeddings, media=media) for fmt, c in self.censuses.items()}
+
 
 def footprint_from_release(path: Path, formats: tuple[str, ...] = FORMATS,
                            group_size: int = DEFAULT_GROUP_SIZE) -> Footprint:
@@ -90,21 +98,12 @@ def footprint_from_release(path: Path, formats: tuple[str, ...] = FORMATS,
     return Footprint(release.path.name, release.architecture, dims, censuses, stored)
 
 
-def _head_config_beside(config_path: Path) -> Path | None:
-    stem = config_path.name.removesuffix(".json").removesuffix(".config").removesuffix("config")
-    for candidate in (config_path.with_name(f"{stem}.joint_head_config.json" if stem else "joint_head_config.json"),
-                      config_path.with_name("joint_head_config.json")):
-        if candidate.is_file():
-            return candidate
-    return None
-
-
 def footprint_from_config(config_path: Path, formats: tuple[str, ...] = FORMATS,
                           group_size: int = DEFAULT_GROUP_SIZE, head_config: Path | None = None) -> Footprint:
     """Footprint of a bare ``config.json`` (the architecture on the meta device; the head config beside it, as
     ``NAME.joint_head_config.json`` or ``joint_head_config.json``, when there is one)."""
     config = read_json(config_path)
-    head_config = head_config or _head_config_beside(config_path)
+    head_config = head_config or head_config_beside(config_path)
     width = read_head_config(head_config).width if head_config else 0
     shapes = meta_shapes(config_path)
     censuses = {fmt: census_from_config(config_path, fmt, head_config_path=head_config, group_size=group_size,
@@ -159,6 +158,25 @@ def render(footprint: Footprint, plans: dict[str, Plan], *, show_explain: bool) 
     return "\n".join(lines)
 
 
+def render_splits(footprint: Footprint, splits: dict[str, SplitPlan], show: str | None) -> str:
+    """The report for several devices: each format's need per device and verdict, then the split of ``show``
+    (default: the best precision that fits, else the smallest format)."""
+    any_split = next(iter(splits.values()))
+    devices = [s.hardware for s in any_split.stages]
+    lines = [f"{footprint.name} ({footprint.architecture}) split over {len(devices)} devices: "
+             + ", ".join(f"{h.device} {h.name} ({_gib(h.free_bytes)} GiB)" for h in devices),
+             f"context {any_split.context:,} × batch {any_split.batch}, {any_split.dtype} activations", "",
+             f"{'format':<7}{'need per device (GiB)':>30}  verdict"]
+    for fmt, sp in splits.items():
+        lines.append(f"{fmt:<7}{' + '.join(_gib(s.need) for s in sp.stages):>30}  "
+                     f"{'fits' if sp.fits else 'does not fit'}")
+    best = next((splits[f] for f in FORMATS if f in splits and splits[f].fits), None)
+    chosen = splits[show] if show else best or min(splits.values(), key=lambda sp: max(s.need for s in sp.stages))
+    lines += ["", f"best precision that fits: {best.fmt}" if best else "nothing fits over these devices", "",
+              *render_split(chosen)]
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="clef-local plan", description=__doc__.split("\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -174,7 +192,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch", type=int, default=1, help="records per prefill (default 1)")
     parser.add_argument("--device", default="auto",
                         help="auto, cpu, cuda[:N], mps, or a named device: rtx4090, l40s, a100-80g, h100, h200, "
-                             "24GB, mac-36, cpu-8, ...")
+                             "24GB, mac-36, cpu-8, ...; several, comma-separated (cuda:0,cuda:1 or 24GB,24GB), for "
+                             "a pipeline split of the layers")
+    parser.add_argument("--max-memory", help="cap devices' memory: cuda:0=24GiB[,cuda:1=24GiB] or 24GiB for every "
+                        "device (a large card planned as a smaller one)")
     parser.add_argument("--dtype", choices=sorted(DTYPE_SIZE), help="compute dtype (default: the loader's choice)")
     parser.add_argument("--embeddings-on-device", action="store_true",
                         help="count embed_tokens and lm_head on the card (default: host memory, docs/hardware.md)")
@@ -189,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     formats = FORMATS if args.format == "all" else (args.format,)
     try:
-        hardware = resolve_device(args.device)
+        devices = resolve_devices(args.device, parse_max_memory(args.max_memory), resolve_device)
+        hardware = devices[0]
         if args.config is not None:
             footprint = footprint_from_config(resolve_config(args.config), formats, args.group_size,
                                               args.head_config)
@@ -203,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     context = args.context or min(DEFAULT_CONTEXT, footprint.dims.max_context or DEFAULT_CONTEXT)
+    if len(devices) > 1:
+        return _main_split(args, footprint, devices, context)
     plans = footprint.plans(hardware, context=context, batch=args.batch, dtype=args.dtype or default_dtype(hardware),
                             host_embeddings=not args.embeddings_on_device, media=args.media)
     best = best_fit(plans)
@@ -213,6 +237,24 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(render(footprint, plans, show_explain=args.explain))
     return 0 if best is not None else 1
+
+
+def _main_split(args: argparse.Namespace, footprint: Footprint, devices: list[Hardware], context: int) -> int:
+    try:
+        splits = footprint.splits(devices, context=context, batch=args.batch,
+                                  dtype=args.dtype or default_dtype(devices[0]),
+                                  host_embeddings=not args.embeddings_on_device, media=args.media)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    fits = any(sp.fits for sp in splits.values())
+    if args.json:
+        print(json.dumps({"model": footprint.name, "architecture": footprint.architecture,
+                          "devices": [h.to_json() for h in devices], "splits": [sp.to_json() for sp in splits.values()],
+                          "best": next((f for f in FORMATS if f in splits and splits[f].fits), None)}, indent=2))
+    else:
+        print(render_splits(footprint, splits, None if args.format == "all" else args.format))
+    return 0 if fits else 1
 
 
 if __name__ == "__main__":

@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
                         "(default: the fit data)")
     parser.add_argument("--limit", type=int, help="first N requests of each file")
     parser.add_argument("--batch-size", type=int, default=8)
-    add_runtime_flags(parser)  # the variant and --match's reference alike
+    add_runtime_flags(parser, max_memory=True)  # the variant and --match's reference alike
     parser.add_argument("--out-config", type=Path, help="write the updated config.json here, leaving the model as is")
     parser.add_argument("--dry-run", action="store_true", help="fit and measure, store nothing")
     parser.add_argument("--report", type=Path, help="HTML report with ECE before/after")

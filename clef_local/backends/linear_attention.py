@@ -1,0 +1,69 @@
+"""Which implementation runs Qwen3.5's gated-delta-net (linear attention) layers, three of every four in Clef.
+
+transformers resolves two functions once, when its ``modeling_qwen3_5`` is imported: the chunked gated delta rule
+(``flash-linear-attention``'s Triton kernel when ``fla`` imports, else a reference PyTorch loop over 64-token chunks)
+and the causal depthwise convolution (``causal-conv1d``'s CUDA kernel, else ``F.conv1d``). The reference paths are
+correct but much slower on a GPU (transformers warns on every load). :func:`linear_attention_paths` reads what was
+resolved, and the torch backend logs it at load and shows it in ``inspect`` (docs/hardware.md).
+
+Packages: ``flash-linear-attention`` (with ``fla-core``) is pure Python on PyPI (Triton, which CUDA builds of torch
+bring), so the ``cuda`` extra installs it; ``causal-conv1d`` is a source distribution that compiles a CUDA extension
+with ``nvcc`` (or downloads a prebuilt wheel from GitHub at install time), so it is not in any extra (install it by
+hand on a machine with the CUDA toolkit); without it the convolution runs as ``F.conv1d``, a small part of a layer.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# what the layer calls → (the name in transformers' modeling module, the package that provides the fast path)
+FUNCTIONS = {"chunk_gated_delta_rule": ("torch_chunk_gated_delta_rule", "flash-linear-attention"),
+             "causal_conv1d": ("causal_conv1d_fn", "causal-conv1d")}
+REFERENCE = "torch reference"
+
+
+def linear_attention_paths(model_type: str = "qwen3_5") -> dict[str, str]:
+    """``{function: "module.name" of the fast kernel, "torch reference", or "unknown (...)"}`` as transformers
+    resolved them for ``model_type`` (reads the resolution transformers recorded; imports its modeling module)."""
+    module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    paths = {}
+    for name, (attribute, _) in FUNCTIONS.items():
+        function = getattr(module, attribute, None)
+        try:
+            nonlocals: Mapping[str, Any] = inspect.getclosurevars(function).nonlocals if function else {}
+        except TypeError:  # not a Python function: transformers changed how it wraps kernels
+            nonlocals = {}
+        implementation = nonlocals.get("implementation")
+        if "is_new_implementation" not in nonlocals or implementation is None:
+            paths[name] = f"unknown (transformers {_version()} does not record it as 5.x did)"
+        elif nonlocals["is_new_implementation"]:
+            paths[name] = f"{implementation.__module__}.{implementation.__name__}"
+        else:
+            paths[name] = REFERENCE
+    return paths
+
+
+def log_linear_attention_paths(device_type: str, model_type: str = "qwen3_5") -> dict[str, str]:
+    """Log which implementations the gated-delta-net layers run (a warning for reference paths on CUDA, with the
+    package to install); return :func:`linear_attention_paths`."""
+    paths = linear_attention_paths(model_type)
+    slow = [FUNCTIONS[name][1] for name, path in paths.items() if path == REFERENCE]
+    text = "; ".join(f"{name}: {path}" for name, path in paths.items())
+    if device_type == "cuda" and "flash-linear-attention" in slow:
+        log.warning("gated delta net runs the reference PyTorch path on CUDA (%s): correct but much slower; "
+                    "pip install 'clef-local[cuda]' brings flash-linear-attention", text)
+    else:
+        log.info("gated delta net: %s", text)
+    return paths
+
+
+def _version() -> str:
+    import transformers
+
+    return str(transformers.__version__)

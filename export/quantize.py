@@ -109,7 +109,7 @@ def _linear_modules(source: Path, names: list[str], config: dict[str, Any]) -> l
         import torch
         import transformers
 
-        hf_config = transformers.AutoConfig.from_pretrained(str(source))
+        hf_config = transformers.AutoConfig.from_pretrained(str(source), trust_remote_code=False)
         cls = getattr(transformers, (hf_config.architectures or [""])[0])
         with torch.device("meta"):
             model = cls(hf_config)

@@ -81,7 +81,9 @@ def test_variant_layout_and_exactness(sources, variants, backbone: str, scheme: 
     src_hashes, var_hashes = hashes(source), hashes(variant)
     for name in COPIED:  # head, tokenizer and legal files byte for byte
         assert var_hashes[name] == src_hashes[name], name
-    assert set(var_hashes) == set(src_hashes) | {MANIFEST}
+    assert set(var_hashes) == set(src_hashes) | {MANIFEST, "validation.json"}
+    # written with validate=False: both the config and validation.json say so
+    assert json.loads((variant / "validation.json").read_text()) == {"validated": False, "skipped": "--no-validate"}
     weight_files = sorted(p.name for p in source.glob("model*.safetensors"))
     assert sorted(p.name for p in variant.glob("model*.safetensors")) == weight_files
 
@@ -90,6 +92,7 @@ def test_variant_layout_and_exactness(sources, variants, backbone: str, scheme: 
     qconfig = config.pop("quantization_config")
     assert config == src_config
     assert qconfig["clef_local"]["scheme"] == scheme and qconfig["clef_local"]["quantized"] == summary["quantized"]
+    assert qconfig["clef_local"]["validated"] is False
     assert read_release(variant).quantization == qconfig
 
     manifest = read_manifest(variant)

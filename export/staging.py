@@ -74,14 +74,17 @@ def check_paths(source: Path, out: Path, force: bool) -> None:
     """Refuse an ``out`` that is (inside) the source, holds it, lies in a missing, read-only or virtual directory
     (:func:`check_parent`), exists without ``force``, or is not a directory.
 
-    A variant moved aside by a killed ``--force`` run is put back first (:func:`restore_interrupted`), so it counts
-    as existing."""
+    What killed runs left is dealt with first (:func:`recover`): a variant moved aside by a killed ``--force`` run is
+    put back, so it counts as existing."""
     if _is_within(out, source):
         raise ExportError(f"--out {out} is the source release or inside it; write the variant elsewhere")
     if _is_within(source, out):
         raise ExportError(f"--out {out} contains the source release {source}; write the variant elsewhere")
     check_parent(out)
-    restore_interrupted(out)
+    try:
+        recover(out)
+    except OSError as exc:
+        raise io_error(exc, source, out) from exc
     if out.exists() or out.is_symlink():
         if not force:
             raise ExportError(f"{out} exists; pass --force to replace it (the old one stays until the new one is "
@@ -124,6 +127,12 @@ def restore_interrupted(out: Path) -> Path | None:
     os.replace(trash, out)
     log.warning("restored %s from %s: an export with --force was killed while replacing it", out, trash.name)
     return trash
+
+
+def recover(out: Path) -> list[Path]:
+    """Undo what killed exports to ``out`` left: :func:`restore_interrupted`, then :func:`clean_stale`."""
+    restore_interrupted(out)
+    return clean_stale(out)
 
 
 def clean_stale(out: Path) -> list[Path]:
@@ -203,12 +212,11 @@ def io_error(exc: OSError, source: Path, out: Path) -> ExportError:
 def staged(source: Path, out: Path, force: bool) -> Iterator[Path]:
     """Yield an empty temporary sibling of ``out``; on a clean exit it becomes ``out``, on any exception it goes.
 
-    Paths are checked first (:func:`check_paths`), an interrupted replacement restored and stale temporaries of
-    killed runs removed. An ``OSError`` (full disk, read-only mount, permissions) becomes an :class:`ExportError`.
+    Paths are checked first (:func:`check_paths`: an interrupted replacement restored, stale temporaries of killed
+    runs removed). An ``OSError`` (full disk, read-only mount, permissions) becomes an :class:`ExportError`.
     """
     check_paths(source, out, force)
     try:
-        clean_stale(out)
         tmp = _sibling(out, "tmp")
     except OSError as exc:
         raise io_error(exc, source, out) from exc

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -29,7 +30,8 @@ def run(model: Path, out: Path, group: str) -> dict[str, object]:
     if group != "default":
         cmd += ["--group-size", group]
     started = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    # rich wraps at 80 columns in a pipe; wide enough that the summary's "group size" line stays whole
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "COLUMNS": "400"})
     row: dict[str, object] = {"command": " ".join(["clef-local", *cmd[3:]]).replace(str(model), "DEMO").replace(
         str(out), "V"), "exit": proc.returncode, "seconds": time.perf_counter() - started, "group": group}
     if proc.returncode == 0:

@@ -334,6 +334,7 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
     import clef_local
     from clef_local import quant
     from clef_local.formats.release import read_release
+    from clef_local.formats.safetensors import read_header
 
     started = time.perf_counter()
     source, out = Path(source).expanduser().resolve(), resolve_out(out)
@@ -355,6 +356,8 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
 
         check_validation(source)  # no probe set or too little memory: refused now, not after the export
     shards = [f.name for f in release.weight_files]
+    for file in release.weight_files:  # a truncated or garbled shard: one ReleaseError naming it, not a traceback
+        read_header(file)
     first = first_quantized_weight(source, shards)
     on_grid = first is not None and already_4bit(first)
     del first

@@ -214,3 +214,16 @@ def test_a_stale_trash_goes_only_when_out_is_complete(source: Path, tmp_path: Pa
         staging.clean_stale(out)
     assert trash.is_dir() and f"keeping {trash}" in caplog.text
     assert "model.safetensors" in manifest["files"]
+
+
+def test_a_truncated_source_shard_is_one_line_before_anything_is_written(source: Path, tmp_path: Path,
+                                                                         capsys) -> None:
+    broken = shutil.copytree(source, tmp_path / "broken")
+    shard = broken / "model.safetensors"
+    with shard.open("r+b") as f:
+        f.truncate(shard.stat().st_size - 10)
+    out = tmp_path / "out"
+    out.mkdir()
+    code, err = quantize_cli(broken, out / "v", capsys)
+    assert code == 2 and len(err) == 1 and err[0].startswith(f"error: {shard}: truncated"), err
+    assert list(out.iterdir()) == []

@@ -65,6 +65,7 @@ def ensure_exports(model: Path, root: Path, probes: int) -> dict[str, dict]:
     from clef_local.export.onnx.export import export_onnx
 
     out = {}
+    root.mkdir(parents=True, exist_ok=True)  # export-onnx never creates --out's parent
     for fmt in ("fp32", "int8", "int4"):
         path = root / fmt
         if not (path / "onnx" / "validation.json").is_file():

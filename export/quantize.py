@@ -18,7 +18,10 @@ format is unchanged.
 Safety (:mod:`clef_local.export.staging`): everything is written into a temporary sibling of ``out`` that is
 renamed to ``out`` only when complete (validated, manifest written and checked); any exception removes it; a temp
 left by a killed run is removed by the next run. An existing ``out`` is refused without ``force``; with it the old
-directory is moved aside only after the new one is complete. The source is only read.
+directory is moved aside only after the new one is complete, and a run killed in between leaves it to be put back
+by the next run. ``out``'s parent must exist on a writable disk; a failed write (full disk, read-only, permissions)
+is one ``ExportError`` line. The source is only read. Validation is never skipped silently: when it cannot run, the
+export fails unless ``--no-validate`` is given (:mod:`clef_local.export.validate`).
 Memory: the source is read shard by shard with ``safe_open`` and each output shard is written before the next
 is read, so the peak is about one shard plus its quantized copy.
 
@@ -32,6 +35,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import shutil
 import sys
 import time
@@ -62,6 +66,9 @@ FOUR_BIT_TOLERANCE = 1e-2  # relative error of an int4 g32 round trip below whic
 FOUR_BIT_HINT = ("the source's linear weights already lie on a 4-bit grid per 32 columns (a model dequantized from "
                  "GGUF Q4_0/Q4_1, like the demo backbone): --bits 4 --group-size 32 gives them back up to rounding; "
                  "this scheme re-quantizes them and adds its error on top")
+GROUP_FROM_SOURCE = ("32, from the source: its linear weights already lie on a 4-bit grid per 32 columns (a model "
+                     "dequantized from GGUF Q4_0/Q4_1, like the demo backbone), which int4 g32 gives back up to "
+                     "rounding; pass --group-size to choose another")
 INDEX = "model.safetensors.index.json"
 VALIDATION = "validation.json"
 
@@ -109,7 +116,7 @@ def _linear_modules(source: Path, names: list[str], config: dict[str, Any]) -> l
         import torch
         import transformers
 
-        hf_config = transformers.AutoConfig.from_pretrained(str(source))
+        hf_config = transformers.AutoConfig.from_pretrained(str(source), trust_remote_code=False)
         cls = getattr(transformers, (hf_config.architectures or [""])[0])
         with torch.device("meta"):
             model = cls(hf_config)
@@ -168,7 +175,6 @@ def _quantize_shards(source: Path, tmp: Path, shards: list[str], scheme: Scheme,
     ``precomputed`` (``--calibrate``): packed tensors per weight name, written instead of round-to-nearest; every
     quantized weight must have one and every one must be used."""
     from safetensors import safe_open
-    from safetensors.torch import save_file
     from tqdm import tqdm
 
     from clef_local.quant.predicate import should_quantize
@@ -181,7 +187,6 @@ def _quantize_shards(source: Path, tmp: Path, shards: list[str], scheme: Scheme,
     weight_map: dict[str, str] = {}
     sizes: Counter[str] = Counter()
     params = 0
-    four_bit: bool | None = None
     with tqdm(total=total, unit="tensor", disable=None, dynamic_ncols=True) as bar:
         for shard in shards:
             bar.set_description(shard)
@@ -193,8 +198,6 @@ def _quantize_shards(source: Path, tmp: Path, shards: list[str], scheme: Scheme,
                     nbytes = tensor.numel() * tensor.element_size()
                     ok, reason = should_quantize(name, tuple(tensor.shape), pred_group)
                     if ok:
-                        if four_bit is None:  # the first quantized weight stands for the rest
-                            four_bit = already_4bit(tensor)
                         prefix = name.removesuffix(".weight")
                         if precomputed is None:
                             tensors = quantize_tensor(scheme, tensor, group, **options)
@@ -222,7 +225,7 @@ def _quantize_shards(source: Path, tmp: Path, shards: list[str], scheme: Scheme,
                     bar.update()
                     if delay:
                         time.sleep(delay)
-            save_file(out, str(tmp / shard), metadata=metadata)
+            save_shard(out, tmp / shard, metadata)
             os.chmod(tmp / shard, _file_mode())  # safetensors writes 0600; give shards the umask's mode
             log.debug("wrote %s (%d tensors)", shard, len(out))
             del out
@@ -230,7 +233,37 @@ def _quantize_shards(source: Path, tmp: Path, shards: list[str], scheme: Scheme,
     if precomputed:
         raise ExportError(f"calibrated weights not found in {source}: {', '.join(sorted(precomputed)[:5])}")
     return {"quantized": quantized, "skipped": skipped, "weight_map": weight_map, "sizes": dict(sizes),
-            "params": params, "already_4bit": bool(four_bit)}
+            "params": params}
+
+
+def save_shard(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None) -> None:
+    """``safetensors.torch.save_file``, with its I/O failures raised as the ``OSError`` they are (safetensors reports
+    a full disk as ``SafetensorError("... No space left on device (os error 28)")``), so the export names them."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as exc:
+        if match := re.search(r"os error (\d+)", str(exc)):
+            code = int(match[1])
+            raise OSError(code, os.strerror(code), str(path)) from exc
+        raise
+
+
+def first_quantized_weight(source: Path, shards: list[str]) -> torch.Tensor | None:
+    """The first weight of the source that int4 g32 would quantize (it stands for the rest in :func:`already_4bit`);
+    reads that one tensor only."""
+    from safetensors import safe_open
+
+    from clef_local.quant.predicate import should_quantize
+
+    for shard in shards:
+        with safe_open(str(source / shard), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open handles are not iterable)
+                if should_quantize(name, tuple(f.get_slice(name).get_shape()), 32)[0]:
+                    return f.get_tensor(name)
+    return None
 
 
 def already_4bit(weight: torch.Tensor) -> bool:
@@ -252,16 +285,18 @@ def already_4bit(weight: torch.Tensor) -> bool:
 
 
 def _write_config(source: Path, tmp: Path, config: dict[str, Any], scheme: Scheme, group: int | None,
-                  result: dict[str, Any], options: dict[str, Any], calibration: dict[str, Any] | None = None
-                  ) -> dict[str, Any]:
+                  result: dict[str, Any], options: dict[str, Any], calibration: dict[str, Any] | None = None, *,
+                  validated: bool = True) -> dict[str, Any]:
     if scheme.name == "nf4":
         done = {n.removesuffix(".weight") for n in result["quantized"]}
         linear = _linear_modules(source, list(result["skipped"]), config)
         qconfig = scheme.quantization_config(group, skip_modules=[m for m in linear if m not in done])
     else:
         qconfig = scheme.quantization_config(group, **options)
+    # validated: False only with --no-validate (a variant that fails or cannot run validation is not written)
     qconfig["clef_local"] = {"scheme": scheme.name, "group_size": group, **options,
-                             "quantized": len(result["quantized"]), "skipped": result["skipped"]}
+                             "quantized": len(result["quantized"]), "skipped": result["skipped"],
+                             "validated": validated}
     if calibration:
         qconfig["clef_local"]["calibration"] = calibration
     (tmp / CONFIG).write_text(json.dumps({**config, "quantization_config": qconfig}, indent=2, ensure_ascii=False)
@@ -281,10 +316,14 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
                      calibration_requests: int | None = None, log_summary: bool = True) -> dict[str, Any]:
     """Write the ``scheme`` variant of the release at ``source`` to ``out``; return the summary.
 
-    ``group_size``: int4 group (32/64/128, default 64) or nf4 block (default 64); none for int8/fp8. ``int4_grid``:
+    ``group_size``: int4 group (32/64/128; by default 32 when the source's weights already lie on a 4-bit grid per
+    32 columns, as the demo backbone's do, else 64) or nf4 block (default 64); none for int8/fp8. ``int4_grid``:
     how int4 picks each group's scale and bias (``mse``, the default, or ``mlx``; :mod:`clef_local.quant.int4`).
     ``force`` replaces an existing ``out`` once the new variant is complete. ``validate`` compares the variant with the
-    source on the probe set (:mod:`clef_local.export.validate`) and fails the export when a threshold is exceeded.
+    source on the packaged probe set (:mod:`clef_local.export.validate`) and fails the export when a threshold is
+    exceeded or when validation cannot run (``ValidationUnavailable``: no probe set, too little memory, the reference
+    does not load; the first two are found before anything is written). ``validate=False`` writes the variant with
+    ``validated: false`` in ``config.json`` and ``validation.json``.
     ``calibrate`` rounds with GPTQ on ``calibration_requests`` requests (default 128) instead of round-to-nearest
     (:mod:`clef_local.export.gptq_calibration`; every scheme; it loads the source like validation does).
     ``log_summary`` logs :func:`summary_lines` at INFO (the CLI prints them instead).
@@ -295,6 +334,7 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
     import clef_local
     from clef_local import quant
     from clef_local.formats.release import read_release
+    from clef_local.formats.safetensors import read_header
 
     started = time.perf_counter()
     source, out = Path(source).expanduser().resolve(), resolve_out(out)
@@ -310,35 +350,50 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
                           f"the BF16 release")
     if calibration_requests is not None and not calibrate:
         raise ExportError("--calibration-requests applies with --calibrate only; add --calibrate or drop it")
+    check_paths(source, out, force)  # a bad --out is refused before any work (staged checks again)
+    if validate:
+        from clef_local.export.validate import check_validation
+
+        check_validation(source)  # no probe set or too little memory: refused now, not after the export
+    shards = [f.name for f in release.weight_files]
+    for file in release.weight_files:  # a truncated or garbled shard: one ReleaseError naming it, not a traceback
+        read_header(file)
+    first = first_quantized_weight(source, shards)
+    on_grid = first is not None and already_4bit(first)
+    del first
+    group_from_source = spec.name == "int4" and group_size is None and on_grid
+    if group_from_source:
+        group = 32
+        log.info("%s", GROUP_FROM_SOURCE)
+    source_4bit = on_grid and not (spec.name == "int4" and group == 32)
+    if source_4bit:
+        log.warning("%s", FOUR_BIT_HINT)
     calibration = None
     if calibrate:  # before the staging directory exists: a refusal or a crash here leaves nothing behind
         from clef_local.export.gptq_calibration import REQUESTS, gptq_tensors
 
-        check_paths(source, out, force)  # refuse a bad --out before minutes of calibration
         calibration = gptq_tensors(source, spec.name, group, options, requests=calibration_requests or REQUESTS)
     with staged(source, out, force) as tmp:
         log.info("exporting %s → %s (%s%s) via %s", source, out, spec.name, f", group {group}" if group else "", tmp)
         source_files = file_entries(source)
-        shards = [f.name for f in release.weight_files]
         result = _quantize_shards(source, tmp, shards, spec, group, options,
                                   calibration.packed if calibration else None)
-        source_4bit = result["already_4bit"] and not (spec.name == "int4" and group == 32)
-        if source_4bit:
-            log.warning("%s", FOUR_BIT_HINT)
         if (source / INDEX).is_file():
             _write_index(source, tmp, result)
         qconfig = _write_config(source, tmp, release.config, spec, group, result, options,
-                                calibration.config() if calibration else None)
+                                calibration.config() if calibration else None, validated=validate)
         weights = {*shards, INDEX, CONFIG, MANIFEST, VALIDATION}
         for name in list_files(source):
             if name not in weights:
                 (tmp / name).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(source / name, tmp / name)
-        validation: dict[str, Any] = {"skipped": "--no-validate"}
         if validate:
             from clef_local.export.validate import validate_export
 
             validation = validate_export(source, tmp, spec.name, variant_name=out)
+        else:
+            validation = {"validated": False, "skipped": "--no-validate"}
+            (tmp / VALIDATION).write_text(json.dumps(validation, indent=2) + "\n", encoding="utf-8")
         files = file_entries(tmp)
         sizes = result["sizes"]
         nbytes = {"linear_before": sizes.get("linear_before", 0), "linear_after": sizes.get("linear_after", 0),
@@ -355,7 +410,8 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
                "bits_per_weight": bits, "quantized": len(result["quantized"]), "kept": len(result["skipped"]),
                "skipped": result["skipped"], "skipped_by_reason": dict(Counter(result["skipped"].values())),
                "bytes": nbytes, "validation": validation, "seconds": time.perf_counter() - started,
-               "source_4bit": source_4bit, "calibration": qconfig["clef_local"].get("calibration")}
+               "source_4bit": source_4bit, "group_from_source": group_from_source,
+               "calibration": qconfig["clef_local"].get("calibration")}
     if log_summary:
         for line in summary_lines(summary):
             log.info("%s", line)
@@ -380,6 +436,8 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
         f"({b['total_after'] / max(b['total_before'], 1):.3f}×)",
         f"tensors: {summary['quantized']} quantized, {summary['kept']} kept as released",
     ]
+    if summary.get("group_from_source"):
+        lines.append(f"group size: {GROUP_FROM_SOURCE}")
     if cal := summary.get("calibration"):
         lines.append(f"GPTQ on {cal['requests']} calibration requests ({cal['tokens']:,} tokens): output error "
                      f"{cal['output_error_ratio']:.3f}× round-to-nearest's")
@@ -399,7 +457,9 @@ def build_parser() -> argparse.ArgumentParser:
     kind = parser.add_mutually_exclusive_group(required=True)
     kind.add_argument("--bits", type=int, choices=sorted(BITS_TO_SCHEME), help="4 = int4, 8 = int8")
     kind.add_argument("--format", choices=["int4", "int8", "nf4", "fp8"], help="the scheme, by name")
-    parser.add_argument("--group-size", type=int, help="int4 group (32, 64, 128; default 64) or nf4 block (64)")
+    parser.add_argument("--group-size", type=int,
+                        help="int4 group (32, 64, 128; default 32 for a source already on a 4-bit grid per 32 columns, "
+                             "such as the demo backbone, else 64) or nf4 block (64)")
     parser.add_argument("--int4-grid", choices=["mse", "mlx"],
                         help="how int4 picks each group's scale and bias: mse (default: least squared error) or mlx "
                              "(bit-identical to mlx_lm.convert)")
@@ -410,7 +470,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="calibration requests for --calibrate (default 128)")
     parser.add_argument("--out", type=Path, required=True, help="the variant directory to write")
     parser.add_argument("--force", action="store_true", help="replace an existing --out (once the new one is done)")
-    parser.add_argument("--no-validate", action="store_true", help="skip comparing the variant with the source")
+    parser.add_argument("--no-validate", action="store_true",
+                        help="write the variant without comparing it with the source (config.json and "
+                             "validation.json record validated: false)")
     return parser
 
 
@@ -441,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
         summary = quantize_release(args.model, args.out, scheme, args.group_size, force=args.force,
                                    validate=not args.no_validate, int4_grid=args.int4_grid, calibrate=args.calibrate,
                                    calibration_requests=args.calibration_requests, log_summary=False)
-    except ClefError as exc:  # refusals and bad sources: 2; a variant that fails validation: 1
+    except ClefError as exc:  # refusals, bad sources, validation that cannot run: 2; a variant that fails it: 1
         print(f"error: {exc}", file=sys.stderr)
         return 1 if isinstance(exc, ValidationFailed) else 2
     _print_summary(summary)

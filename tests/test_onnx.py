@@ -315,3 +315,21 @@ def test_demo_model_onnx_parity(demo_release: Path, tmp_path: Path) -> None:
     validation = summary["validation"]
     assert validation["passed"], validation["failed"]
     assert validation["hidden_rel"] <= 1e-4 and validation["max_abs_dp"] <= 1e-3
+
+
+def test_export_onnx_without_a_probe_set_is_refused_before_writing(tiny_llama: Path, tmp_path: Path, monkeypatch,
+                                                                   capsys) -> None:
+    """Before, the ONNX validation was skipped with a warning and the export exited 0."""
+    from clef_local.export import validate
+    from clef_local.export.onnx import export as onnx_export
+
+    def no_data(*args, **kwargs):
+        raise FileNotFoundError("banking77/test.csv is missing")
+
+    monkeypatch.setattr(validate, "probe_requests", no_data)
+    out = tmp_path / "onnx"
+    assert onnx_export.main(["--model", str(tiny_llama), "--out", str(out), "--format", "fp32"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: validation cannot run: the packaged probe set cannot be read (banking77/test.csv is "
+                          "missing)") and err.count("\n") == 1
+    assert list(tmp_path.iterdir()) == []

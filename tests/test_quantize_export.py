@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from clef_local import quant
 from clef_local.errors import ReleaseError
@@ -24,7 +24,7 @@ from clef_local.export.quantize import DELAY_ENV, ExportError, main, quantize_re
 from clef_local.formats.manifest import MANIFEST, check_files, read_manifest, verify
 from clef_local.formats.manifest import main as verify_main
 from clef_local.formats.release import read_release
-from clef_local.quant.predicate import NOT_DIVISIBLE
+from clef_local.quant.predicate import NOT_DIVISIBLE, should_quantize
 from clef_local.testing import build_tiny_release
 
 SCHEMES = [("int4", 32), ("int4", 64), ("int8", None), ("nf4", None), ("fp8", None)]
@@ -81,7 +81,9 @@ def test_variant_layout_and_exactness(sources, variants, backbone: str, scheme: 
     src_hashes, var_hashes = hashes(source), hashes(variant)
     for name in COPIED:  # head, tokenizer and legal files byte for byte
         assert var_hashes[name] == src_hashes[name], name
-    assert set(var_hashes) == set(src_hashes) | {MANIFEST}
+    assert set(var_hashes) == set(src_hashes) | {MANIFEST, "validation.json"}
+    # written with validate=False: both the config and validation.json say so
+    assert json.loads((variant / "validation.json").read_text()) == {"validated": False, "skipped": "--no-validate"}
     weight_files = sorted(p.name for p in source.glob("model*.safetensors"))
     assert sorted(p.name for p in variant.glob("model*.safetensors")) == weight_files
 
@@ -90,6 +92,7 @@ def test_variant_layout_and_exactness(sources, variants, backbone: str, scheme: 
     qconfig = config.pop("quantization_config")
     assert config == src_config
     assert qconfig["clef_local"]["scheme"] == scheme and qconfig["clef_local"]["quantized"] == summary["quantized"]
+    assert qconfig["clef_local"]["validated"] is False
     assert read_release(variant).quantization == qconfig
 
     manifest = read_manifest(variant)
@@ -365,3 +368,31 @@ def test_a_source_already_on_a_4_bit_grid_gets_the_hint(sources, tmp_path: Path)
                                           for line in summary_lines(summary))
     assert not quantize_release(source, tmp_path / "g32", "int4", 32, validate=False)["source_4bit"]
     assert not quantize_release(sources["llama"], tmp_path / "plain", "int8", validate=False)["source_4bit"]
+
+
+def test_int4_follows_the_source_grid_when_no_group_size_is_given(sources, tmp_path: Path, capsys) -> None:
+    """The demo backbone is a GGUF Q4_1 grid per 32 columns: the default int4 export uses g32 (before: g64, which
+    failed its own validation after the whole export) and says so; --group-size still wins; a plain source keeps 64."""
+    source = tmp_path / "q4-source"
+    shutil.copytree(sources["llama"], source)
+    for shard in source.glob("model*.safetensors"):
+        state = load_file(shard)
+        for name, tensor in state.items():
+            if should_quantize(name, tuple(tensor.shape), 32)[0]:
+                state[name] = quant.int4.dequantize(quant.int4.quantize(tensor, 32), 32).to(tensor.dtype)
+        save_file(state, str(shard), metadata={"format": "pt"})
+    out = tmp_path / "int4"
+    assert main(["--model", str(source), "--bits", "4", "--out", str(out), "--no-validate"]) == 0
+    printed = capsys.readouterr().out
+    assert "int4 g32" in printed and "group size: 32, from the source" in printed and "note: " not in printed
+    assert read_manifest(out)["scheme"]["group_size"] == 32
+    assert read_release(out).quantization["clef_local"]["group_size"] == 32
+    src, written = tensors(source), tensors(out)
+    for name in read_manifest(out)["quantized"]:  # g32 gives the grid back (bf16 rounding aside)
+        prefix = name.removesuffix(".weight")
+        back = quant.int4.dequantize({k: written[f"{prefix}.{k}"] for k in ("weight", "scales", "biases")}, 32)
+        assert (back.float() - src[name].float()).norm() <= 0.01 * src[name].float().norm(), name
+    chosen = quantize_release(source, tmp_path / "g64", "int4", 64, validate=False)
+    assert chosen["group_size"] == 64 and not chosen["group_from_source"] and chosen["source_4bit"]
+    plain = quantize_release(sources["llama"], tmp_path / "plain-int4", "int4", validate=False)
+    assert plain["group_size"] == 64 and not plain["group_from_source"]

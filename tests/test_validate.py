@@ -19,6 +19,7 @@ from clef_local.export.validate import (
     METRICS,
     THRESHOLDS,
     ValidationFailed,
+    ValidationUnavailable,
     compare,
     validate_export,
     validate_variant,
@@ -110,28 +111,70 @@ def test_validate_export_records_and_raises(tiny_llama: Path, copies, requests, 
     assert stored["passed"] is False and stored["thresholds"] == THRESHOLDS["int8"]
 
 
-def test_validation_is_skipped_and_recorded(tiny_llama: Path, copies, tmp_path: Path, monkeypatch) -> None:
+def test_validation_that_cannot_run_is_an_error_not_a_skip(tiny_llama: Path, copies, tmp_path: Path,
+                                                          monkeypatch) -> None:
+    """Too little memory, no probe set, a reference that does not load: ValidationUnavailable naming the reason
+    (before, the export logged a warning, wrote the variant and exited 0)."""
     same = shutil.copytree(copies["same"], tmp_path / "same")
     monkeypatch.setattr(validate, "host_memory", lambda: (1000, 1000))
-    assert "GB free" in validate_export(tiny_llama, same, "int8")["skipped"]
+    with pytest.raises(ValidationUnavailable, match=r"the reference needs about 0\.0 GB of memory, 0\.0 GB are free"):
+        validate_export(tiny_llama, same, "int8")
     monkeypatch.undo()
 
     def no_data(*args, **kwargs):
         raise FileNotFoundError("BANKING77/NLU++ not found")
 
     monkeypatch.setattr(validate, "probe_requests", no_data)
-    assert "probe set unavailable" in validate_export(tiny_llama, same, "int8")["skipped"]
+    with pytest.raises(ValidationUnavailable, match="the packaged probe set cannot be read"):
+        validate_export(tiny_llama, same, "int8")
     monkeypatch.undo()
 
     def no_reference(path, *args):
         if Path(path) == Path(tiny_llama):
             raise MemoryError("cannot allocate")
-        raise AssertionError("the variant is not run when the reference was skipped")
+        raise AssertionError("the variant is not run when the reference cannot be")
 
     monkeypatch.setattr(validate, "_probabilities", no_reference)
-    result = validate_export(tiny_llama, same, "int8")
-    assert result == {"skipped": "the reference could not be loaded or run (MemoryError: cannot allocate)"}
-    assert json.loads((same / "validation.json").read_text()) == result
+    with pytest.raises(ValidationUnavailable) as info:
+        validate_export(tiny_llama, same, "int8")
+    assert str(info.value) == ("validation cannot run: the reference could not be loaded or run (MemoryError: cannot "
+                               "allocate); the variant was not written (pass --no-validate to write it unvalidated: "
+                               "config.json and validation.json then say so)")
+    assert not (same / "validation.json").exists()
+
+
+def test_quantize_refuses_to_write_unvalidated_unless_told(tiny_llama: Path, tmp_path: Path, monkeypatch,
+                                                           capsys) -> None:
+    """No probe data: exit 2 with the reason before anything is written; --no-validate writes the variant and
+    records validated: false in config.json and validation.json."""
+    source_files = sorted(p.name for p in tiny_llama.iterdir())
+    monkeypatch.setattr(validate, "probe_requests", lambda *a, **k: (_ for _ in ()).throw(
+        FileNotFoundError("banking77/test.csv is missing")))
+    written = []
+    monkeypatch.setattr("clef_local.export.quantize._quantize_shards", lambda *a, **k: written.append(a))
+    out = tmp_path / "int4"
+    assert quantize_main(["--model", str(tiny_llama), "--bits", "4", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: validation cannot run: the packaged probe set cannot be read "
+                                               "(banking77/test.csv is missing)"), err
+    assert written == [] and list(tmp_path.iterdir()) == []  # refused before the export began
+    monkeypatch.undo()
+    assert quantize_main(["--model", str(tiny_llama), "--bits", "4", "--out", str(out), "--no-validate"]) == 0
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["clef_local"]["validated"] is False
+    assert json.loads((out / "validation.json").read_text()) == {"validated": False, "skipped": "--no-validate"}
+    assert "validation.json" in read_manifest(out)["files"] and verify(out) == []
+    assert sorted(p.name for p in tiny_llama.iterdir()) == source_files
+
+
+def test_validation_runs_on_the_packaged_probes_whatever_the_datasets_override(tmp_path: Path, monkeypatch) -> None:
+    """$CLEF_LOCAL_DATASETS points elsewhere (here: nowhere): the export's probe set is still the shipped one."""
+    monkeypatch.setenv("CLEF_LOCAL_DATASETS", str(tmp_path / "nowhere"))
+    with pytest.raises(FileNotFoundError):
+        probe_requests(8)
+    monkeypatch.delenv("CLEF_LOCAL_DATASETS")
+    expected = probe_requests(8)
+    monkeypatch.setenv("CLEF_LOCAL_DATASETS", str(tmp_path / "nowhere"))
+    assert validate.validation_requests(8) == expected
 
 
 def test_failed_validation_fails_the_export_and_removes_the_temp(tiny_llama: Path, tmp_path: Path,

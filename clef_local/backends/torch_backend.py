@@ -22,7 +22,7 @@ from clef_local.backends.linear_attention import log_linear_attention_paths
 from clef_local.backends.placement import Stage, place_pipeline, to_device_except
 from clef_local.backends.quantized import kernel_counts, prepare_quantized, quantized_prefixes, swap_linears
 from clef_local.errors import ReleaseError
-from clef_local.formats.release import QWEN3_5, SINGLE_WEIGHTS, WEIGHTS_INDEX, Release, find_weight_files
+from clef_local.formats.release import QWEN3_5, SINGLE_WEIGHTS, WEIGHTS_INDEX, Release, find_weight_files, one_line
 from clef_local.formats.safetensors import DTYPES as SAFETENSORS_DTYPES
 from clef_local.formats.safetensors import read_header
 from clef_local.runtime.head import load_head
@@ -102,9 +102,10 @@ class TorchBackbone:
         else:
             log.info("loading %s backbone from %s in %s", cls.__name__, path, dtype)
             try:
-                model = cls.from_pretrained(path, dtype=dtype, local_files_only=True)
+                # trust_remote_code=False: never run (or ask on stdin whether to run) a release's Python files
+                model = cls.from_pretrained(path, dtype=dtype, local_files_only=True, trust_remote_code=False)
             except (OSError, ValueError, KeyError) as exc:
-                raise ReleaseError(f"{path}: the backbone cannot be loaded ({exc})") from exc
+                raise ReleaseError(f"{path}: the backbone cannot be loaded ({one_line(exc)})") from exc
         model.config.use_cache = False
         base = model.model
         # Without media only the text model runs (docs/format.md §3); with a vision tower it sits beside it.
@@ -246,14 +247,14 @@ def load_variant_backbone(cls: Any, path: Path, weight_files: Sequence[Path], sc
     from safetensors.torch import load_file
 
     try:
-        config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+        config = transformers.AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError, KeyError) as exc:
-        raise ReleaseError(f"{path}: the backbone config cannot be read ({exc})") from exc
+        raise ReleaseError(f"{path}: the backbone config cannot be read ({one_line(exc)})") from exc
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # built plain: our modules replace the linears, not transformers' quantizer
     with torch.device("meta"):
         if cls is transformers.AutoModelForCausalLM:
-            model = cls.from_config(config, dtype=dtype)
+            model = cls.from_config(config, dtype=dtype, trust_remote_code=False)
         else:
             model = cls._from_config(config, dtype=dtype)
     headers = read_headers(weight_files)

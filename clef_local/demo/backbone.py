@@ -132,10 +132,11 @@ def convert_backbone(gguf: Path, out: Path) -> dict[str, Any]:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         tick = time.perf_counter()
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True,
+                                                  trust_remote_code=False)
         tick = _timed("read the tokenizer from the GGUF", tick)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
-                                                     local_files_only=True)
+                                                     local_files_only=True, trust_remote_code=False)
         tick = _timed("read and dequantized the GGUF model (float32)", tick)
         if (quantizer := getattr(model, "hf_quantizer", None)) is not None:
             quantizer.remove_quantization_config(model)  # else save_pretrained refuses: "not serializable"
@@ -191,7 +192,7 @@ def _verify(out: Path, meta: Mapping[str, Any]) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     theta = float(expected_config(meta)["rope_theta"])
-    model = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(out, local_files_only=True, trust_remote_code=False)
     problems = []
     if not math.isclose(model.config.rope_parameters["rope_theta"], theta, rel_tol=1e-6):
         problems.append(f"reloaded rope_parameters.rope_theta {model.config.rope_parameters['rope_theta']}")
@@ -201,7 +202,7 @@ def _verify(out: Path, meta: Mapping[str, Any]) -> dict[str, Any]:
         problems.append("the reloaded rotary frequencies do not use the GGUF's rope theta")
     if (dtypes := {str(p.dtype) for p in model.parameters()}) != {"torch.bfloat16"}:
         problems.append(f"weights reload as {sorted(dtypes)}, not bfloat16")
-    tokenizer = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(out, local_files_only=True, trust_remote_code=False)
     for token in CHATML:
         if len(ids := tokenizer.encode(token, add_special_tokens=False)) != 1:
             problems.append(f"{token} encodes to {ids}, not one id")

@@ -1,6 +1,9 @@
 """Reading a Clef release directory (docs/format.md): configs, weight files, and the joint schema head, strictly.
 
-A release's own ``joint_schema_model.py`` is Cloudflare's reference code: it is never imported or executed here.
+A release never runs code (docs/format.md §1): its own ``joint_schema_model.py`` is Cloudflare's reference code and
+is never imported or executed; a config that names code for transformers to import (``auto_map``) is refused here,
+at read time, and so is a ``tokenizer_class`` outside :data:`TOKENIZER_CLASSES`. Every transformers call that reads
+a release also passes ``trust_remote_code=False``.
 """
 
 from __future__ import annotations
@@ -22,7 +25,20 @@ HEAD_CONFIG = "joint_head_config.json"
 HEAD_WEIGHTS = "joint_head.safetensors"
 SINGLE_WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
 QWEN3_5 = "Qwen3_5ForConditionalGeneration"
+# The tokenizer classes a release may name (docs/format.md §1): Qwen's (Clef, Clef-flash, the tiny test releases)
+# and the plain tokenizers-backed class (the demo backbone: its tokenizer.json pipeline runs as written). Any other
+# class makes transformers rebuild or replace the pipeline, which changes the token ids and so the answers.
+TOKENIZER_CLASSES = ("Qwen2Tokenizer", "Qwen2TokenizerFast", "Qwen3_5Tokenizer", "Qwen3_5TokenizerFast",
+                     "PreTrainedTokenizerFast", "TokenizersBackend")
+# Config keys with which a directory tells transformers to import its own Python files.
+REMOTE_CODE_KEYS = ("auto_map",)
+
+
+def one_line(exc: BaseException | str) -> str:
+    """An exception's message on one line (transformers' messages span several): the CLI prints one line per error."""
+    return " ".join(str(exc).split())
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -36,6 +52,40 @@ def read_json(path: Path) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ReleaseError(f"{path} must hold a JSON object, not {type(value).__name__}")
     return value
+
+
+def _remote_code_keys(value: Any, where: str = "") -> list[str]:
+    """The dotted paths of every :data:`REMOTE_CODE_KEYS` key in a JSON value (nested configs included)."""
+    found: list[str] = []
+    if isinstance(value, dict):
+        for key, item in value.items():
+            path = f"{where}.{key}" if where else str(key)
+            if key in REMOTE_CODE_KEYS:
+                found.append(path)
+            found += _remote_code_keys(item, path)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found += _remote_code_keys(item, f"{where}[{i}]")
+    return found
+
+
+def check_no_remote_code(path: Path, config: dict[str, Any]) -> None:
+    """Refuse a config (``config.json``, ``tokenizer_config.json``) that names code to import: ``auto_map``."""
+    if keys := _remote_code_keys(config):
+        raise ReleaseError(f"{path}: {', '.join(keys)} names Python code to run with the model; clef-local never "
+                           f"runs a release's code: remove the key (a Clef release needs no custom code)")
+
+
+def check_tokenizer_config(path: Path) -> dict[str, Any]:
+    """``tokenizer_config.json`` at ``path``: no ``auto_map``, and a ``tokenizer_class`` from
+    :data:`TOKENIZER_CLASSES` (any other class, or none, lets transformers choose the pipeline)."""
+    config = read_json(path)
+    check_no_remote_code(path, config)
+    name = config.get("tokenizer_class")
+    if name not in TOKENIZER_CLASSES:
+        found = f"tokenizer_class {name!r}" if name is not None else "no tokenizer_class"
+        raise ReleaseError(f"{path}: {found}; a Clef release names one of {', '.join(TOKENIZER_CLASSES)}")
+    return config
 
 
 def read_head_config(path: Path) -> HeadConfig:
@@ -156,6 +206,9 @@ def read_release(path: str | Path) -> Release:
                            f"{HEAD_WEIGHTS}, tokenizer.json, ...)")
     _check_manifest(path)
     config = read_json(path / CONFIG)
+    check_no_remote_code(path / CONFIG, config)
+    if (path / TOKENIZER_CONFIG).is_file():  # ReleaseTokenizer requires it; plan/quantize read releases without it
+        check_tokenizer_config(path / TOKENIZER_CONFIG)
     head_config = read_head_config(path / HEAD_CONFIG)
     if not (path / HEAD_WEIGHTS).is_file():
         raise ReleaseError(f"{path / HEAD_WEIGHTS} is missing")

@@ -247,7 +247,7 @@ def meta_shapes(config_path: Path) -> tuple[dict[str, tuple[tuple[int, ...], int
     import transformers
 
     try:
-        config = transformers.AutoConfig.from_pretrained(str(config_path))
+        config = transformers.AutoConfig.from_pretrained(str(config_path), trust_remote_code=False)
     except (OSError, ValueError, KeyError) as exc:
         raise ReleaseError(f"{config_path}: not a config transformers can read ({exc})") from exc
     if hasattr(config, "quantization_config"):
@@ -262,7 +262,7 @@ def meta_shapes(config_path: Path) -> tuple[dict[str, tuple[tuple[int, ...], int
         if cls is not None and hasattr(cls, "_from_config"):
             model = cls._from_config(config, dtype=dtype)
         else:
-            model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
     size = TORCH_DTYPE_BYTES.get(dtype_name, 2)
     return {name: (tuple(p.shape), size) for name, p in model.named_parameters()}, dtype_name
 

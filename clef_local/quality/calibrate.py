@@ -218,6 +218,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="the result as JSON")
     add_network_flag(parser)
     args = parser.parse_args(argv)
+    if args.report:  # before a model is loaded: a missing extra must not cost the whole run
+        from clef_local.quality.plots import require_matplotlib
+
+        require_matplotlib()
     from clef_local.airgap import airgap
     from clef_local.data.jsonl import DataFormatError, read_jsonl
     from clef_local.errors import ClefError

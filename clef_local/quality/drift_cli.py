@@ -159,6 +159,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.batch_size < 1:
         parser.error(f"--batch-size must be ≥ 1, got {args.batch_size}")
+    if args.report:  # before a model is loaded: a missing extra must not cost the whole run
+        from clef_local.quality.plots import require_matplotlib
+
+        require_matplotlib()
     try:
         gates = parse_gates(args.gate)
     except GateSyntaxError as exc:

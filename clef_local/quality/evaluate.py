@@ -125,6 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.batch_size < 1:
         parser.error(f"--batch-size must be ≥ 1, got {args.batch_size}")
+    if args.report:  # before the model is loaded: a missing extra must not cost the whole run
+        from clef_local.quality.plots import require_matplotlib
+
+        require_matplotlib()
     from clef_local.airgap import airgap
     from clef_local.batch.ray_runner import RayPredictor, ray_settings
     from clef_local.data.jsonl import DataFormatError, read_jsonl

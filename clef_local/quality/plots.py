@@ -9,6 +9,7 @@ questions answered at or above each confidence threshold, against the share answ
 from __future__ import annotations
 
 import base64
+import importlib.util
 import io
 from collections.abc import Sequence
 from typing import Any
@@ -20,6 +21,15 @@ from clef_local.quality.metrics import reliability_bins
 Series = tuple[str, np.ndarray, np.ndarray]  # name, confidence (or x), correct (or y)
 _COLORS = ("#1f3b73", "#d1495b", "#edae49", "#00798c", "#66a182", "#8d6a9f", "#30638e", "#a05c34")
 _SCATTER_POINTS = 20_000
+REPORT_EXTRA = "pip install 'clef-local[report]'"
+
+
+def require_matplotlib() -> None:
+    """Raise ``ModuleNotFoundError`` naming the extra when matplotlib is missing. Commands that write an HTML report
+    call it before they load a model, so a missing extra costs a second, not the whole run."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ModuleNotFoundError(f"matplotlib is not installed (HTML reports draw plots with it): {REPORT_EXTRA}",
+                                  name="matplotlib")
 
 
 def _figure(width: float = 5.0, height: float = 3.6) -> tuple[Any, Any]:

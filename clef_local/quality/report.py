@@ -338,6 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--md", type=Path, help="also write the tables as Markdown")
     parser.add_argument("--title", help="report title")
     args = parser.parse_args(argv)
+    from clef_local.quality.plots import require_matplotlib
+
+    require_matplotlib()  # the HTML report's plots; checked before the results are read
     try:
         merged = load_results(args.json)
     except (ValueError, FileNotFoundError, KeyError, TypeError) as exc:

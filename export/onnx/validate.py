@@ -121,20 +121,14 @@ def checks(result: Mapping[str, Any], tolerances: Mapping[str, float]) -> list[d
 
 
 def validate_onnx(directory: Path, fmt: str, n: int = 64, seed: int = 0) -> dict[str, Any]:
-    """Run :func:`run_parity` on ``n`` probes, write ``onnx/validation.json``, raise ``ValidationFailed`` when a
-    tolerance is exceeded; skipped (and recorded) when the probe set cannot be read."""
-    from clef_local.data.probes import probe_requests
-    from clef_local.export.validate import ValidationFailed
+    """Run :func:`run_parity` on ``n`` probes of the packaged probe set, write ``onnx/validation.json``, raise
+    ``ValidationFailed`` when a tolerance is exceeded and ``ValidationUnavailable`` when the probe set cannot be read
+    (never a silent skip: ``--no-validate`` is the way to export without validating)."""
+    from clef_local.export.validate import ValidationFailed, validation_requests
 
     started = time.perf_counter()
     target = directory / "onnx" / VALIDATION
-    try:
-        requests = probe_requests(n, seed)
-    except (FileNotFoundError, OSError, ValueError) as exc:
-        result: dict[str, Any] = {"skipped": f"probe set unavailable ({exc})"}
-        target.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-        log.warning("ONNX validation skipped: %s", result["skipped"])
-        return result
+    requests = validation_requests(n, seed)
     result = run_parity(directory, requests)
     rows = checks(result, TOLERANCES[fmt])
     failed = [f"{r['output']} {r['metric']} {r['value']:.6g} > {r['tolerance']:g}" for r in rows if not r["ok"]]

@@ -35,6 +35,7 @@ from clef_local.runtime.schema import (
     SystemOneResponse,
     validate_request,
 )
+from clef_local.server.assets import is_multipart, resolve_request_media, split_multipart
 from clef_local.server.body import BodyTooLargeError, decode_content, parse_json
 from clef_local.server.config import ModelTable, ServerConfig
 from clef_local.server.metrics import CONTENT_TYPE, MetricsMiddleware, ServerMetrics
@@ -140,9 +141,14 @@ class ServerState:
             raise BodyTooLargeError(f"the body is over the limit of {limit} bytes")
         return b"".join(chunks)
 
-    def prepare(self, raw: bytes, encoding: str | None, path_model: str | None) -> tuple[str, dict[str, Any], int]:
-        """Decode, parse and validate a body; return the served model's name, the request and its JSON size."""
+    def prepare(self, raw: bytes, encoding: str | None, path_model: str | None,
+                content_type: str | None = None) -> tuple[str, dict[str, Any], int]:
+        """Decode, parse and validate a body (JSON, or multipart with image parts); return the served model's name,
+        the request (its images decoded, :mod:`.assets`) and its JSON size."""
         decoded = decode_content(raw, encoding, self.config.max_body_bytes)
+        parts = None
+        if is_multipart(content_type):
+            decoded, parts = split_multipart(decoded, content_type or "")
         data = parse_json(decoded)
         if path_model is not None and isinstance(data, dict):
             data = {**data, "model": path_model}
@@ -158,7 +164,8 @@ class ServerState:
         served = self.table.resolve(asked)  # type: ignore[arg-type]  # validated: a string
         if len(decoded) > STATE_BYTES_PER_TOKEN * 1024:  # only a large body can hold a state too large to tokenize
             check_state_size(data["state"], getattr(self.table.get(served), "max_length", None))
-        return served, {**data, "model": served}, len(decoded)
+        request = resolve_request_media(self.table.get(served), {**data, "model": served}, parts)
+        return served, request, len(decoded)
 
     def error(self, exc: ClefError, envelope: bool) -> JSONResponse:
         """The HTTP response of a ``ClefError``."""
@@ -184,16 +191,17 @@ class ServerState:
         try:
             self.authorize(request)
             raw = await self.read_body(request)
-            if request.headers.get("content-type", "").lower().startswith("multipart/"):
-                raise ApiUsageError("multipart bodies (images and other assets) are not supported by clef-local "
-                                    "yet; send a JSON body with a text or JSON state")
+            content_type = request.headers.get("content-type")
+            if content_type and content_type.lower().startswith("multipart/") and not is_multipart(content_type):
+                raise ApiUsageError("of multipart bodies only multipart/form-data is read (typesafe-sdk's assets)")
             encoding = request.headers.get("content-encoding")
             label = (encoding or "identity").strip().lower()
             self.metrics.bodies.inc(label if label in KNOWN_ENCODINGS else "other")
-            if len(raw) > OFFLOAD_BYTES or encoding:
-                served, data, size = await asyncio.to_thread(self.prepare, raw, encoding, path_model)
+            # images are decoded in prepare: off the event loop, like large or compressed bodies
+            if len(raw) > OFFLOAD_BYTES or encoding or is_multipart(content_type):
+                served, data, size = await asyncio.to_thread(self.prepare, raw, encoding, path_model, content_type)
             else:
-                served, data, size = self.prepare(raw, encoding, path_model)
+                served, data, size = self.prepare(raw, encoding, path_model, content_type)
             response = round_floats(await self.scheduler.submit(served, data, size), 4)
         except ClefError as exc:
             return self.error(exc, envelope)

@@ -17,11 +17,13 @@ log = logging.getLogger(__name__)
 
 
 def load_models(specs: Mapping[str, Path], *, dtype: str | None = None, device: str | None = None,
-                confidence: str = "jev") -> dict[str, Any]:
+                confidence: str = "jev", media_limits: Any = None) -> dict[str, Any]:
     """Load each ``{name: release directory}`` with the public API (``clef_local.load``)."""
     import clef_local
 
     kwargs: dict[str, Any] = {"dtype": dtype, "confidence": confidence}
+    if media_limits is not None:
+        kwargs["media_limits"] = media_limits
     if device:
         kwargs["device"] = device
     models = {}
@@ -33,10 +35,12 @@ def load_models(specs: Mapping[str, Path], *, dtype: str | None = None, device: 
 
 def serve(model_specs: Sequence[str] = (), *, host: str = "127.0.0.1", port: int = 8077, api_key: str | None = None,
           max_batch: int = 8, max_wait_ms: float = 5.0, max_queue: int = 64, confidence: str = "jev",
-          dtype: str | None = None, device: str | None = None, log_level: str = "info") -> int:
+          dtype: str | None = None, device: str | None = None, log_level: str = "info",
+          media_limits: Any = None) -> int:
     """Load the models and serve them until interrupted (SIGINT/SIGTERM finish in-flight requests first).
 
     ``model_specs`` are ``NAME=DIR`` strings; none means the default model, served as ``clef-local``.
+    ``media_limits`` (:class:`~clef_local.runtime.media.MediaLimits`) bound each request's images and videos.
     """
     import uvicorn
 
@@ -51,7 +55,7 @@ def serve(model_specs: Sequence[str] = (), *, host: str = "127.0.0.1", port: int
     if warning := bind_warning(host, api_key):
         print(warning, file=sys.stderr)
     models = load_models(specs, dtype=None if dtype in (None, "auto") else dtype, device=device,
-                         confidence=confidence)
+                         confidence=confidence, media_limits=media_limits)
     from clef_local.server.app import create_app
 
     app = create_app(models, config)
@@ -62,7 +66,13 @@ def serve(model_specs: Sequence[str] = (), *, host: str = "127.0.0.1", port: int
 
 def main(argv: list[str] | None = None) -> int:
     """Serve the SystemOne HTTP API (POST /v1/systemone) with dynamic batching."""
-    from clef_local.options import add_confidence_flag, add_network_flag, add_runtime_flags
+    from clef_local.options import (
+        add_confidence_flag,
+        add_media_flags,
+        add_network_flag,
+        add_runtime_flags,
+        media_limits,
+    )
 
     parser = argparse.ArgumentParser(prog="clef-local serve", description=main.__doc__)
     parser.add_argument("--model", action="append", metavar="NAME=DIR",
@@ -78,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="most requests waiting; beyond it the server answers 429 with Retry-After")
     add_confidence_flag(parser)
     add_runtime_flags(parser, backend=False)
+    add_media_flags(parser)
     add_network_flag(parser)
     args = parser.parse_args(argv)
 
@@ -87,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         return serve(args.model or (), host=args.host, port=args.port, api_key=args.api_key,
                      max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, max_queue=args.max_queue,
                      confidence=args.confidence, dtype=args.dtype,
-                     device=None if args.device == "auto" else args.device,
+                     device=None if args.device == "auto" else args.device, media_limits=media_limits(args),
                      log_level="debug" if logging.getLogger().getEffectiveLevel() <= logging.DEBUG else "info")
 
 

@@ -59,13 +59,18 @@ class ImageGeometry:
     max_pixels: int = 16_777_216
 
     @classmethod
-    def from_release(cls, path: Path, config: dict[str, Any] | None = None) -> ImageGeometry:
-        """From ``preprocessor_config.json`` (the vision config's patch sizes when it is missing)."""
-        file = Path(path) / PREPROCESSOR_CONFIG
+    def from_config(cls, config: dict[str, Any] | None = None) -> ImageGeometry:
+        """Qwen3.5's pixel range with the patch sizes of ``config``'s ``vision_config`` (for a bare config.json)."""
         vision = (config or {}).get("vision_config") or {}
-        defaults = cls(patch=int(vision.get("patch_size", cls.patch)),
-                       merge=int(vision.get("spatial_merge_size", cls.merge)),
-                       temporal_patch=int(vision.get("temporal_patch_size", cls.temporal_patch)))
+        return cls(patch=int(vision.get("patch_size", cls.patch)),
+                   merge=int(vision.get("spatial_merge_size", cls.merge)),
+                   temporal_patch=int(vision.get("temporal_patch_size", cls.temporal_patch)))
+
+    @classmethod
+    def from_release(cls, path: Path, config: dict[str, Any] | None = None) -> ImageGeometry:
+        """From the release's ``preprocessor_config.json`` (:meth:`from_config` when there is none)."""
+        file = Path(path) / PREPROCESSOR_CONFIG
+        defaults = cls.from_config(config)
         if not file.is_file():
             return defaults
         try:

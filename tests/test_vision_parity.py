@@ -22,6 +22,7 @@ from media_gen import (
 from request_gen import varied_requests
 
 import clef_local
+from clef_local.errors import RequestValidationError
 from clef_local.runtime.answers import round_floats
 from clef_local.runtime.media import MediaLimits
 
@@ -201,7 +202,7 @@ def test_video_frames_match_reference(oracle, vision_model, tiny_vision) -> None
     ref_model = reference_model(oracle, tiny_vision)
     worst = 0.0
     requests = []
-    for i, (w, h, n) in enumerate([(64, 48, 4), (96, 160, 6), (200, 64, 9), (48, 48, 1)]):
+    for i, (w, h, n) in enumerate([(64, 48, 4), (96, 160, 6), (200, 64, 9), (48, 48, 2)]):
         frames = [data_uri(image(w, h, seed=10 * i + s)) for s in range(n)]
         requests.append({"model": "m", "state": {"clip": i}, "videos": [frames],
                          "images": REQUESTS[i]["images"][:1] if i % 2 else [],
@@ -221,6 +222,8 @@ def test_video_frames_match_reference(oracle, vision_model, tiny_vision) -> None
             worst = max(worst, float(np.abs(mine - ref).max()))
     print(f"max |Δp| vs the reference over {len(requests)} video requests: {worst:.2e}")
     assert worst <= 1e-5
+    with pytest.raises(RequestValidationError, match="a video needs at least 2 frames"):
+        vision_model.encode({**requests[0], "videos": [requests[0]["videos"][0][:1]]})
     together = vision_model.predict([*requests, REQUESTS[0]], batch_size=8)
     for request, batched in zip([*requests, REQUESTS[0]], together, strict=True):
         for a, b in zip(vision_model.predict([request])[0].probabilities, batched.probabilities, strict=True):

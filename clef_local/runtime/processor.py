@@ -1,11 +1,12 @@
 """The release's image and video processors, and the ids a record's media put right after the prefix
 (docs/format.md §7).
 
-Images go through transformers' PIL image processor for Qwen-VL (``Qwen2VLImageProcessorPil``), whatever class
-``preprocessor_config.json`` names: it needs no torchvision (which does not import beside the CPU torch wheel), and
-the numbers then do not depend on which extras are installed. Videos go through the release's Qwen3-VL video
-processor, which needs torchvision (the ``video`` extra); without it a video is refused with the reason. Both are
-loaded on first use: text-only requests need only the tokenizer.
+Images go through the image processor ``AutoImageProcessor`` picks for the release, which is what the reference's
+``AutoProcessor`` uses in the same environment: transformers' PIL processor for Qwen-VL (``Qwen2VLImageProcessorPil``,
+no torchvision needed) in the default install, its torchvision twin where torchvision imports (the ``video`` extra;
+the two resize a few pixels one level of 255 apart: docs/format.md §7). Videos go through the release's Qwen3-VL
+video processor, which needs torchvision; without it a video is refused with the reason. Both are loaded on first
+use: text-only requests need only the tokenizer.
 
 The ids are the reference's: its processor expands, in ``"<|vision_start|><|image_pad|><|vision_end|>" × images +
 "<|vision_start|><|video_pad|><|vision_end|>" × videos + "\\n"``, each image's pad token to ``t·h·w / merge²``
@@ -28,6 +29,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from clef_local.errors import ApiUsageError, MaxTokensExceededError, ReleaseError
+from clef_local.runtime.assets import invalid
 from clef_local.runtime.encoding import MediaInputs
 from clef_local.runtime.media import DEFAULT_MEDIA_LIMITS, MediaLimits
 
@@ -149,9 +151,12 @@ class MediaProcessor:
             if not (self.path / PREPROCESSOR_CONFIG).is_file():
                 raise ReleaseError(f"{self.path}: {PREPROCESSOR_CONFIG} is missing; a release that takes images "
                                    "ships its processor files")
+            # transformers' own choice (torchvision's processor where it imports, else PIL's), as the reference's
+            # AutoProcessor makes it; PIL's where torchvision is installed but broken (it would fail to import)
+            backend = "pil" if video_unavailable() else None
             try:
                 self._image_processor = AutoImageProcessor.from_pretrained(
-                    self.path, backend="pil", local_files_only=True, trust_remote_code=False)
+                    self.path, backend=backend, local_files_only=True, trust_remote_code=False)
             except (OSError, ValueError, TypeError, KeyError) as exc:
                 raise ReleaseError(f"{self.path}: the image processor cannot be loaded ({exc})") from exc
             log.info("image processor %s from %s", type(self._image_processor).__name__, self.path)
@@ -199,7 +204,10 @@ class MediaProcessor:
             if self.limits.max_pixels is not None:
                 kwargs["size"] = {"shortest_edge": self.geometry.min_pixels,
                                   "longest_edge": min(self.limits.max_pixels, self.geometry.max_pixels)}
-            processed = self.image_processor(images=list(images), return_tensors="np", **kwargs)
+            try:
+                processed = self.image_processor(images=list(images), return_tensors="np", **kwargs)
+            except ValueError as exc:  # sizes are checked before; anything else the processor refuses is the input's
+                raise invalid(["images"], f"the image processor refused the images ({exc})", "image_invalid") from None
             merge = int(self.image_processor.merge_size)
             out["pixel_values"] = np.ascontiguousarray(processed["pixel_values"], dtype=np.float32)
             out["image_grid_thw"] = np.asarray(processed["image_grid_thw"], dtype=np.int64)
@@ -216,7 +224,15 @@ class MediaProcessor:
     def _videos(self, videos: Sequence[Sequence[Any]], out: dict[str, Any]) -> list[str]:
         """Run the video processor; fill ``out``'s video arrays; return each video's expanded placeholder."""
         processor = self.video_processor
-        processed = processor(videos=[list(v) for v in videos], return_metadata=True, return_tensors="np")
+        for i, frames in enumerate(videos):
+            if len(frames) < self.geometry.temporal_patch:  # the processor's temporal patches need this many frames
+                raise invalid(["videos", i], f"videos[{i}]: a video needs at least {self.geometry.temporal_patch} "
+                                             f"frames; got {len(frames)} (send a single frame as an image)",
+                              "video_frames")
+        try:
+            processed = processor(videos=[list(v) for v in videos], return_metadata=True, return_tensors="np")
+        except ValueError as exc:
+            raise invalid(["videos"], f"the video processor refused the videos ({exc})", "video_invalid") from None
         out["pixel_values_videos"] = np.ascontiguousarray(np.asarray(processed["pixel_values_videos"]),
                                                           dtype=np.float32)
         grids = np.asarray(processed["video_grid_thw"], dtype=np.int64)

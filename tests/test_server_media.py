@@ -188,7 +188,7 @@ def _cases() -> list[tuple[str, dict[str, Any], int, str]]:
          "frames of a video must all have one size"),
         ("visual tokens over the context (4200×4000)", images(_b64(_big_solid_png(4200, 4000))), 413,
          "visual tokens"),
-        ("<|image_pad|> typed into the state", {"json": {**base, "state": "x <|image_pad|>",
+        ("the image pad token typed into the state", {"json": {**base, "state": "x <|image_pad|>",
                                                           "images": [_b64(PHOTO)]}}, 422,
          "vision placeholder tokens"),
         ("SDK reference without its asset", assets("ph <image:" + "0f" * 16 + ">",
@@ -241,7 +241,8 @@ def test_bad_media_is_a_4xx_naming_it_and_the_server_stays_up(client: httpx.Clie
         assert words in message, (kind, message)
     print(f"\n| bad input ({len(rows)} kinds) | status | message |\n|---|---|---|")
     for kind, status, message in rows:
-        print(f"| {kind} | {status} | {message[:160].replace('|', '/')}{'…' if len(message) > 160 else ''} |")
+        shown = message[:160].replace("|", "\\|") + ("…" if len(message) > 160 else "")
+        print(f"| {kind} | {status} | {shown} |")
     assert len({kind for kind, _, _ in rows}) >= 12 and all(400 <= s < 500 for _, s, _ in rows)
     assert client.get("/health").json()["status"] == "ok"
     again = client.post("/v1/systemone", json={"model": "clef-vision", "state": "s", "images": [_b64(PHOTO)],

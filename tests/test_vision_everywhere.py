@@ -22,6 +22,30 @@ QUESTIONS = {"ok": {"type": "noul", "instructions": "Is <image 1> fine?"},
              "kind": {"type": "choice", "criteria": {"a": "like <image 2>", "b": None}}}
 
 
+def test_tiny_vision_release(tiny_vision: Path, tiny_qwen: Path, tmp_path: Path) -> None:
+    """vision=True names the PIL image processor (the default install has it); every other byte is vision=False's;
+    transformers and the reference's processor load it offline; the processors load on the first image only."""
+    from transformers import AutoImageProcessor
+
+    from clef_local.testing import build_tiny_release
+
+    config = json.loads((tiny_vision / "preprocessor_config.json").read_text())
+    assert config["image_processor_type"] == "Qwen2VLImageProcessorPil"
+    assert json.loads((tiny_qwen / "preprocessor_config.json").read_text())["image_processor_type"] == \
+        "Qwen2VLImageProcessorFast"  # the default release as before
+    for name in ("model.safetensors", "joint_head.safetensors", "tokenizer.json", "config.json",
+                 "video_preprocessor_config.json"):
+        assert (tiny_vision / name).read_bytes() == (tiny_qwen / name).read_bytes(), name
+    assert type(AutoImageProcessor.from_pretrained(tiny_vision, backend="pil")).__name__ == "Qwen2VLImageProcessorPil"
+    with pytest.raises(ValueError, match="vision=True needs backbone='qwen3_5'"):
+        build_tiny_release(tmp_path / "x", backbone="llama", vision=True)
+    model = clef_local.load(tiny_vision, dtype="float32")
+    model.decide({"model": "m", "state": "text only", "questions": {"q": {"type": "noul"}}})
+    assert model.media is not None and not model.media.loaded  # text needs only the tokenizer
+    model.decide({"model": "m", "state": "s", "images": [data_uri(PHOTO)], "questions": {"q": {"type": "noul"}}})
+    assert model.media.loaded
+
+
 def test_decide_with_image_files(tiny_vision: Path, vision_model: Any, tmp_path: Path, capsys) -> None:
     (tmp_path / "a.png").write_bytes(PHOTO)
     (tmp_path / "b.jpg").write_bytes(WIDE)
@@ -146,7 +170,7 @@ def test_mlx_and_onnx_backends_name_the_torch_backend(tiny_vision: Path) -> None
     from clef_local.model import ClefModel
     from clef_local.runtime.tokenizer import ReleaseTokenizer
 
-    assert not getattr(OnnxBackend, "accepts_media", False)
+    assert OnnxBackend.accepts_media is False
     onnx_like = SimpleNamespace(name="onnx", device="cpu", load_decision=None, describe=dict)
     model = ClefModel(read_release(tiny_vision), onnx_like, ReleaseTokenizer(tiny_vision))  # type: ignore[arg-type]
     with pytest.raises(ApiUsageError, match=r"onnx backend does not run the vision tower.*--backend torch"):

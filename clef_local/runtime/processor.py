@@ -134,6 +134,11 @@ class MediaProcessor:
         self._image_processor: Any = None
         self._video_processor: Any = None
 
+    @property
+    def loaded(self) -> bool:
+        """Whether a processor has been loaded (a text-only request loads none)."""
+        return self._image_processor is not None or self._video_processor is not None
+
     # ------------------------------------------------------------ the processors
     def _token_id(self, token: str, key: str) -> int:
         ours = self.tokenizer.token_to_id(token)

@@ -91,7 +91,9 @@ def _part_name(head: bytes) -> str:
 
 
 def has_media(data: Any) -> bool:
-    return isinstance(data, dict) and any(data.get(k) is not None for k in ("images", "videos", "assets"))
+    """Whether a request carries media, as ``ClefModel.encode`` decides it (empty lists do not count)."""
+    return isinstance(data, dict) and (bool(data.get("images")) or bool(data.get("videos"))
+                                       or data.get("assets") is not None)
 
 
 def resolve_request_media(model: Any, data: dict[str, Any], parts: dict[str, bytes] | None) -> dict[str, Any]:

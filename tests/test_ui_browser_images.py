@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from browser import CHROMIUM, browser_or_skip, type_into
 from media_gen import image
-from test_ui_browser import CHROMIUM, _browser_or_skip, _type_into
 
 from clef_local.runtime.answers import round_floats
 
@@ -40,7 +40,7 @@ def app_url(tiny_vision: Path) -> Iterator[str]:
 
 
 def test_upload_an_image_and_get_probabilities_in_chromium(app_url: str, vision_model: Any, tmp_path: Path) -> None:
-    sync_playwright = _browser_or_skip()
+    sync_playwright = browser_or_skip()
     picture = tmp_path / "receipt.png"
     picture.write_bytes(image(160, 120, seed=31))
     with sync_playwright() as playwright:
@@ -56,14 +56,17 @@ def test_upload_an_image_and_get_probabilities_in_chromium(app_url: str, vision_
             page.locator("#no-questions").wait_for()
             page.click("#add-question")
             page.locator("#q0-options").wait_for()
-            _type_into(page, "q0-id", "kind", replace=True)
-            _type_into(page, "q0-instructions", INSTRUCTIONS)
-            _type_into(page, "q0-options", "\n".join(f"{k}: {v}" if v else k for k, v in OPTIONS.items()))
-            _type_into(page, "state", STATE, replace=True)
+            type_into(page, "q0-id", "kind", replace=True)
+            type_into(page, "q0-instructions", INSTRUCTIONS)
+            type_into(page, "q0-options", "\n".join(f"{k}: {v}" if v else k for k, v in OPTIONS.items()))
+            type_into(page, "state", STATE, replace=True)
             page.locator("#validation").get_by_text("Valid request: 1 question.").wait_for(timeout=30_000)
 
-            page.locator("#image-upload input[type=file]").set_input_files(str(picture))
-            page.locator("#image-upload").get_by_text("receipt.png").wait_for(timeout=30_000)
+            upload = page.locator("#image-upload input[type=file]")
+            upload.wait_for(state="attached", timeout=30_000)
+            upload.set_input_files(str(picture))
+            # the file goes to the app's upload route first; a loaded machine takes a while
+            page.locator("#image-upload").get_by_text("receipt.png").wait_for(timeout=90_000)
             page.click("#run")
             bars = page.locator("#results .clef-bar")
             bars.nth(2).wait_for(timeout=120_000)

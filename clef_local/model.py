@@ -222,7 +222,8 @@ class ClefModel:
         from clef_local.runtime.processor import video_unavailable
 
         g = self.media.geometry
-        return {"images": True, "videos": video_unavailable() or True, "max_images": self.media_limits.max_images,
+        return {"images": "accepted", "videos": video_unavailable() or "accepted",
+                "max_images": self.media_limits.max_images,
                 "pixels_per_image": [g.min_pixels, self.media_limits.max_pixels or g.max_pixels],
                 "patch": g.patch, "merge": g.merge}
 

@@ -211,14 +211,14 @@ class TorchBackend:
             media = collate_media(records, input_ids.shape[1], self.device)
             return self.backbone.hidden_states(input_ids, attention_mask, media)
         rest = [i for i in range(len(records)) if i not in alone]
-        hidden = torch.empty((*input_ids.shape, 0), device=self.device)
+        parts = []
         for rows, with_media in ((rest, True), (alone, False)):
             index = torch.tensor(rows, device=self.device)
-            part_media = collate_media([records[i] for i in rows], input_ids.shape[1], self.device) if with_media \
+            rows_media = collate_media([records[i] for i in rows], input_ids.shape[1], self.device) if with_media \
                 else None
-            part = self.backbone.hidden_states(input_ids[index], attention_mask[index], part_media)
-            if hidden.shape[-1] == 0:
-                hidden = part.new_zeros((*input_ids.shape, part.shape[-1]))
+            parts.append((index, self.backbone.hidden_states(input_ids[index], attention_mask[index], rows_media)))
+        hidden = parts[0][1].new_zeros((*input_ids.shape, parts[0][1].shape[-1]))
+        for index, part in parts:
             hidden[index] = part
         return hidden
 

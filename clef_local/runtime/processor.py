@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,7 @@ import numpy as np
 
 from clef_local.errors import ApiUsageError, MaxTokensExceededError, ReleaseError
 from clef_local.runtime.assets import invalid
-from clef_local.runtime.encoding import MediaInputs
+from clef_local.runtime.encoding import MediaInputs, media_placeholder
 from clef_local.runtime.media import DEFAULT_MEDIA_LIMITS, MediaLimits
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ VIDEO_PREPROCESSOR_CONFIG = "video_preprocessor_config.json"
 IMAGE_PAD, VIDEO_PAD = "<|image_pad|>", "<|video_pad|>"
 VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
 DEFAULT_VIDEO_FPS = 24  # what the reference's processor assumes for frames that carry no metadata
+_PADS = re.compile(re.escape(IMAGE_PAD) + "|" + re.escape(VIDEO_PAD))
 VIDEO_EXTRA = "pip install 'clef-local[video]' (torchvision built for this torch; docs/hardware.md)"
 
 
@@ -217,17 +219,18 @@ class MediaProcessor:
             out["pixel_values"] = np.ascontiguousarray(processed["pixel_values"], dtype=np.float32)
             out["image_grid_thw"] = np.asarray(processed["image_grid_thw"], dtype=np.int64)
             image_tokens = [int(np.prod(g)) // merge**2 for g in out["image_grid_thw"]]
-        pieces = [f"{VISION_START}{IMAGE_PAD * n}{VISION_END}" for n in image_tokens]
-        if videos:
-            pieces += [f"{VISION_START}{v}{VISION_END}" for v in self._videos(videos, out)]
-        ids = self.tokenizer.encode_pieces(["".join(pieces) + "\n"])[0]
+        # the reference's text, each pad token replaced in one pass by its expansion (as the processor does)
+        expansions = {IMAGE_PAD: iter([IMAGE_PAD * n for n in image_tokens]),
+                      VIDEO_PAD: iter(self._videos(videos, out) if videos else [])}
+        text = _PADS.sub(lambda m: next(expansions[m.group()]), media_placeholder(len(images), len(videos)))
+        ids = self.tokenizer.encode_pieces([text])[0]
         image_id = self._token_id(IMAGE_PAD, "image_token_id")
         video_id = self._token_id(VIDEO_PAD, "video_token_id")
         types = tuple(1 if t == image_id else 2 if t == video_id else 0 for t in ids)
         return MediaInputs(tuple(ids), types, images=len(images), videos=len(videos), **out)
 
     def _videos(self, videos: Sequence[Sequence[Any]], out: dict[str, Any]) -> list[str]:
-        """Run the video processor; fill ``out``'s video arrays; return each video's expanded placeholder."""
+        """Run the video processor; fill ``out``'s video arrays; return each video's expansion of its pad token."""
         processor = self.video_processor
         for i, frames in enumerate(videos):
             if len(frames) < self.geometry.temporal_patch:  # the processor's temporal patches need this many frames
@@ -249,7 +252,7 @@ class MediaProcessor:
             times = _patch_times(list(metadata.frames_indices), fps, int(processor.temporal_patch_size))
             per_frame = int(grid[1] * grid[2]) // merge**2
             texts.append("".join(f"<{times[t]:.1f} seconds>{VISION_START}{VIDEO_PAD * per_frame}{VISION_END}"
-                                 for t in range(int(grid[0]))))
+                                 for t in range(int(grid[0]))))  # replaces the video's <|video_pad|>
         return texts
 
 

@@ -254,3 +254,34 @@ def test_geometry_equals_the_processor(tiny_vision) -> None:
             grid = processor(images=[Image.new("RGB", (width, height))], return_tensors="np", **kwargs)
             actual = int(np.prod(grid["image_grid_thw"][0])) // 4
             assert geometry.image_tokens(width, height, bound) == actual, (width, height, bound)
+
+
+def _mutated(data: bytes, positions: list[int], values: list[int]) -> bytes:
+    out = bytearray(data)
+    for position, value in zip(positions, values, strict=False):
+        out[position % len(out)] = value
+    return bytes(out)
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG", "GIF", "WEBP", "BMP"])
+def test_hostile_bytes_are_a_422_or_an_image(fmt: str) -> None:
+    """Random and mutated image files never raise anything but a RequestValidationError naming the image."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    original = image(48, 32, seed=4, fmt=fmt)
+
+    @settings(max_examples=60, deadline=None, derandomize=True)
+    @given(st.one_of(st.binary(max_size=400),
+                     st.builds(_mutated, st.just(original), st.lists(st.integers(0, 10**6), max_size=8),
+                               st.lists(st.integers(0, 255), max_size=8)),
+                     st.integers(1, len(original)).map(lambda n: original[:n])))
+    def check(data: bytes) -> None:
+        try:
+            decoded = decode_image(data, ("images", 5))
+        except RequestValidationError as exc:
+            assert exc.errors[0]["loc"] == ["body", "images", 5] and exc.errors[0]["msg"].startswith("images[5]: ")
+        else:
+            assert decoded.mode == "RGB" and decoded.size[0] * decoded.size[1] > 0
+
+    check()

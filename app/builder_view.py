@@ -43,6 +43,7 @@ class Wiring:
     state_text: Any
     run_outputs: list[Any]
     preview_outputs: list[Any]
+    images: Any = None  # the image drop zone (gr.File, file paths), sent with Run
 
 
 def _type_changed(qtype: str) -> tuple[Any, Any, Any]:
@@ -109,14 +110,17 @@ def render_questions(drafts: list[QuestionDraft], wiring: Wiring) -> None:
 
     tracker = gr.Progress()
     fixed = [wiring.model_dd, wiring.variant_dd, wiring.state_mode, wiring.state_text]
+    extra = [wiring.images] if wiring.images is not None else []
 
     # A set of inputs gives the function one dict, so the Progress parameter stays positional (gradio finds it
     # only among positional parameters) however many inputs the builder has.
     def run_builder(data: dict[Any, Any], progress: gr.Progress = tracker) -> tuple[Any, ...]:
         model, variant, mode, state = (data[c] for c in fixed)
-        return handlers.run_builder(model, variant, mode, state, *(data[c] for c in comps), progress=progress)
+        images = [str(f) for f in data[wiring.images] or []] if extra else None
+        return handlers.run_builder(model, variant, mode, state, *(data[c] for c in comps), progress=progress,
+                                    images=images)
 
-    wiring.run_btn.click(run_builder, {*fixed, *comps}, wiring.run_outputs, api_visibility="private")
+    wiring.run_btn.click(run_builder, {*fixed, *extra, *comps}, wiring.run_outputs, api_visibility="private")
     preview_inputs = [wiring.state_mode, wiring.state_text, *comps]
     for component in preview_inputs:
         component.change(handlers.preview, preview_inputs, wiring.preview_outputs, api_visibility="private",

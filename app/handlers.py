@@ -60,10 +60,29 @@ class RunOutputs:
     raw_json: str = ""
     compare_html: str = ""
     compare_rows: list[list[Any]] | None = None
+    images: list[tuple[Any, str]] | None = None  # the images the request sent, with their markers
 
     def values(self) -> tuple[Any, ...]:
         return (self.request_json, self.status, self.results_html, self.summary or [], self.raw_json,
-                self.compare_html, self.compare_rows or [])
+                self.compare_html, self.compare_rows or [], self.images or [])
+
+
+def request_text(request: Any) -> str:
+    """The request as JSON for the page; image bytes (dropped files) are shown by their size."""
+    return json.dumps(request, ensure_ascii=False, indent=2,
+                      default=lambda v: f"<image file, {len(v):,} bytes>" if isinstance(v, bytes) else str(v))
+
+
+def sent_images(request: Any) -> list[tuple[Any, str]]:
+    """The decoded images of a request with their markers (``<image N>``: their order after the prefix)."""
+    from clef_local.runtime.media import resolve_media
+    from clef_local.runtime.schema import request_to_record, validate_request
+
+    if not isinstance(request, dict) or not any(request.get(k) for k in ("images", "assets")):
+        return []
+    validated = validate_request(request)
+    media = resolve_media(request_to_record(validated), validated.assets)
+    return [(image, f"<image {i}>") for i, image in enumerate(media.images, start=1)]
 
 
 def _report_progress(progress: Progress | None, fraction: float, text: str) -> None:
@@ -141,13 +160,18 @@ class Handlers:
     # ---------------------------------------------------------------- running
 
     def run_builder(self, model_path: str, variant_path: str, state_mode: str, state_text: str, *values: Any,
-                    progress: Progress | None = None) -> tuple[Any, ...]:
-        """Build the request from the builder's fields and run it (see :meth:`run_request`)."""
+                    progress: Progress | None = None, images: list[str] | None = None) -> tuple[Any, ...]:
+        """Build the request from the builder's fields (and the dropped image files) and run it (see
+        :meth:`run_request`)."""
         try:
             request = schema_builder.build_request(schema_builder.drafts_from_values(list(values)),
                                                    state_mode, state_text)
+            if images:
+                request["images"] = [Path(path).read_bytes() for path in images]
         except BuilderError as exc:
             return RunOutputs("", error_md(exc)).values()
+        except OSError as exc:
+            return RunOutputs("", f"**Error:** an image file cannot be read ({exc})").values()
         return self.run_request(request, model_path, variant_path, progress)
 
     def run_json(self, request_json: str, model_path: str, variant_path: str,
@@ -162,7 +186,7 @@ class Handlers:
     def run_request(self, request: Any, model_path: str, variant_path: str,
                     progress: Progress | None = None) -> tuple[Any, ...]:
         """Answer ``request`` with the selected model, and with the variant too when one is chosen."""
-        text = json.dumps(request, ensure_ascii=False, indent=2)
+        text = request_text(request)
         try:
             messages = schema_builder.validation_messages(request)
             if messages:
@@ -175,13 +199,15 @@ class Handlers:
             started = time.perf_counter()
             response = model.decide(request)
             seconds = time.perf_counter() - started
+            images = sent_images(request)
         except Exception as exc:
             return RunOutputs(text, error_md(exc)).values()
         views = results.question_views(response)
-        status = (f"**{_plural(len(views), 'question')}** answered by `{Path(model_path).name}` · "
+        shown = f" · **{_plural(len(images), 'image')}**" if images else ""
+        status = (f"**{_plural(len(views), 'question')}** answered by `{Path(model_path).name}`{shown} · "
                   f"**{response['usage']['input_tokens']} input tokens** · **{seconds:.3f} s**")
         return RunOutputs(text, status, results.results_html(response), results.summary_rows(views),
-                          json.dumps(response, ensure_ascii=False, indent=2)).values()
+                          json.dumps(response, ensure_ascii=False, indent=2), images=images).values()
 
     def _compare(self, request: dict[str, Any], text: str, model: Any, variant: Any,
                  progress: Progress | None) -> tuple[Any, ...]:
@@ -197,7 +223,8 @@ class Handlers:
         raw = json.dumps({"reference": response, "variant": comparison.variant}, ensure_ascii=False, indent=2)
         return RunOutputs(text, status, results.results_html(response), results.summary_rows(views), raw,
                           results.compare_html(response, comparison.variant, comparison.drifts, names),
-                          results.compare_rows(response, comparison.variant, comparison.drifts)).values()
+                          results.compare_rows(response, comparison.variant, comparison.drifts),
+                          sent_images(request)).values()
 
     def probe(self, model_path: str, variant_path: str, progress: Progress | None = None) -> tuple[str, str | None]:
         """(markdown, HTML report path) of the built-in drift probe, reference against the chosen variant."""

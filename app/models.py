@@ -105,10 +105,13 @@ def describe_markdown(model: Any) -> str:
 
 
 def media_note(model: Any | None) -> str:
-    """Why the image upload is disabled for this model."""
+    """What the image drop zone does for this model."""
     if model is None:
-        return "Image upload: disabled until a model is loaded."
-    if not model.describe().get("vision_tower"):
-        return "Image upload is disabled: this model has no vision tower, so it can only read text and JSON states."
-    return ("Image upload is disabled: this model has a vision tower, but clef-local does not accept images or "
-            "videos yet (the runtime rejects requests with media); send a text or JSON state.")
+        return "Images: load a model first."
+    media = model.describe().get("media")
+    if not isinstance(media, dict):
+        return f"Images are not accepted by this model: {media}. Send a text or JSON state."
+    return ("Drop images here: they are sent with **Run**, after the prompt's prefix in this order, as `<image 1>`, "
+            "`<image 2>`, … (write those markers in the state or the instructions to refer to them). "
+            f"At most {media['max_images']} per request; each is resized into {media['pixels_per_image'][0]:,}–"
+            f"{media['pixels_per_image'][1]:,} pixels.")

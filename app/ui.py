@@ -137,9 +137,10 @@ def build_app(model_path: str | Path | None = None, compare_path: str | Path | N
                 state_mode = gr.Radio(list(STATE_MODES), value=initial_mode, label="state is", elem_id="state-mode")
                 state_text = gr.Textbox(initial_state, lines=5, label="state", elem_id="state",
                                         placeholder="the text (or JSON) the questions are about")
-                with gr.Accordion("Images", open=False):
+                with gr.Accordion("Images", open=True):
                     media_md = gr.Markdown("", elem_id="media-note")
-                    gr.Image(label="image (disabled)", interactive=False, elem_id="image-upload", height=120)
+                    image_files = gr.File(label="images (drop files here)", file_count="multiple",
+                                          file_types=["image"], type="filepath", elem_id="image-upload", height=120)
                 run_btn = gr.Button("Run", variant="primary", elem_id="run")
                 status_md = gr.Markdown("", elem_id="status")
                 with gr.Tabs():
@@ -149,6 +150,8 @@ def build_app(model_path: str | Path | None = None, compare_path: str | Path | N
                                                   elem_id="summary", interactive=False)
                         raw_json = gr.Code("", language="json", label="raw response JSON", elem_id="raw-json",
                                            interactive=False)
+                        sent_gallery = gr.Gallery(label="images sent (in order after the prompt's prefix)",
+                                                  elem_id="sent-images", columns=4, height=180, interactive=False)
                     with gr.Tab("Compare", elem_id="compare-tab"):
                         gr.Markdown("Choose a variant in the model panel, then **Run**: the same request goes "
                                     "through both; bars are overlaid (reference filled, variant outlined).")
@@ -159,10 +162,11 @@ def build_app(model_path: str | Path | None = None, compare_path: str | Path | N
                         probe_md = gr.Markdown("", elem_id="probe-summary")
                         probe_file = gr.File(label="drift report (HTML)", elem_id="probe-report", interactive=False)
 
-        run_outputs = [request_json, status_md, results_html, summary_df, raw_json, compare_html, compare_df]
+        run_outputs = [request_json, status_md, results_html, summary_df, raw_json, compare_html, compare_df,
+                       sent_gallery]
         preview_outputs = [validation_md, request_json, curl_code, python_code]
         wiring = Wiring(handlers, questions, add_btn, run_btn, model_dd, variant_dd, state_mode, state_text,
-                        run_outputs, preview_outputs)
+                        run_outputs, preview_outputs, image_files)
 
         # ------------------------------------------------------------ listeners on static components
         tracker = gr.Progress()  # gradio swaps in a tracker per call; it finds the parameter by this default

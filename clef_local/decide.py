@@ -10,7 +10,15 @@ from pathlib import Path
 from typing import Any
 
 from clef_local.errors import ApiUsageError
-from clef_local.options import add_confidence_flag, add_model_flags, add_network_flag, load_options, model_path
+from clef_local.options import (
+    add_confidence_flag,
+    add_media_flags,
+    add_model_flags,
+    add_network_flag,
+    load_options,
+    media_limits,
+    model_path,
+)
 
 EXAMPLES = ("triage", "moderation", "routing")
 
@@ -28,6 +36,31 @@ def read_request(source: str | None, example: str | None) -> Any:
         raise ApiUsageError(f"{source}: not valid JSON ({exc})") from exc
 
 
+def read_media_files(images: list[str], videos: list[str]) -> dict[str, Any]:
+    """``images`` / ``videos`` of a request from local files: each ``--image FILE``, each ``--video`` a directory of
+    frames (in name order) or a comma-separated list of frame files. The bytes are decoded by the model, under its
+    media limits; only the files named here are read."""
+    def read(name: str) -> bytes:
+        path = Path(name).expanduser()
+        if not path.is_file():
+            raise ApiUsageError(f"{name}: no such image file")
+        return path.read_bytes()
+
+    out: dict[str, Any] = {}
+    if images:
+        out["images"] = [read(name) for name in images]
+    if videos:
+        clips = []
+        for spec in videos:
+            folder = Path(spec).expanduser()
+            names = sorted(str(p) for p in folder.iterdir() if p.is_file()) if folder.is_dir() else spec.split(",")
+            if not names:
+                raise ApiUsageError(f"--video {spec}: the directory holds no frame files")
+            clips.append([read(name) for name in names])
+        out["videos"] = clips
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """Answer one SystemOne request and print the response JSON."""
     parser = argparse.ArgumentParser(prog="clef-local decide", description=main.__doc__)
@@ -39,6 +72,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--truncate-state", action="store_true",
                         help="drop the end of a state that does not fit instead of failing")
     parser.add_argument("--full-precision", action="store_true", help="do not round floats to 4 decimals")
+    parser.add_argument("--image", action="append", default=[], metavar="FILE",
+                        help="an image file to add to the request's images (repeatable, in order, after any the "
+                             "request JSON carries)")
+    parser.add_argument("--video", action="append", default=[], metavar="FRAMES",
+                        help="a video as frames: a directory of frame images (name order) or FILE,FILE,... "
+                             "(repeatable; needs the video extra)")
+    add_media_flags(parser)
     add_network_flag(parser)
     args = parser.parse_args(argv)
 
@@ -47,8 +87,14 @@ def main(argv: list[str] | None = None) -> int:
     from clef_local.runtime.answers import round_floats
 
     request = read_request(args.request, args.example)
+    files = read_media_files(args.image, args.video)
+    if files:
+        if not isinstance(request, dict) or any(not isinstance(request.get(k) or [], list) for k in files):
+            raise ApiUsageError("--image / --video need a request JSON object whose images / videos are arrays")
+        request = {**request, **{k: [*(request.get(k) or []), *v] for k, v in files.items()}}
     with airgap(not args.allow_network):
-        model = clef_local.load(model_path(args.model), confidence=args.confidence, **load_options(args))
+        model = clef_local.load(model_path(args.model), confidence=args.confidence, media_limits=media_limits(args),
+                                **load_options(args))
         response = model.decide(request, truncate_state=args.truncate_state)
     if not args.full_precision:
         response = round_floats(response, 4)

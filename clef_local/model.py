@@ -15,6 +15,7 @@ from clef_local.backends.base import Backend
 from clef_local.errors import ApiUsageError, MaxTokensExceededError, ReleaseError
 from clef_local.formats.release import HEAD_WEIGHTS, Release, read_release
 from clef_local.runtime.answers import CONFIDENCE_MODES, Confidence, build_response, softmax_rows
+from clef_local.runtime.assets import check_references, invalid
 from clef_local.runtime.batching import device_pad_waste, split_by_length
 from clef_local.runtime.encoding import (
     REFERENCE_MAX_LENGTH,
@@ -25,6 +26,8 @@ from clef_local.runtime.encoding import (
 )
 from clef_local.runtime.head_reach import batch_reach, head_reads_question_spans_only, question_reach
 from clef_local.runtime.layout import build_layout
+from clef_local.runtime.media import DEFAULT_MEDIA_LIMITS, MediaLimits, RequestMedia, resolve_media
+from clef_local.runtime.processor import MediaProcessor
 from clef_local.runtime.schema import DEFAULT_LIMITS, QUESTION_TYPES, Limits, request_to_record, validate_request
 from clef_local.runtime.tokenizer import ReleaseTokenizer
 
@@ -70,7 +73,7 @@ class ClefModel:
 
     def __init__(self, release: Release, backend: Backend, tokenizer: ReleaseTokenizer, *,
                  max_length: int | None = None, confidence: Confidence = "jev",
-                 limits: Limits = DEFAULT_LIMITS) -> None:
+                 limits: Limits = DEFAULT_LIMITS, media_limits: MediaLimits = DEFAULT_MEDIA_LIMITS) -> None:
         self.release = release
         self.backend = backend
         self.tokenizer = tokenizer
@@ -79,6 +82,10 @@ class ClefModel:
         self.max_length = max_length or min(REFERENCE_MAX_LENGTH, context)
         self.confidence: Confidence = _checked_confidence(confidence)
         self.limits = limits
+        self.media_limits = media_limits
+        # images and videos (docs/format.md §7): the processors load on the first request that carries media
+        self.media = (MediaProcessor(release.path, release.config, tokenizer, media_limits)
+                      if release.has_vision else None)
         # logits are divided by their question type's temperature before the softmax (clef-local calibrate)
         self.temperatures = read_temperatures(release.config, str(release.path / "config.json"))
         # how much padding a batch may carry on this device (clef_local.runtime.batching): tight on a CPU
@@ -95,13 +102,49 @@ class ClefModel:
         return self.release.path
 
     def encode(self, request: Any, *, truncate_state: bool = False) -> tuple[dict[str, Any], EncodedRecord]:
-        """Validate a request and encode it; raises the schema / max-tokens errors of :mod:`clef_local.errors`."""
-        record = request_to_record(validate_request(request, self.limits))
-        if record.get("images") or record.get("videos"):
-            raise ApiUsageError("images and videos are not supported by clef-local yet; send a text or JSON state")
-        self.check_size(record, truncate_state=truncate_state)
-        encoded = encode_request(self.tokenizer, record, max_length=self.max_length, truncate_state=truncate_state)
-        return record, encoded
+        """Validate a request and encode it; raises the schema / media / max-tokens errors of
+        :mod:`clef_local.errors`. Images and videos (the reference's ``images`` / ``videos``, Jev's ``assets``) are
+        decoded and checked before the processor runs (docs/format.md §7)."""
+        validated = validate_request(request, self.limits)
+        record = request_to_record(validated)
+        if not (record.get("images") or record.get("videos") or validated.assets is not None):
+            check_references(record)
+            self.check_size(record, truncate_state=truncate_state)  # 413 before tokenizing text that cannot fit
+            return record, encode_request(self.tokenizer, record, max_length=self.max_length,
+                                          truncate_state=truncate_state)
+        self.media_processor()  # refused before anything is decoded when this model cannot read media
+        media = resolve_media(record, validated.assets, limits=self.media_limits)
+        self.check_size(media.record, truncate_state=truncate_state)  # the text as encoded: assets' markers in place
+        return media.record, self.encode_media(media, truncate_state=truncate_state)
+
+    def media_processor(self) -> MediaProcessor:
+        """The release's media processor; ``ApiUsageError`` (400) when this model cannot read images here: no
+        vision tower, or a backend other than torch."""
+        if self.media is None:
+            raise ApiUsageError(f"{self.release.path.name} has no vision tower ({self.release.architecture}): it "
+                                "reads text and JSON states only; send the request without images or videos")
+        if not getattr(self.backend, "accepts_media", False):
+            raise ApiUsageError(f"the {self.backend.name} backend does not run the vision tower; load the model with "
+                                "--backend torch (backend=\"torch\") to send images or videos")
+        return self.media
+
+    def encode_media(self, media: RequestMedia, *, truncate_state: bool = False) -> EncodedRecord:
+        """Encode a record whose media :func:`~clef_local.runtime.media.resolve_media` decoded."""
+        inputs = self.media_processor().encode(media.images, media.videos, max_tokens=self.max_length)
+        encoded = encode_request(self.tokenizer, media.record, max_length=self.max_length,
+                                 truncate_state=truncate_state, media=inputs)
+        # The vision tower fills exactly the media's pad tokens: a pad token typed into the text would shift them.
+        stray = sum(1 for t in encoded.input_ids if t in self._pad_ids) - inputs.visual_tokens
+        if stray:
+            raise invalid([], "the state or the questions contain the vision placeholder tokens <|image_pad|> or "
+                              "<|video_pad|> as text; remove them from a request with images or videos",
+                          "vision_token_in_text")
+        return encoded
+
+    @property
+    def _pad_ids(self) -> frozenset[int]:
+        ids = (self.release.config.get("image_token_id"), self.release.config.get("video_token_id"))
+        return frozenset(i for i in ids if isinstance(i, int))
 
     def check_size(self, request: Any, *, truncate_state: bool = False) -> int:
         """Refuse, without tokenizing it, a validated request whose text cannot fit the context; else return the
@@ -237,6 +280,19 @@ class ClefModel:
         predictions = self.predict(requests, truncate_state=truncate_state, batch_size=batch_size)
         return [p.response(mode) for p in predictions]
 
+    def _media_description(self) -> dict[str, Any] | str:
+        if self.media is None:
+            return "none (no vision tower)"
+        if not getattr(self.backend, "accepts_media", False):
+            return f"not on the {self.backend.name} backend (--backend torch)"
+        from clef_local.runtime.processor import video_unavailable
+
+        g = self.media.geometry
+        return {"images": "accepted", "videos": video_unavailable() or "accepted",
+                "max_images": self.media_limits.max_images,
+                "pixels_per_image": [g.min_pixels, self.media_limits.max_pixels or g.max_pixels],
+                "patch": g.patch, "merge": g.merge}
+
     def describe(self) -> dict[str, Any]:
         """What ``clef-local inspect`` prints: backbone, sizes, head config, dtype, context."""
         release = self.release
@@ -245,6 +301,7 @@ class ClefModel:
             "architecture": release.architecture,
             "hidden_size": release.hidden_size,
             "vision_tower": release.has_vision,
+            "media": self._media_description(),
             "context": self.max_length,
             "weight_files": [f.name for f in release.weight_files],
             "weight_bytes": release.weight_bytes,
@@ -311,7 +368,8 @@ def _short(text: str, limit: int = 40) -> str:
 
 def load(path: str | Path, *, device: str = "auto", dtype: str | None = None, backend: str = "auto",
          max_length: int | None = None, confidence: Confidence = "jev",
-         limits: Limits = DEFAULT_LIMITS, max_memory: str | dict[str, Any] | None = None) -> ClefModel:
+         limits: Limits = DEFAULT_LIMITS, max_memory: str | dict[str, Any] | None = None,
+         media_limits: MediaLimits = DEFAULT_MEDIA_LIMITS) -> ClefModel:
     """Load a Clef release (or variant) directory.
 
     ``backend`` is ``"auto"``, ``"torch"``, ``"mlx"`` or ``"onnx"`` and ``device`` ``"auto"``, ``"cpu"``, ``"cuda"``
@@ -321,7 +379,8 @@ def load(path: str | Path, *, device: str = "auto", dtype: str | None = None, ba
     the cap is refused before loading, and on CUDA the allocator is capped too (docs/hardware.md).
     ``dtype`` is the backbone's compute dtype (``None``: as stored, BF16 for real releases; ``"float32"`` for
     exact comparisons); the joint schema head always runs in float32. ``max_length`` defaults to the smaller of
-    the reference's 16,384 and the backbone's context.
+    the reference's 16,384 and the backbone's context. ``media_limits`` bounds the images and videos a request may
+    carry (:class:`~clef_local.runtime.media.MediaLimits`).
     """
     from clef_local.backends.loader import build_backend
 
@@ -329,6 +388,6 @@ def load(path: str | Path, *, device: str = "auto", dtype: str | None = None, ba
     started = time.perf_counter()
     runner = build_backend(release, backend=backend, device=device, dtype=dtype, max_memory=max_memory)
     model = ClefModel(release, runner, ReleaseTokenizer(release.path),
-                      max_length=max_length, confidence=confidence, limits=limits)
+                      max_length=max_length, confidence=confidence, limits=limits, media_limits=media_limits)
     log.info("loaded %s in %.1f s", release.path, time.perf_counter() - started)
     return model

@@ -74,3 +74,33 @@ def model_path(value: str | Path | None) -> Path:
     from clef_local.demo.default import default_model_path
 
     return default_model_path()
+
+
+def add_media_flags(parser: argparse.ArgumentParser) -> None:
+    """Limits on the images and videos a request may carry (docs/format.md §7)."""
+    group = parser.add_argument_group("media limits")
+    group.add_argument("--max-images", type=int, metavar="N", help="images per request (default 16)")
+    group.add_argument("--max-image-pixels", type=int, metavar="N",
+                       help="width × height of a decoded image or frame, checked before decoding (a decompression "
+                            "bomb guard; default 50,000,000)")
+    group.add_argument("--max-pixels", type=int, metavar="N",
+                       help="resize images to at most N pixels before the vision tower (fewer visual tokens; "
+                            "default: the release's processor bound)")
+    group.add_argument("--max-video-frames", type=int, metavar="N", help="frames per video (default 256)")
+
+
+def media_limits(args: argparse.Namespace) -> Any:
+    """The :class:`~clef_local.runtime.media.MediaLimits` of the media flags (and ``--allow-network``: fetch http(s)
+    image URLs) present on ``args``."""
+    from clef_local.runtime.media import MediaLimits
+
+    flags = {"max_images": "max_images", "max_input_pixels": "max_image_pixels", "max_pixels": "max_pixels",
+             "max_frames": "max_video_frames"}
+    given = {field: getattr(args, flag, None) for field, flag in flags.items()}
+    kwargs: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
+    try:
+        return MediaLimits(**kwargs, allow_urls=bool(getattr(args, "allow_network", False)))
+    except ValueError as exc:
+        from clef_local.errors import ApiUsageError
+
+        raise ApiUsageError(str(exc)) from exc

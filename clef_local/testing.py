@@ -131,6 +131,7 @@ def build_tiny_release(
     head_config: HeadConfig | None = None,
     shards: int = 1,
     dtype: torch.dtype = torch.bfloat16,
+    vision: bool = False,
 ) -> Path:
     """Write a tiny random release in the exact Clef layout (docs/format.md) at ``path`` and return that path.
 
@@ -139,9 +140,16 @@ def build_tiny_release(
     demo model). ``head_config`` defaults to :data:`DEFAULT_HEAD`; its ``hidden_size`` is forced to the backbone's.
     ``shards > 1`` writes ``model-0000N-of-0000M.safetensors`` + ``model.safetensors.index.json``. The backbone is
     saved in ``dtype`` (BF16 like real releases), the head in float32. The same arguments give the same bytes.
+
+    ``vision=True`` (Qwen3.5 only) names the PIL image processor, ``Qwen2VLImageProcessorPil``, in
+    ``preprocessor_config.json``, so that images go through a processor the default install has (the torchvision
+    one does not import beside the CPU torch wheel); the weights, tokenizer and other files are those of
+    ``vision=False``. Videos still need torchvision (the ``video`` extra).
     """
     if backbone not in ("qwen3_5", "llama"):
         raise ValueError(f"backbone must be 'qwen3_5' or 'llama', not {backbone!r}")
+    if vision and backbone != "qwen3_5":
+        raise ValueError("vision=True needs backbone='qwen3_5' (the llama backbone has no vision tower)")
     if shards < 1:
         raise ValueError(f"shards must be >= 1, not {shards}")
     out = _empty_directory(path, "a tiny release")
@@ -150,7 +158,7 @@ def build_tiny_release(
     vocab_size = -(-(max(ids.values()) + 1) // 8) * 8
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        hidden = _write_backbone(out, backbone, ids, vocab_size, shards, dtype)
+        hidden = _write_backbone(out, backbone, ids, vocab_size, shards, dtype, vision)
         torch.manual_seed(seed + 1)
         _write_head(out, dataclasses.replace(head_config or DEFAULT_HEAD, hidden_size=hidden))
     (out / "LICENSE").write_text(_LICENSE, encoding="utf-8")
@@ -248,7 +256,7 @@ def _write_tokenizer(out: Path, backbone: str) -> dict[str, int]:
 
 
 def _write_backbone(out: Path, backbone: str, ids: dict[str, int], vocab_size: int, shards: int,
-                    dtype: torch.dtype) -> int:
+                    dtype: torch.dtype, vision: bool = False) -> int:
     """Build, randomly initialise and save the backbone; return its hidden size."""
     from transformers import GenerationConfig
     from transformers.utils import logging as hf_logging
@@ -259,7 +267,7 @@ def _write_backbone(out: Path, backbone: str, ids: dict[str, int], vocab_size: i
 
         model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(**_qwen_config_dict(ids, vocab_size)))
         bos = None
-        _write_processor_configs(out)
+        _write_processor_configs(out, vision)
     else:
         from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -310,13 +318,18 @@ def _qwen_config_dict(ids: dict[str, int], vocab_size: int) -> dict[str, Any]:
     }
 
 
-def _write_processor_configs(out: Path) -> None:
-    """Qwen3-VL-style processor files (a release carries them; the tiny vision tower uses 16-pixel patches)."""
+# Qwen2-VL's image processors: the torchvision one (what real releases name) and the PIL one (no torchvision needed)
+IMAGE_PROCESSORS = {False: "Qwen2VLImageProcessorFast", True: "Qwen2VLImageProcessorPil"}
+
+
+def _write_processor_configs(out: Path, vision: bool = False) -> None:
+    """Qwen3-VL-style processor files (a release carries them; the tiny vision tower uses 16-pixel patches), with
+    Qwen3.5's pixel bounds (65,536 to 16,777,216 pixels per image)."""
     common = {"patch_size": 16, "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
               "image_std": [0.5, 0.5, 0.5], "do_convert_rgb": True, "do_normalize": True, "do_rescale": True,
               "do_resize": True, "rescale_factor": 0.00392156862745098, "processor_class": "Qwen3VLProcessor"}
     _dump(out / "processor_config.json", {"processor_class": "Qwen3VLProcessor"})
-    _dump(out / "preprocessor_config.json", {**common, "image_processor_type": "Qwen2VLImageProcessorFast",
+    _dump(out / "preprocessor_config.json", {**common, "image_processor_type": IMAGE_PROCESSORS[vision],
                                              "size": {"longest_edge": 16777216, "shortest_edge": 65536}})
     _dump(out / "video_preprocessor_config.json", {
         **common, "video_processor_type": "Qwen3VLVideoProcessor", "fps": 2, "min_frames": 4, "max_frames": 768,

@@ -53,3 +53,18 @@ def demo_release() -> Path:
     if not demo_available():
         pytest.fail("the demo head is not packaged (clef_local/demo/head/joint_head.safetensors)")
     return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def tiny_vision(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen3.5 release with the PIL image processor (images without torchvision)."""
+    from clef_local.testing import build_tiny_release
+
+    return build_tiny_release(tmp_path_factory.mktemp("tiny") / "vision", backbone="qwen3_5", seed=0, vision=True)
+
+
+@pytest.fixture(scope="session")
+def vision_model(tiny_vision: Path):
+    import clef_local
+
+    return clef_local.load(tiny_vision, dtype="float32")

@@ -158,7 +158,7 @@ def _sample(metrics: str, name: str) -> float:
     ("text/plain;charset=UTF-8", "'text/plain'"),
     ("application/x-www-form-urlencoded", "'application/x-www-form-urlencoded'"),
     ("image/png", "'image/png'"),
-    ("multipart/form-data; boundary=x", "multipart bodies"),
+    ("multipart/mixed; boundary=x", "multipart bodies"),
     (None, "no Content-Type"),
     ("application/json; charset=latin-1", "charset 'latin-1'"),
 ])
@@ -172,6 +172,14 @@ def test_only_json_bodies(client: httpx.Client, content_type: str | None, fragme
     assert response.json()["detail"]["error_type"] == "unsupported_media_type"
     assert fragment in response.json()["detail"]["message"]
     assert "application/json" in response.json()["detail"]["message"]
+
+
+def test_a_web_pages_multipart_post_is_refused_by_its_origin(client: httpx.Client) -> None:
+    """multipart/form-data carries assets, and a browser may send it cross-origin without a preflight: the page's
+    Origin is what refuses it."""
+    files = {"request": ("request.json", json.dumps(REQUEST).encode(), "application/json")}
+    response = client.post("/v1/systemone", files=files, headers={"origin": "https://evil.example"})
+    assert response.status_code == 403 and response.json()["detail"]["error_type"] == "forbidden_origin"
 
 
 def test_json_content_types_accepted(client: httpx.Client, model: Any) -> None:

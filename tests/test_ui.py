@@ -72,7 +72,7 @@ def models(releases: tuple[Path, Path]) -> tuple[Any, Any]:
 def _run(client: Any, request: Any, model: Path, variant: Path | None = None) -> dict[str, Any]:
     text = request if isinstance(request, str) else json.dumps(request)
     out = client.predict(text, str(model), str(variant) if variant else "", api_name="/run")
-    names = ["request_json", "status", "results_html", "summary", "raw_json", "compare_html", "compare"]
+    names = ["request_json", "status", "results_html", "summary", "raw_json", "compare_html", "compare", "images"]
     return dict(zip(names, out, strict=True))
 
 
@@ -157,13 +157,25 @@ def test_import_request_json(client: Any) -> None:
     assert _api_messages(empty)[0] in status
 
 
-def test_image_upload_says_why_it_is_disabled(models: tuple[Any, Any]) -> None:
+def test_images_run_through_the_page(client: Any, releases: tuple[Path, Path], models: tuple[Any, Any],
+                                     tiny_llama: Path) -> None:
+    from media_gen import data_uri, image
+
     from clef_local.app.models import media_note
 
     assert models[0].describe()["vision_tower"]  # the tiny Qwen3.5 release carries a vision tower
-    assert "does not accept images" in media_note(models[0])
-    with pytest.raises(ApiUsageError, match="images and videos are not supported"):
-        models[0].decide({**REQUEST, "images": ["data:image/png;base64,AAAA"]})
+    assert "Drop images here" in media_note(models[0]) and "<image 1>" in media_note(models[0])
+    request = {**REQUEST, "images": [data_uri(image(80, 60, seed=1)), data_uri(image(50, 90, seed=2))]}
+    out = _run(client, request, releases[0])
+    assert "2 images" in out["status"], out["status"]
+    assert json.loads(out["raw_json"]) == json.loads(json.dumps(models[0].decide(request)))
+    assert [caption for *_, caption in ((i["image"], i["caption"]) for i in out["images"])] == ["<image 1>",
+                                                                                             "<image 2>"]
+    bad = _run(client, {**REQUEST, "images": ["https://example.com/x.png"]}, releases[0])
+    assert "does not fetch URLs" in bad["status"] and not bad["images"]
+    with pytest.raises(ApiUsageError, match="has no vision tower"):
+        clef_local.load(tiny_llama).decide({**REQUEST, "images": [data_uri(image(8, 8))]})
+    assert media_note(clef_local.load(tiny_llama)).startswith("Images are not accepted by this model: none")
 
 
 def test_variants_are_found_beside_the_model(releases: tuple[Path, Path]) -> None:

@@ -9,32 +9,14 @@ where ``.ci/run`` installs chromium, a missing browser fails instead.
 
 from __future__ import annotations
 
-import os
-import shutil
 import socket
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
+from browser import CHROMIUM, browser_or_skip, type_into
 
-CHROMIUM = "/usr/bin/chromium"
 OPTIONS = {"cards": "Card payments and duplicate charges", "transfers": "Bank transfers", "account": "Login"}
-
-
-def _browser_or_skip() -> Any:
-    reason = None
-    if not (Path(CHROMIUM).is_file() or shutil.which("chromium")):
-        reason = f"chromium is not installed at {CHROMIUM} (apt-get install chromium)"
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError as exc:
-        reason = f"playwright is not installed ({exc}); pip install -e '.[dev]'"
-    if reason:
-        if os.environ.get("CI") or os.environ.get("CLEF_REQUIRE_BROWSER"):  # .ci/run installs chromium
-            pytest.fail(reason)
-        pytest.skip(reason)
-    return sync_playwright
 
 
 @pytest.fixture
@@ -52,18 +34,9 @@ def app_url(demo_release: Path) -> Iterator[str]:
         demo.close()
 
 
-def _type_into(page: Any, elem_id: str, text: str, *, replace: bool = False) -> None:
-    field = page.locator(f"#{elem_id}").locator("textarea, input").first
-    field.click()
-    if replace:
-        page.keyboard.press("Control+A")
-        page.keyboard.press("Delete")
-    page.keyboard.type(text)
-
-
 @pytest.mark.slow
 def test_build_and_run_a_choice_question_in_chromium(app_url: str, tmp_path: Path) -> None:
-    sync_playwright = _browser_or_skip()
+    sync_playwright = browser_or_skip()
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
         try:
@@ -76,10 +49,10 @@ def test_build_and_run_a_choice_question_in_chromium(app_url: str, tmp_path: Pat
             page.locator("#no-questions").wait_for()
             page.click("#add-question")
             page.locator("#q0-options").wait_for()
-            _type_into(page, "q0-id", "team", replace=True)
-            _type_into(page, "q0-instructions", "Which team should handle this ticket?")
-            _type_into(page, "q0-options", "\n".join(f"{k}: {v}" for k, v in OPTIONS.items()))
-            _type_into(page, "state", "I was charged twice for my coffee this morning.", replace=True)
+            type_into(page, "q0-id", "team", replace=True)
+            type_into(page, "q0-instructions", "Which team should handle this ticket?")
+            type_into(page, "q0-options", "\n".join(f"{k}: {v}" for k, v in OPTIONS.items()))
+            type_into(page, "state", "I was charged twice for my coffee this morning.", replace=True)
             page.locator("#validation").get_by_text("Valid request: 1 question.").wait_for(timeout=30_000)
 
             page.click("#run")

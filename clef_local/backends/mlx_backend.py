@@ -295,6 +295,7 @@ class MLXBackend:
     """Runs the backbone (mlx-lm) and the head (MLX, float32) for a padded batch of encoded records."""
 
     name = "mlx"
+    accepts_media = False  # no vision tower here: ClefModel refuses media naming --backend torch
     load_decision: LoadDecision | None = None  # set by clef_local.backends.loader
 
     def __init__(self, release: Release, *, device: str = "auto", dtype: str | None = None) -> None:

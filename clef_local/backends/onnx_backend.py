@@ -90,6 +90,7 @@ class OnnxBackend:
     """Runs ``onnx/model.onnx`` through ONNX Runtime and the head in numpy float32."""
 
     name = "onnx"
+    accepts_media = False  # the export holds the text model only: ClefModel refuses media naming --backend torch
     load_decision: LoadDecision | None = None  # set by clef_local.backends.loader
 
     def __init__(self, release: Release, *, device: str = "cpu", dtype: str | None = None) -> None:

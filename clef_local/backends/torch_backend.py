@@ -131,8 +131,22 @@ class TorchBackbone:
                                  if "linear_attention" in (getattr(text_config, "layer_types", None) or []) else {})
 
     @torch.inference_mode()
-    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """The text model's final (normed) hidden states, ``[B, T, hidden]``."""
+    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      media: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """The final (normed) hidden states, ``[B, T, hidden]``: of the text model, or with ``media``
+        (:func:`collate_media`) of the whole multimodal model (``model.model``: the vision tower's features in
+        place of the pad tokens, rope positions from Qwen's multimodal rotary embedding; docs/format.md §7)."""
+        if media:
+            base = self.model.model
+            if self.host_embeddings:  # the ids still go along: they mark where the visual features go
+                embeds = base.get_input_embeddings()(input_ids.cpu()).to(self.device)
+                out = base(input_ids=input_ids.to(self.device), inputs_embeds=embeds,
+                           attention_mask=attention_mask.to(self.device), use_cache=False, return_dict=True,
+                           **media)
+            else:
+                out = base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, return_dict=True,
+                           **media)
+            return out.last_hidden_state
         if self.host_embeddings:  # gather on the host, ship only [B, T, hidden] to the device
             embeds = self.text_model.get_input_embeddings()(input_ids.cpu()).to(self.input_device)
             out = self.text_model(inputs_embeds=embeds, attention_mask=attention_mask.to(self.input_device),
@@ -153,6 +167,7 @@ class TorchBackend:
     """Runs the backbone and the head for a padded batch of encoded records."""
 
     name = "torch"
+    accepts_media = True  # runs the vision tower (docs/format.md §7)
     load_decision: LoadDecision | None = None  # set by clef_local.backends.loader
 
     def __init__(self, release: Release, *, device: str = "cpu", dtype: str | torch.dtype | None = None,
@@ -183,12 +198,39 @@ class TorchBackend:
         """
         input_ids, attention_mask = collate(records, pad_token_id, self.device)
         cut = input_ids.shape[1] if reach is None else min(reach, input_ids.shape[1])
-        hidden = self.backbone.hidden_states(input_ids[:, :cut], attention_mask[:, :cut])
+        hidden = self._hidden(records, input_ids[:, :cut], attention_mask[:, :cut])
         hidden = torch.nn.functional.pad(hidden, (0, 0, 0, input_ids.shape[1] - cut))
         device_layout = layout.map(lambda a: torch.from_numpy(a).to(self.device))
         lexical = self.backbone.lexical_rows(device_layout.option_token_ids)
         logits = self.head(hidden, attention_mask, lexical, device_layout)
         return logits.float().cpu().numpy()
+
+    def _hidden(self, records: list[EncodedRecord], input_ids: torch.Tensor,
+                attention_mask: torch.Tensor) -> torch.Tensor:
+        """Hidden states of a batch; records with media run through the multimodal model with the rest.
+
+        A text-only record holding a vision pad token as text would be taken for a placeholder by the multimodal
+        model, so such records run through the text model on their own (the same numbers: a text-only record's
+        multimodal positions are its text positions).
+        """
+        if not any(r.media is not None for r in records):
+            return self.backbone.hidden_states(input_ids, attention_mask)
+        pads = {self.release.config.get(k) for k in ("image_token_id", "video_token_id")}
+        alone = [i for i, r in enumerate(records) if r.media is None and not pads.isdisjoint(r.input_ids)]
+        if not alone:
+            media = collate_media(records, input_ids.shape[1], self.device)
+            return self.backbone.hidden_states(input_ids, attention_mask, media)
+        rest = [i for i in range(len(records)) if i not in alone]
+        parts = []
+        for rows, with_media in ((rest, True), (alone, False)):
+            index = torch.tensor(rows, device=self.device)
+            rows_media = collate_media([records[i] for i in rows], input_ids.shape[1], self.device) if with_media \
+                else None
+            parts.append((index, self.backbone.hidden_states(input_ids[index], attention_mask[index], rows_media)))
+        hidden = parts[0][1].new_zeros((*input_ids.shape, parts[0][1].shape[-1]))
+        for index, part in parts:
+            hidden[index] = part
+        return hidden
 
     def describe(self) -> dict[str, Any]:
         params = sum(p.numel() for p in self.backbone.model.parameters())
@@ -212,6 +254,27 @@ def collate(records: list[EncodedRecord], pad_token_id: int, device: torch.devic
     """Right-padded ``input_ids`` and ``attention_mask`` (1 on real tokens)."""
     ids, mask = pad_batch(records, pad_token_id)
     return torch.from_numpy(ids).to(device), torch.from_numpy(mask).to(device)
+
+
+def collate_media(records: Sequence[EncodedRecord], length: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """The batch's media as ``model.model`` takes them: each array concatenated over the records that have it (in
+    batch order), and ``mm_token_type_ids`` ``[B, length]``, zero except at each record's media ids (the batch may
+    be cut to ``length`` positions; media sit right after the prefix, before any cut)."""
+    from clef_local.runtime.encoding import MEDIA_ARRAYS
+
+    out: dict[str, torch.Tensor] = {}
+    for name in MEDIA_ARRAYS:
+        arrays = [getattr(r.media, name) for r in records if r.media is not None and getattr(r.media, name) is not None]
+        if arrays:
+            out[name] = torch.from_numpy(np.concatenate(arrays, axis=0)).to(device)
+    types = np.zeros((len(records), length), dtype=np.int64)
+    for row, record in enumerate(records):
+        if record.media is not None:
+            start = record.media.token_offset
+            values = np.asarray(record.media.mm_token_type_ids, dtype=np.int64)[: max(0, length - start)]
+            types[row, start:start + len(values)] = values
+    out["mm_token_type_ids"] = torch.from_numpy(types).to(device)
+    return out
 
 
 def torch_dtype(name: str) -> torch.dtype:

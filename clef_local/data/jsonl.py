@@ -4,6 +4,10 @@ One line per request: the ``/v1/systemone`` body (``model``, ``state``, ``questi
 string) and ``labels`` (``{question id: option id | true/false | level index}``: a choice's gold option, a noul's
 truth, a score's level). Reading checks every line and names the line that is wrong; the request itself is
 validated by the model when it runs.
+
+Images: a line's ``images`` entries (and each frame of its ``videos``) are image files, their paths relative to the
+JSONL file's folder (absolute paths work too), or ``data:`` URIs; the files are read when the JSONL is read and
+handed to the model as bytes (docs/quality.md).
 """
 
 from __future__ import annotations
@@ -20,7 +24,29 @@ class DataFormatError(ValueError):
     """A JSONL line that is not a labelled request; the message names the file and line."""
 
 
-def _check_line(obj: Any, where: str) -> Example:
+def _media_file(value: Any, base: Path, where: str) -> Any:
+    """The bytes of an image file named by a JSONL line (relative to ``base``); data URIs and non-strings as given
+    (the model names what is wrong with them)."""
+    if not isinstance(value, str) or value.startswith("data:"):
+        return value
+    path = base / Path(value).expanduser()
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise DataFormatError(f"{where}: image {value!r} cannot be read ({exc.strerror}: {path})") from None
+
+
+def _read_media(obj: dict[str, Any], base: Path, where: str) -> None:
+    for key in ("images", "videos"):
+        if not isinstance(obj.get(key), list):
+            continue
+        if key == "images":
+            obj[key] = [_media_file(v, base, where) for v in obj[key]]
+        else:
+            obj[key] = [[_media_file(f, base, where) for f in v] if isinstance(v, list) else v for v in obj[key]]
+
+
+def _check_line(obj: Any, where: str, base: Path | None = None) -> Example:
     if not isinstance(obj, dict):
         raise DataFormatError(f"{where}: expected a JSON object (a SystemOne request), got {type(obj).__name__}")
     questions = obj.get("questions")
@@ -41,6 +67,8 @@ def _check_line(obj: Any, where: str) -> Example:
                                   f"got {label!r}")
     request = {k: v for k, v in obj.items() if k not in ("id", "labels")}
     request.setdefault("model", "clef-local")
+    if base is not None:
+        _read_media(request, base, where)
     return Example(str(obj.get("id", where)), request, dict(labels))
 
 
@@ -59,7 +87,7 @@ def read_jsonl(path: str | Path, limit: int | None = None) -> list[Example]:
                 obj = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise DataFormatError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
-            examples.append(_check_line(obj, where))
+            examples.append(_check_line(obj, where, path.parent))
     return examples
 
 

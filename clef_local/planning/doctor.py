@@ -50,6 +50,9 @@ COMPONENTS = (
     ("fastapi", "fastapi", "HTTP server (clef-local serve)", "serve"),
     ("uvicorn", "uvicorn", "HTTP server (clef-local serve)", "serve"),
     ("matplotlib", "matplotlib", "reliability diagrams (clef-local report)", "report"),
+    ("pillow", "PIL", "images in requests (decoding; transformers' PIL image processor)", None),
+    ("torchvision", "torchvision", "video frames in requests (Qwen3-VL's video processor); images need no extra",
+     "video"),
 )
 
 
@@ -80,6 +83,10 @@ def _detail(distribution: str) -> str:
             import mlx.core as mx
 
             return f"default device {mx.default_device()}"
+        if distribution == "torchvision":
+            import torchvision  # noqa: F401  (PyPI's build fails here beside the CPU torch wheel)
+
+            return "imports"
     except (ImportError, RuntimeError, OSError) as exc:  # a broken install says so instead of failing doctor
         return f"installed but fails to import: {exc}"
     return ""
@@ -109,6 +116,19 @@ def network_isolation() -> dict[str, Any]:
             "kind": support.get("kind"), "commands": {**{c: mode for c in commands}, "serve": "off (guard)"}}
 
 
+def _videos(parts: list[Component], probe: bool) -> str:
+    """Whether video frames are accepted here (torchvision imports beside this torch)."""
+    vision = next(c for c in parts if c.name == "torchvision")
+    if not vision.installed:
+        return f"refused: torchvision is not installed; {vision.install}"
+    if not probe:
+        return "torchvision installed (not probed: run doctor without --no-probe)"
+    from clef_local.runtime.processor import video_unavailable
+
+    reason = video_unavailable()
+    return f"refused: {reason}" if reason else "accepted"
+
+
 def report(probe: bool = True) -> dict[str, Any]:
     """Hardware, components, the backends the loader can use, what ``auto`` would pick here, the inference threads
     (:func:`~clef_local.planning.hardware.thread_plan`) and the network isolation (:func:`network_isolation`)."""
@@ -124,9 +144,11 @@ def report(probe: bool = True) -> dict[str, Any]:
             auto[scheme] = choose(hardware, scheme, installed=backends, bitsandbytes=bnb).to_json()
         except ValueError as exc:  # ApiUsageError: no backend for this scheme here
             auto[scheme] = {"error": str(exc)}
+    parts = components(probe)
+    media = {"images": "accepted (torch backend, a release with a vision tower)", "videos": _videos(parts, probe)}
     return {"hardware": hardware.to_json(), "hardware_summary": hardware.summary(),
             "backends": {name: {"available": why is None, "why_not": why} for name, why in backends.items()},
-            "components": [asdict(c) | {"install": c.install} for c in components(probe)], "auto": auto,
+            "components": [asdict(c) | {"install": c.install} for c in parts], "media": media, "auto": auto,
             "threads": thread_plan(workers=1).to_json(), "network": network_isolation()}
 
 
@@ -146,6 +168,7 @@ def render(info: dict[str, Any]) -> str:
         state = f"installed {c['version']}" + (f" ({c['detail']})" if c["detail"] else "") if c["installed"] \
             else f"not installed: {c['install']}"
         lines.append(f"  {c['name']:<16} {state}  [{c['purpose']}]")
+    lines += ["", "media", *(f"  {kind:<6} {state}" for kind, state in info["media"].items())]
     lines += ["", "auto would run (clef_local.load(path)):"]
     for scheme, choice in info["auto"].items():
         text = choice.get("error") or (f"{choice['backend']} on {choice['device']}, {choice['dtype']}, kernel "

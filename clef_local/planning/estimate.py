@@ -142,11 +142,14 @@ class Plan:
     activations: Activations
     overhead: int
     margin: int
+    visual_tokens: int = 0  # of the context, filled by images (clef_local.planning.vision)
+    vision_activations: int = 0  # the vision tower's peak, freed before the text layers run
 
     @property
     def need(self) -> int:
-        """Bytes needed on the device (on CPU and Apple: in the one memory pool)."""
-        return self.device_weights + self.activations.total + self.overhead + self.margin
+        """Bytes needed on the device (on CPU and Apple: in the one memory pool): the larger of the two passes'
+        activations (the vision tower runs, and frees its temporaries, before the text prefill)."""
+        return self.device_weights + max(self.activations.total, self.vision_activations) + self.overhead + self.margin
 
     @property
     def available(self) -> int:
@@ -169,17 +172,20 @@ class Plan:
             "device_weight_bytes": self.device_weights, "host_weight_bytes": self.host_weights,
             "activation_bytes": self.activations.total, "activation_terms_per_token": self.activations.terms,
             "overhead_bytes": self.overhead, "margin_bytes": self.margin, "need_bytes": self.need,
+            "visual_tokens": self.visual_tokens, "vision_activation_bytes": self.vision_activations,
             "available_bytes": self.available, "fits": self.fits,
         }
 
 
 def plan(census: WeightCensus, dims: ModelDims, hardware: Hardware, *, context: int, batch: int = 1,
-         dtype: str = "bfloat16", host_embeddings: bool = True, media: bool = False) -> Plan:
+         dtype: str = "bfloat16", host_embeddings: bool = True, media: bool = False, visual_tokens: int = 0,
+         vision_activations: int = 0) -> Plan:
     """The memory plan of ``census`` on ``hardware``.
 
     ``host_embeddings``: ``embed_tokens`` and ``lm_head`` stay in host memory (only gathered, docs/hardware.md); it
     matters only on a CUDA card. ``media``: the vision tower is resident (else it is not loaded at all, or stays on the
-    host).
+    host). ``visual_tokens`` (of the context) and ``vision_activations`` (bytes) come from
+    :mod:`clef_local.planning.vision` for requests with images.
     """
     if context < 1 or batch < 1:
         raise ValueError(f"context and batch must be positive, got context={context}, batch={batch}")
@@ -193,10 +199,11 @@ def plan(census: WeightCensus, dims: ModelDims, hardware: Hardware, *, context: 
         host_weights = census.host_weights(host_embeddings=host_embeddings, media=media)
     acts = activations(dims, context, batch, dtype)
     overhead = RUNTIME_OVERHEAD[hardware.kind]
-    margin = int(MARGIN * (device_weights + acts.total))
+    margin = int(MARGIN * (device_weights + max(acts.total, vision_activations)))
     return Plan(fmt=census.fmt, census=census, hardware=hardware, context=context, batch=batch, dtype=dtype,
                 host_embeddings=host_embeddings, media=media, device_weights=device_weights,
-                host_weights=host_weights, activations=acts, overhead=overhead, margin=margin)
+                host_weights=host_weights, activations=acts, overhead=overhead, margin=margin,
+                visual_tokens=visual_tokens, vision_activations=vision_activations)
 
 
 def best_fit(plans: Mapping[str, Plan]) -> Plan | None:
@@ -249,8 +256,12 @@ def explain(p: Plan) -> list[str]:
         f"carried 4h·d = {t['carried']:,} B + max(mlp 3I·d = {t['mlp']:,} B, attention {t['attention']:,} B, "
         f"linear attention {t['linear']:,} B) [{a.dominant}]; head {t['head']:,} B",
         f"  N × {a.per_token:,} B + mask {g(a.mask)} + rope {g(a.rope)} = {g(a.total)}",
+        *([f"  images: {p.visual_tokens:,} visual tokens of the context; the vision tower's pass before it "
+           f"{g(p.vision_activations)} (clef_local/planning/vision.py); the larger of the two counts"]
+          if p.vision_activations else []),
         f"overhead {g(p.overhead)} (runtime) + margin 5% of weights and activations {g(p.margin)}",
-        f"need {g(p.device_weights)} + {g(a.total)} + {g(p.overhead)} + {g(p.margin)} = {g(p.need)}; available "
+        f"need {g(p.device_weights)} + {g(max(a.total, p.vision_activations))} + {g(p.overhead)} + {g(p.margin)} = "
+        f"{g(p.need)}; available "
         f"{g(p.available)} on {p.hardware.device} ({p.hardware.name}) → {'fits' if p.fits else 'does not fit'}",
     ]
     if not p.host_fits:

@@ -5,6 +5,7 @@
     clef-local plan --config clef --device rtx4090 --context 16384 --explain   # packaged Clef shape
     clef-local plan --config path/to/config.json --device h100
     clef-local plan --model DIR-int4 --device mac-36 --json
+    clef-local plan --config clef --image-size 1024x768 --images 2   # requests with two 1024×768 images
 
 Weights come from the safetensors headers (exact; a variant is read as stored) or, for a bare ``config.json``, from
 the architecture built on the meta device (:mod:`clef_local.planning.census`); activations, overhead and the verdict
@@ -35,6 +36,8 @@ from clef_local.planning.census import (
 from clef_local.planning.estimate import DTYPE_SIZE, ModelDims, Plan, best_fit, explain, max_context, plan
 from clef_local.planning.hardware import GiB, Hardware, resolve_device
 from clef_local.planning.split import SplitPlan, render_split, split_plan
+from clef_local.planning.vision import ImageLoad, VisionDims, image_load, parse_image_size, vision_activation_bytes
+from clef_local.runtime.processor import ImageGeometry
 
 DEFAULT_CONTEXT = 16_384  # the reference's max_length (docs/format.md §2)
 CONFIGS_DIR = Path(__file__).resolve().parent / "configs"  # NAME.config.json + NAME.joint_head_config.json
@@ -73,11 +76,24 @@ class Footprint:
     dims: ModelDims
     censuses: dict[str, WeightCensus]  # format -> census (a variant has only its own)
     stored: str  # the format the directory holds ("bf16" for a bare config)
+    geometry: ImageGeometry | None = None  # how the processor cuts images (None: no vision tower)
+    vision: VisionDims | None = None
+
+    def image_load(self, width: int, height: int, images: int) -> ImageLoad:
+        if self.geometry is None:
+            raise ValueError(f"{self.name} has no vision tower: --image-size does not apply")
+        return image_load(self.geometry, width, height, images)
 
     def plans(self, hardware: Hardware, *, context: int, batch: int = 1, dtype: str = "bfloat16",
-              host_embeddings: bool = True, media: bool = False) -> dict[str, Plan]:
+              host_embeddings: bool = True, media: bool = False, images: ImageLoad | None = None
+              ) -> dict[str, Plan]:
+        vision = 0
+        if images is not None and self.vision is not None:
+            vision = vision_activation_bytes(self.vision, images, batch, DTYPE_SIZE[dtype])
         return {fmt: plan(c, self.dims, hardware, context=context, batch=batch, dtype=dtype,
-                          host_embeddings=host_embeddings, media=media) for fmt, c in self.censuses.items()}
+                          host_embeddings=host_embeddings, media=media or images is not None,
+                          visual_tokens=images.visual_tokens if images else 0, vision_activations=vision)
+                for fmt, c in self.censuses.items()}
 
     def splits(self, devices: list[Hardware], *, context: int, batch: int = 1, dtype: str = "bfloat16",
                host_embeddings: bool = True, media: bool = False) -> dict[str, SplitPlan]:
@@ -95,7 +111,9 @@ def footprint_from_release(path: Path, formats: tuple[str, ...] = FORMATS,
     censuses = {fmt: census_from_release(release.path, release.weight_files, release.config, fmt,
                                          group_size=group_size) for fmt in wanted}
     dims = ModelDims.from_config(release.config, head_width=release.head_config.width)
-    return Footprint(release.path.name, release.architecture, dims, censuses, stored)
+    vision = VisionDims.from_config(release.config)
+    geometry = ImageGeometry.from_release(release.path, release.config) if vision else None
+    return Footprint(release.path.name, release.architecture, dims, censuses, stored, geometry, vision)
 
 
 def footprint_from_config(config_path: Path, formats: tuple[str, ...] = FORMATS,
@@ -110,7 +128,10 @@ def footprint_from_config(config_path: Path, formats: tuple[str, ...] = FORMATS,
                                         shapes=shapes) for fmt in formats}
     architecture = str((config.get("architectures") or ["unknown"])[0])
     name = config_path.name.removesuffix(".json").removesuffix(".config")
-    return Footprint(name, architecture, ModelDims.from_config(config, head_width=width), censuses, "bf16")
+    vision = VisionDims.from_config(config)
+    geometry = ImageGeometry.from_config(config) if vision else None
+    return Footprint(name, architecture, ModelDims.from_config(config, head_width=width), censuses, "bf16",
+                     geometry, vision)
 
 
 def default_dtype(hardware: Hardware) -> str:
@@ -127,7 +148,8 @@ def _gib(n: int) -> str:
     return f"{n / GiB:.1f}"
 
 
-def render(footprint: Footprint, plans: dict[str, Plan], *, show_explain: bool) -> str:
+def render(footprint: Footprint, plans: dict[str, Plan], *, show_explain: bool,
+           images: ImageLoad | None = None) -> str:
     """The human-readable report: one row per format, the verdict, and optionally the formula."""
     any_plan = next(iter(plans.values()))
     hw = any_plan.hardware
@@ -137,6 +159,10 @@ def render(footprint: Footprint, plans: dict[str, Plan], *, show_explain: bool) 
              + ("" if hw.shares_host_memory else
                 f"; embeddings {'in host memory' if any_plan.host_embeddings else 'on the device'}")
              + ("; vision tower loaded" if any_plan.media else ""),
+             *([f"{images.images} image{'s' * (images.images != 1)} of {images.width}×{images.height}: "
+                f"{images.tokens_per_image:,} visual tokens each, {images.visual_tokens:,} of the context; the "
+                f"vision tower's pass needs {_gib(any_plan.vision_activations)} GiB of activations"]
+               if images else []),
              "",
              f"{'format':<7}{'weights':>9}{'host':>7}{'activ.':>8}{'overhead':>10}{'need':>8}  verdict (GiB)"]
     for fmt, p in plans.items():
@@ -200,6 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--embeddings-on-device", action="store_true",
                         help="count embed_tokens and lm_head on the card (default: host memory, docs/hardware.md)")
     parser.add_argument("--media", action="store_true", help="requests carry images/videos: count the vision tower")
+    parser.add_argument("--image-size", metavar="WxH", help="requests carry images of this size (e.g. 1024x768): "
+                        "count their visual tokens and the vision tower's pass (implies --media)")
+    parser.add_argument("--images", type=int, default=1, help="images per request with --image-size (default 1)")
     parser.add_argument("--explain", action="store_true", help="print the formula with the numbers")
     parser.add_argument("--json", action="store_true", help="print JSON")
     return parser
@@ -225,17 +254,32 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     context = args.context or min(DEFAULT_CONTEXT, footprint.dims.max_context or DEFAULT_CONTEXT)
+    images = None
+    try:
+        if args.image_size:
+            images = footprint.image_load(*parse_image_size(args.image_size), args.images)
+            if images.visual_tokens >= context:
+                raise ValueError(f"{images.images} image(s) of {args.image_size} need {images.visual_tokens:,} "
+                                 f"visual tokens, more than the context of {context:,}: fewer or smaller images")
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if len(devices) > 1:
+        if images is not None:
+            print("error: --image-size is planned on one device; drop it or plan each card with --device",
+                  file=sys.stderr)
+            return 2
         return _main_split(args, footprint, devices, context)
     plans = footprint.plans(hardware, context=context, batch=args.batch, dtype=args.dtype or default_dtype(hardware),
-                            host_embeddings=not args.embeddings_on_device, media=args.media)
+                            host_embeddings=not args.embeddings_on_device, media=args.media, images=images)
     best = best_fit(plans)
     if args.json:
         print(json.dumps({"model": footprint.name, "architecture": footprint.architecture,
                           "hardware": hardware.to_json(), "plans": [p.to_json() for p in plans.values()],
+                          **({"images": images.to_json()} if images else {}),
                           "best": best.fmt if best else None}, indent=2))
     else:
-        print(render(footprint, plans, show_explain=args.explain))
+        print(render(footprint, plans, show_explain=args.explain, images=images))
     return 0 if best is not None else 1
 
 

@@ -8,9 +8,11 @@ request go to the tokenizer in one batch call.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any, Protocol
 
 from clef_local.errors import ApiUsageError, MaxTokensExceededError
@@ -48,6 +50,45 @@ class EncodedQuestion:
     option_ids: tuple[str, ...]
 
 
+MEDIA_ARRAYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+
+
+@dataclass(frozen=True, eq=False)
+class MediaInputs:
+    """What the processor made of a record's images and videos (docs/format.md §7): the ids that go right after
+    the prefix, their modality (0 text, 1 image, 2 video), and the arrays the vision tower reads (numpy, so that no
+    backend's framework is needed to hold them)."""
+
+    token_ids: tuple[int, ...]
+    mm_token_type_ids: tuple[int, ...]  # aligned with token_ids
+    images: int
+    videos: int
+    pixel_values: Any = None  # float32 [image patches, C·T·P·P]
+    image_grid_thw: Any = None  # int64 [images, 3]
+    pixel_values_videos: Any = None  # float32 [video patches, C·T·P·P]
+    video_grid_thw: Any = None  # int64 [videos, 3]
+    token_offset: int = 0  # where token_ids start in the record's input_ids (the prefix's length)
+
+    @property
+    def visual_tokens(self) -> int:
+        """Positions of the prompt that the vision tower fills (image and video pad tokens)."""
+        return sum(1 for t in self.mm_token_type_ids if t)
+
+    def arrays(self) -> dict[str, Any]:
+        """The non-empty arrays by the model's argument names (``pixel_values``, ``image_grid_thw``, ...)."""
+        return {name: getattr(self, name) for name in MEDIA_ARRAYS if getattr(self, name) is not None}
+
+    @cached_property
+    def digest(self) -> str:
+        """SHA-256 of the ids, their modalities and every array's dtype, shape and bytes: equal digests mean
+        equal backbone inputs (a cache key for the media part of a record)."""
+        h = hashlib.sha256(json.dumps([self.token_ids, self.mm_token_type_ids, self.token_offset]).encode())
+        for name, array in self.arrays().items():
+            h.update(f"{name}:{array.dtype}:{tuple(array.shape)}".encode())
+            h.update(memoryview(array).cast("B") if array.flags.c_contiguous else array.tobytes())
+        return h.hexdigest()
+
+
 @dataclass(frozen=True)
 class EncodedRecord:
     input_ids: tuple[int, ...]
@@ -55,6 +96,7 @@ class EncodedRecord:
     state_tokens: int  # state tokens kept
     truncated_tokens: int = 0  # state tokens dropped (only with truncate_state=True)
     state_start: int = 0  # position of the first state token (after the prefix and any media ids)
+    media: MediaInputs | None = field(default=None, compare=False)  # images / videos, their ids after the prefix
 
 
 def render(value: Any) -> str:
@@ -109,11 +151,12 @@ def encode_request(
     *,
     max_length: int = REFERENCE_MAX_LENGTH,
     truncate_state: bool = False,
-    media_ids: Sequence[int] = (),
+    media: MediaInputs | None = None,
 ) -> EncodedRecord:
     """Token ids and spans of one request (``state`` + ``questions`` as plain JSON values).
 
-    ``media_ids`` are the processor's ids for the image/video placeholders, inserted right after the prefix.
+    ``media`` holds the processor's ids for the image/video placeholders, inserted right after the prefix (its
+    visual tokens count against ``max_length``); the record carries it with its ``token_offset`` set.
     A state that does not fit ``max_length`` raises :class:`MaxTokensExceededError` unless ``truncate_state``,
     which keeps the state's first tokens as the reference does.
     """
@@ -139,20 +182,29 @@ def encode_request(
 
     ids_of = tokenizer.encode_pieces(pieces.order)
     piece_ids = [ids_of[slot] for slot in pieces.sequence]
-    prefix_ids = list(piece_ids[prefix]) + list(media_ids)
+    prefix_ids = list(piece_ids[prefix])
+    if media is not None:
+        media = replace(media, token_offset=len(prefix_ids))
+        prefix_ids += media.token_ids
     state_ids = piece_ids[state]
     fixed = len(prefix_ids) + len(piece_ids[suffix]) + sum(len(piece_ids[i]) for i in range(header, suffix))
     if fixed > max_length:
+        if media is None:
+            what, hint = "prompt, questions and options without the state", "ask fewer questions or shorter options"
+        else:
+            what = (f"prompt, {media.visual_tokens} visual tokens of {_media_count(media)}, questions and options "
+                    "without the state")
+            hint = "send fewer or smaller images, or ask fewer questions or shorter options"
         raise MaxTokensExceededError(
-            f"the schema alone needs {fixed} tokens (prompt, questions and options without the state); "
-            f"the context is {max_length}: ask fewer questions or shorter options",
+            f"the schema alone needs {fixed} tokens ({what}); the context is {max_length}: {hint}",
             input_tokens=fixed,
             max_tokens=max_length,
         )
     truncated = max(0, len(state_ids) + fixed - max_length)
     if truncated and not truncate_state:
+        schema = "schema" if media is None else f"schema with {media.visual_tokens} visual tokens"
         raise MaxTokensExceededError(
-            f"state ({len(state_ids)} tokens) + schema ({fixed} tokens) = {len(state_ids) + fixed} tokens "
+            f"state ({len(state_ids)} tokens) + {schema} ({fixed} tokens) = {len(state_ids) + fixed} tokens "
             f"exceed the context of {max_length}; shorten the state or pass truncate_state=True "
             f"to drop its last {truncated} tokens",
             input_tokens=len(state_ids) + fixed,
@@ -180,9 +232,15 @@ def encode_request(
         for qid, qtype, qpiece, options in layout
     )
     return EncodedRecord(tuple(input_ids), questions, state_tokens=len(state_ids), truncated_tokens=truncated,
-                         state_start=len(prefix_ids))
+                         state_start=len(prefix_ids), media=media)
 
 
 def media_placeholder(images: int, videos: int) -> str:
-    """The text whose processor ids go right after the prefix when a request carries media."""
+    """The text whose processor ids go right after the prefix when a request carries media (before the processor
+    expands each pad token to the image's or video's visual tokens)."""
     return IMAGE_PLACEHOLDER * images + VIDEO_PLACEHOLDER * videos + "\n"
+
+
+def _media_count(media: MediaInputs) -> str:
+    parts = [f"{n} {word}{'s' * (n != 1)}" for n, word in ((media.images, "image"), (media.videos, "video")) if n]
+    return " and ".join(parts)

@@ -115,6 +115,14 @@ class Question(BaseModel):
     instructions: Text | None = None
     criteria: dict[str, Text | None] | list[Text] | None = Field(default=None, validate_default=True)
 
+    @field_validator("type", mode="before")
+    @classmethod
+    def _type(cls, value: Any) -> Any:
+        if value == "box":  # Jev's image-location question; a Clef head scores options, it locates nothing
+            raise _fail("box_unsupported", "box questions (Jev's image-location type) are not supported: Clef "
+                                           "answers noul, choice and score questions only")
+        return value
+
     @field_validator("instructions", mode="before")
     @classmethod
     def _instructions(cls, value: Any) -> Any:

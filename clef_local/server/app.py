@@ -36,6 +36,7 @@ from clef_local.runtime.schema import (
     SystemOneResponse,
     validate_request,
 )
+from clef_local.server.assets import is_multipart, resolve_request_media, split_multipart
 from clef_local.server.body import BodyTooLargeError, check_content_type, decode_content, parse_json
 from clef_local.server.config import ModelTable, ServerConfig
 from clef_local.server.guard import HostGuard
@@ -151,9 +152,14 @@ class ServerState:
             raise BodyTooLargeError(f"the body is over the limit of {limit} bytes")
         return b"".join(chunks)
 
-    def prepare(self, raw: bytes, encoding: str | None, path_model: str | None) -> tuple[str, dict[str, Any], int]:
-        """Decode, parse and validate a body; return the served model's name, the request and its JSON size."""
+    def prepare(self, raw: bytes, encoding: str | None, path_model: str | None,
+                content_type: str | None = None) -> tuple[str, dict[str, Any], int]:
+        """Decode, parse and validate a body (JSON, or multipart with image parts); return the served model's name,
+        the request (its images decoded, :mod:`.assets`) and its JSON size."""
         decoded = decode_content(raw, encoding, self.config.max_body_bytes)
+        parts = None
+        if is_multipart(content_type):
+            decoded, parts = split_multipart(decoded, content_type or "")
         data = parse_json(decoded)
         if path_model is not None and isinstance(data, dict):
             data = {**data, "model": path_model}
@@ -168,7 +174,8 @@ class ServerState:
         validate_request(data, getattr(model, "limits", DEFAULT_LIMITS))  # 422 before the model name's 400
         served = self.table.resolve(asked)  # type: ignore[arg-type]  # validated: a string
         self.table.get(served).check_size(data)  # 413 for text that cannot fit, before the queue and the tokenizer
-        return served, {**data, "model": served}, len(decoded)
+        request = resolve_request_media(self.table.get(served), {**data, "model": served}, parts)
+        return served, request, len(decoded)
 
     def error(self, exc: ClefError, envelope: bool) -> JSONResponse:
         """The HTTP response of a ``ClefError``."""
@@ -196,13 +203,15 @@ class ServerState:
             self.check_declared_length(request)
             check_content_type(request.headers.get("content-type"))
             raw = await self.read_body(request)
+            content_type = request.headers.get("content-type")
             encoding = request.headers.get("content-encoding")
             label = (encoding or "identity").strip().lower()
             self.metrics.bodies.inc(label if label in KNOWN_ENCODINGS else "other")
-            if len(raw) > OFFLOAD_BYTES or encoding:
-                served, data, size = await asyncio.to_thread(self.prepare, raw, encoding, path_model)
+            # images are decoded in prepare: off the event loop, like large or compressed bodies
+            if len(raw) > OFFLOAD_BYTES or encoding or is_multipart(content_type):
+                served, data, size = await asyncio.to_thread(self.prepare, raw, encoding, path_model, content_type)
             else:
-                served, data, size = self.prepare(raw, encoding, path_model)
+                served, data, size = self.prepare(raw, encoding, path_model, content_type)
             response = round_floats(await self.scheduler.submit(served, data, size), 4)
         except ClefError as exc:
             return self.error(exc, envelope)

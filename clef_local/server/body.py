@@ -63,6 +63,8 @@ def check_content_type(value: str | None) -> None:
 
     Browsers send ``text/plain``, form and multipart bodies cross-origin without a CORS preflight, so accepting
     them as JSON would let any web page drive a local server; ``application/json`` needs the server's consent.
+    ``multipart/form-data`` carries a request's assets (the official SDK's images): a browser sends it with an
+    ``Origin`` header, which :mod:`.guard` refuses for any page but the server's own and ``--cors-origin``.
     """
     media, _, params = (value or "").partition(";")
     media = media.strip().lower()
@@ -77,10 +79,11 @@ def check_content_type(value: str | None) -> None:
     if not media:
         raise UnsupportedMediaTypeError("the request has no Content-Type; send the JSON body with "
                                         "Content-Type: application/json")
+    if media == "multipart/form-data":
+        return  # typesafe-sdk's assets (images): a browser's cross-origin form post is refused by the Origin guard
     if media.startswith("multipart/"):
-        raise UnsupportedMediaTypeError("multipart bodies (images and other assets) are not supported by clef-local "
-                                        "yet; send a JSON body with a text or JSON state, Content-Type: "
-                                        "application/json")
+        raise UnsupportedMediaTypeError(f"of multipart bodies only multipart/form-data is read (a request with "
+                                        f"assets), not {media[:60]!r}; send application/json or multipart/form-data")
     raise UnsupportedMediaTypeError(f"Content-Type {media[:60]!r} is not supported; send a JSON body with "
                                     "Content-Type: application/json")
 

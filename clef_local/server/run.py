@@ -56,11 +56,13 @@ def uvicorn_options(config: ServerConfig) -> dict[str, Any]:
 
 
 def load_models(specs: Mapping[str, Path], *, dtype: str | None = None, device: str | None = None,
-                confidence: str = "jev") -> dict[str, Any]:
+                confidence: str = "jev", media_limits: Any = None) -> dict[str, Any]:
     """Load each ``{name: release directory}`` with the public API (``clef_local.load``)."""
     import clef_local
 
     kwargs: dict[str, Any] = {"dtype": dtype, "confidence": confidence}
+    if media_limits is not None:
+        kwargs["media_limits"] = media_limits
     if device:
         kwargs["device"] = device
     models = {}
@@ -75,10 +77,11 @@ def serve(model_specs: Sequence[str] = (), *, host: str = "127.0.0.1", port: int
           dtype: str | None = None, device: str | None = None, log_level: str = "info",
           allowed_hosts: Sequence[str] = (), cors_origins: Sequence[str] = (),
           header_timeout: float = HEADER_TIMEOUT_S, body_timeout: float = BODY_TIMEOUT_S,
-          max_connections: int = MAX_CONNECTIONS, threads: int | None = None) -> int:
+          max_connections: int = MAX_CONNECTIONS, threads: int | None = None, media_limits: Any = None) -> int:
     """Load the models and serve them until interrupted (SIGINT/SIGTERM finish in-flight requests first).
 
     ``model_specs`` are ``NAME=DIR`` strings; none means the default model, served as ``clef-local``.
+    ``media_limits`` (:class:`~clef_local.runtime.media.MediaLimits`) bound each request's images and videos.
     """
     require_serve_extra()
     import uvicorn
@@ -97,7 +100,7 @@ def serve(model_specs: Sequence[str] = (), *, host: str = "127.0.0.1", port: int
     if warning := bind_warning(host, api_key):
         print(warning, file=sys.stderr)
     models = load_models(specs, dtype=None if dtype in (None, "auto") else dtype, device=device,
-                         confidence=confidence)
+                         confidence=confidence, media_limits=media_limits)
     from clef_local.server.app import create_app
 
     app = create_app(models, config)
@@ -107,7 +110,13 @@ def serve(model_specs: Sequence[str] = (), *, host: str = "127.0.0.1", port: int
 
 def main(argv: list[str] | None = None) -> int:
     """Serve the SystemOne HTTP API (POST /v1/systemone) with dynamic batching."""
-    from clef_local.options import add_confidence_flag, add_network_flag, add_runtime_flags
+    from clef_local.options import (
+        add_confidence_flag,
+        add_media_flags,
+        add_network_flag,
+        add_runtime_flags,
+        media_limits,
+    )
 
     parser = argparse.ArgumentParser(prog="clef-local serve", description=main.__doc__)
     parser.add_argument("--model", action="append", metavar="NAME=DIR",
@@ -138,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
                              "$CLEF_LOCAL_THREADS / $OMP_NUM_THREADS; docs/hardware.md#threads)")
     add_confidence_flag(parser)
     add_runtime_flags(parser, backend=False)
+    add_media_flags(parser)
     add_network_flag(parser)
     args = parser.parse_args(argv)
     require_serve_extra()  # before the models load: a missing extra is a one-line error, not minutes later
@@ -148,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         return serve(args.model or (), host=args.host, port=args.port, api_key=args.api_key,
                      max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, max_queue=args.max_queue,
                      confidence=args.confidence, dtype=args.dtype,
-                     device=None if args.device == "auto" else args.device,
+                     device=None if args.device == "auto" else args.device, media_limits=media_limits(args),
                      log_level="debug" if logging.getLogger().getEffectiveLevel() <= logging.DEBUG else "info",
                      allowed_hosts=args.allowed_host, cors_origins=args.cors_origin,
                      header_timeout=args.header_timeout, body_timeout=args.body_timeout,

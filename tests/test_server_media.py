@@ -215,7 +215,7 @@ def _cases() -> list[tuple[str, dict[str, Any], int, str]]:
          "no part named 'request'"),
         ("multipart: no boundary", {"content": b"--x\r\n", "headers": {"content-type": "multipart/form-data"}},
          422, "boundary"),
-        ("multipart/mixed", {"content": b"x", "headers": {"content-type": "multipart/mixed; boundary=x"}}, 400,
+        ("multipart/mixed", {"content": b"x", "headers": {"content-type": "multipart/mixed; boundary=x"}}, 415,
          "multipart/form-data"),
         ("box question", {"json": {**base, "images": [_b64(PHOTO)],
                                    "questions": {"dog": {"type": "box", "instructions": "the dog"}}}}, 422,

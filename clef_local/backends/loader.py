@@ -21,10 +21,11 @@ log = logging.getLogger(__name__)
 
 
 def build_backend(release: Release, *, backend: str = "auto", device: str = "auto", dtype: Any = None,
-                  context: int | None = None, check_memory: bool = True) -> Backend:
+                  context: int | None = None, check_memory: bool = True, state_cache: int | None = None) -> Backend:
     """The backend for ``release``: chosen by :func:`clef_local.planning.choice.decide` for this machine
     (``device`` ``auto``, ``cpu``, ``cuda[:N]``, ``mps``), checked against the planner at ``context`` tokens
-    (default: the model's context, at most 16,384), logged, and recorded as ``backend.load_decision``."""
+    (default: the model's context, at most 16,384) with a state cache of ``state_cache`` bytes (``None``: sized by
+    the planner), logged, and recorded as ``backend.load_decision`` (``state_cache_bytes``: the cache's budget)."""
     from clef_local.planning.census import stored_format
     from clef_local.planning.hardware import detect
     from clef_local.planning.planner import DEFAULT_CONTEXT, footprint_from_release
@@ -40,11 +41,17 @@ def build_backend(release: Release, *, backend: str = "auto", device: str = "aut
     decision = decide(hardware, scheme, footprint, context=context, backend=backend, dtype=dtype,
                       installed=installed_backends(), onnx_export=onnx_export,
                       bitsandbytes=importable("bitsandbytes"), check_memory=check_memory, source=str(release.path),
-                      onnx_cuda=hardware.kind == "cuda" and (backend == "onnx" or onnx_export) and onnx_cuda())
+                      onnx_cuda=hardware.kind == "cuda" and (backend == "onnx" or onnx_export) and onnx_cuda(),
+                      state_cache=state_cache)
     log.info("backend %s on %s, %s, %s kernel: %s%s", decision.backend, decision.device, decision.dtype,
              decision.kernel, decision.reason,
              f" (needs {decision.need_bytes / GiB:.2f} of {decision.available_bytes / GiB:.1f} GiB)"
              if decision.need_bytes is not None and decision.available_bytes is not None else "")
+    if state_cache is not None and state_cache > 0 and decision.state_cache_bytes == 0:
+        log.warning("state cache: torch only; the %s backend runs every state in full (docs/serving.md)",
+                    decision.backend)
+    log.info("state cache: %s", f"{decision.state_cache_bytes / GiB:.2f} GiB"
+             + (" (sized by the planner)" if state_cache is None else "") if decision.state_cache_bytes else "off")
     module_name, class_name = BACKENDS[decision.backend]
     cls = getattr(importlib.import_module(module_name), class_name)
     # an ONNX export runs in the precision it was exported in unless a dtype was asked for

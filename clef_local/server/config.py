@@ -32,8 +32,11 @@ class ServerConfig:
     max_body_bytes: int = MAX_BODY_BYTES
     aliases: tuple[str, ...] = JEV_ALIASES
     graceful_timeout_s: float = 30.0
+    state_cache: int | None = None  # bytes per served model (0: off; None: sized by the planner at load)
 
     def __post_init__(self) -> None:
+        if self.state_cache is not None and self.state_cache < 0:
+            raise ApiUsageError(f"--state-cache must be a size ≥ 0 (0: off), got {self.state_cache}")
         if self.max_batch < 1:
             raise ApiUsageError(f"--max-batch must be at least 1, got {self.max_batch}")
         if self.max_wait_ms < 0:

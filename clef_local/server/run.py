@@ -17,11 +17,12 @@ log = logging.getLogger(__name__)
 
 
 def load_models(specs: Mapping[str, Path], *, dtype: str | None = None, device: str | None = None,
-                confidence: str = "jev") -> dict[str, Any]:
-    """Load each ``{name: release directory}`` with the public API (``clef_local.load``)."""
+                confidence: str = "jev", state_cache: int | None = None) -> dict[str, Any]:
+    """Load each ``{name: release directory}`` with the public API (``clef_local.load``); ``state_cache``: bytes
+    of state cache per model (None: sized by the planner)."""
     import clef_local
 
-    kwargs: dict[str, Any] = {"dtype": dtype, "confidence": confidence}
+    kwargs: dict[str, Any] = {"dtype": dtype, "confidence": confidence, "state_cache": state_cache}
     if device:
         kwargs["device"] = device
     models = {}
@@ -33,7 +34,8 @@ def load_models(specs: Mapping[str, Path], *, dtype: str | None = None, device: 
 
 def serve(model_specs: Sequence[str] = (), *, host: str = "127.0.0.1", port: int = 8077, api_key: str | None = None,
           max_batch: int = 8, max_wait_ms: float = 5.0, max_queue: int = 64, confidence: str = "jev",
-          dtype: str | None = None, device: str | None = None, log_level: str = "info") -> int:
+          dtype: str | None = None, device: str | None = None, log_level: str = "info",
+          state_cache: int | None = None) -> int:
     """Load the models and serve them until interrupted (SIGINT/SIGTERM finish in-flight requests first).
 
     ``model_specs`` are ``NAME=DIR`` strings; none means the default model, served as ``clef-local``.
@@ -41,7 +43,8 @@ def serve(model_specs: Sequence[str] = (), *, host: str = "127.0.0.1", port: int
     import uvicorn
 
     config = ServerConfig(host=host, port=port, api_key=api_key, max_batch=max_batch, max_wait_ms=max_wait_ms,
-                          max_queue=max_queue, confidence=confidence)  # type: ignore[arg-type]
+                          max_queue=max_queue, confidence=confidence,  # type: ignore[arg-type]
+                          state_cache=state_cache)
     if model_specs:
         specs = parse_model_specs(model_specs)
     else:
@@ -51,7 +54,7 @@ def serve(model_specs: Sequence[str] = (), *, host: str = "127.0.0.1", port: int
     if warning := bind_warning(host, api_key):
         print(warning, file=sys.stderr)
     models = load_models(specs, dtype=None if dtype in (None, "auto") else dtype, device=device,
-                         confidence=confidence)
+                         confidence=confidence, state_cache=config.state_cache)
     from clef_local.server.app import create_app
 
     app = create_app(models, config)
@@ -76,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="how long a batch waits for more requests after its first (default 5)")
     parser.add_argument("--max-queue", type=int, default=64,
                         help="most requests waiting; beyond it the server answers 429 with Retry-After")
+    parser.add_argument("--state-cache", metavar="SIZE", type=_state_cache_size, default=None,
+                        help="memory per model for cached states (512MiB, 2GiB; 0: off; default: sized from the free "
+                             "memory): a second schema on the same state runs only its own tokens (torch only)")
     add_confidence_flag(parser)
     add_runtime_flags(parser, backend=False)
     add_network_flag(parser)
@@ -86,9 +92,18 @@ def main(argv: list[str] | None = None) -> int:
     with airgap(not args.allow_network):  # loopback and the listening socket stay allowed
         return serve(args.model or (), host=args.host, port=args.port, api_key=args.api_key,
                      max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, max_queue=args.max_queue,
-                     confidence=args.confidence, dtype=args.dtype,
+                     confidence=args.confidence, dtype=args.dtype, state_cache=args.state_cache,
                      device=None if args.device == "auto" else args.device,
                      log_level="debug" if logging.getLogger().getEffectiveLevel() <= logging.DEBUG else "info")
+
+
+def _state_cache_size(text: str) -> int | None:
+    from clef_local.runtime.state_cache import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 class ThreadedServer:

@@ -118,6 +118,8 @@ class BatchScheduler:
         """Start the collector (call from the running event loop)."""
         if self._task is not None:
             return
+        if self.metrics is not None:
+            self.metrics.watch_state_caches(self.models)
         self._wakeup = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="clef-inference")
         self._task = asyncio.get_running_loop().create_task(self._collect(), name="clef-batch-collector")

@@ -23,7 +23,6 @@ other (sliding windows, compressed attention, ...) leaves the cache off for that
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import cache as memoized
@@ -35,8 +34,6 @@ from clef_local.runtime.state_cache import StateCache, state_key
 
 if TYPE_CHECKING:
     from clef_local.runtime.encoding import EncodedRecord
-
-log = logging.getLogger(__name__)
 
 
 class Backbone(Protocol):

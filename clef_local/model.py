@@ -62,9 +62,9 @@ class Prediction:
 def _state_cache(backend: Backend, budget: int, spill: int) -> StateCache:
     """The model's state cache: off (budget 0) on a backend or backbone that cannot continue a pass."""
     if spill and "cpu" in str(backend.device).lower():
-        raise ValueError(f"state_cache_spill is host memory for entries pushed off an accelerator; this model runs on "
-                         f"{backend.device}, where the cache already lives in host memory: pass 0 and size "
-                         f"state_cache instead")
+        raise ApiUsageError(f"state_cache_spill is host memory for entries pushed off an accelerator; this model "
+                            f"runs on {backend.device}, where the cache already lives in host memory: pass 0 and "
+                            f"size state_cache instead")
     if budget and not isinstance(backend, StateCachingBackend):
         log.info("state cache: torch only; the %s backend runs every state in full", backend.name)
         budget = spill = 0
@@ -247,8 +247,9 @@ def load(path: str | Path, *, device: str = "auto", dtype: str | None = None, ba
         cache_budget = runner.load_decision.state_cache_bytes
     model = ClefModel(release, runner, ReleaseTokenizer(release.path), max_length=max_length,
                       confidence=confidence, limits=limits, state_cache=cache_budget or 0, state_cache_spill=spill)
-    if model.state_cache.enabled:
-        log.info("state cache of %s%s", format_size(model.state_cache.budget),
-                 f" + {format_size(model.state_cache.spill)} of host memory" if model.state_cache.spill else "")
+    cache = model.state_cache
+    log.info("state cache: %s", "off" if not cache.enabled else format_size(cache.budget)
+             + (" (sized by the planner)" if state_cache in (None, "auto") else "")
+             + (f" + {format_size(cache.spill)} of host memory" if cache.spill else ""))
     log.info("loaded %s in %.1f s", release.path, time.perf_counter() - started)
     return model

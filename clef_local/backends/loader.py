@@ -50,8 +50,6 @@ def build_backend(release: Release, *, backend: str = "auto", device: str = "aut
     if state_cache is not None and state_cache > 0 and decision.state_cache_bytes == 0:
         log.warning("state cache: torch only; the %s backend runs every state in full (docs/serving.md)",
                     decision.backend)
-    log.info("state cache: %s", f"{decision.state_cache_bytes / GiB:.2f} GiB"
-             + (" (sized by the planner)" if state_cache is None else "") if decision.state_cache_bytes else "off")
     module_name, class_name = BACKENDS[decision.backend]
     cls = getattr(importlib.import_module(module_name), class_name)
     # an ONNX export runs in the precision it was exported in unless a dtype was asked for

@@ -37,6 +37,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from clef_local.errors import ApiUsageError
+
 log = logging.getLogger(__name__)
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
@@ -46,21 +48,22 @@ _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 def parse_size(value: str | int | None) -> int | None:
     """A cache size as bytes: an int, ``"512MiB"``, ``"2GiB"``, ``"1.5GB"``, ``"0"`` (off); ``None``/``"auto"``
-    is ``None`` (the planner sizes it). Binary units are KiB/MiB/GiB/TiB, decimal ones kB/MB/GB/TB."""
+    is ``None`` (the planner sizes it). Binary units are KiB/MiB/GiB/TiB, decimal ones kB/MB/GB/TB. A bad value is
+    :class:`~clef_local.errors.ApiUsageError` (a ``ValueError``)."""
     if value is None:
         return None
     if isinstance(value, bool):
-        raise ValueError(f"a state cache size is bytes or a string like '512MiB', not {value!r}")
+        raise ApiUsageError(f"a state cache size is bytes or a string like '512MiB', not {value!r}")
     if isinstance(value, int):
         if value < 0:
-            raise ValueError(f"a state cache size cannot be negative, got {value}; use 0 to turn the cache off")
+            raise ApiUsageError(f"a state cache size cannot be negative, got {value}; use 0 to turn the cache off")
         return value
     if value.strip().lower() == "auto":
         return None
     match = _SIZE.match(value)
     unit = match.group(2).lower() if match else ""
     if match is None or unit not in _UNITS:
-        raise ValueError(f"cannot read the state cache size {value!r}: give bytes or a number with a unit "
+        raise ApiUsageError(f"cannot read the state cache size {value!r}: give bytes or a number with a unit "
                          f"(512MiB, 2GiB, 1.5GB), 0 to turn the cache off, or auto")
     return int(float(match.group(1)) * _UNITS[unit])
 

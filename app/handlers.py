@@ -196,16 +196,20 @@ class Handlers:
             if variant_path and variant_path != model_path:
                 return self._compare(request, text, model, self._model(variant_path, progress), progress)
             _report_progress(progress, 0.5, "running")
+            hits = model.state_cache.stats().hits
             started = time.perf_counter()
             response = model.decide(request)
             seconds = time.perf_counter() - started
             images = sent_images(request)
+            # the model's state cache: an edited schema on the same state runs only the schema's tokens
+            reused = model.state_cache.stats().hits > hits
         except Exception as exc:
             return RunOutputs(text, error_md(exc)).values()
         views = results.question_views(response)
         shown = f" · **{_plural(len(images), 'image')}**" if images else ""
         status = (f"**{_plural(len(views), 'question')}** answered by `{Path(model_path).name}`{shown} · "
-                  f"**{response['usage']['input_tokens']} input tokens** · **{seconds:.3f} s**")
+                  f"**{response['usage']['input_tokens']} input tokens** · **{seconds:.3f} s**"
+                  + (" · state from the cache: only the schema ran" if reused else ""))
         return RunOutputs(text, status, results.results_html(response), results.summary_rows(views),
                           json.dumps(response, ensure_ascii=False, indent=2), images=images).values()
 

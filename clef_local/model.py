@@ -11,7 +11,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from clef_local.backends.base import Backend
+from clef_local.backends.base import Backend, StateCachingBackend
 from clef_local.errors import ApiUsageError, MaxTokensExceededError, ReleaseError
 from clef_local.formats.release import HEAD_WEIGHTS, Release, read_release
 from clef_local.runtime.answers import CONFIDENCE_MODES, Confidence, build_response, softmax_rows
@@ -29,6 +29,7 @@ from clef_local.runtime.layout import build_layout
 from clef_local.runtime.media import DEFAULT_MEDIA_LIMITS, MediaLimits, RequestMedia, resolve_media
 from clef_local.runtime.processor import MediaProcessor
 from clef_local.runtime.schema import DEFAULT_LIMITS, QUESTION_TYPES, Limits, request_to_record, validate_request
+from clef_local.runtime.state_cache import StateCache, format_size, parse_size
 from clef_local.runtime.tokenizer import ReleaseTokenizer
 
 log = logging.getLogger(__name__)
@@ -68,12 +69,33 @@ class Prediction:
         return build_response(self.record, self.encoded, self.probabilities, confidence)
 
 
+def _state_cache(backend: Backend, budget: int, spill: int) -> StateCache:
+    """The model's state cache: off (budget 0) on a backend or backbone that cannot continue a pass."""
+    if spill and "cpu" in str(backend.device).lower():
+        raise ApiUsageError(f"state_cache_spill is host memory for entries pushed off an accelerator; this model "
+                            f"runs on {backend.device}, where the cache already lives in host memory: pass 0 and "
+                            f"size state_cache instead")
+    if budget and not isinstance(backend, StateCachingBackend):
+        log.info("state cache: torch only; the %s backend runs every state in full", backend.name)
+        budget = spill = 0
+    elif budget and isinstance(backend, StateCachingBackend) and (why := backend.state_cache_blocker):
+        log.info("state cache off: %s", why)
+        budget = spill = 0
+    return StateCache(budget, spill=spill)
+
+
 class ClefModel:
-    """A loaded Clef release. ``decide`` takes a ``/v1/systemone`` request body and returns its response."""
+    """A loaded Clef release. ``decide`` takes a ``/v1/systemone`` request body and returns its response.
+
+    ``state_cache`` (bytes, 0: off) keeps what the backbone computed over each state (:mod:`clef_local.runtime.
+    state_cache`), so another schema on the same state runs only its own tokens; ``state_cache_spill`` bytes of host
+    memory take the entries pushed off an accelerator. :func:`load` sizes it with the planner.
+    """
 
     def __init__(self, release: Release, backend: Backend, tokenizer: ReleaseTokenizer, *,
                  max_length: int | None = None, confidence: Confidence = "jev",
-                 limits: Limits = DEFAULT_LIMITS, media_limits: MediaLimits = DEFAULT_MEDIA_LIMITS) -> None:
+                 limits: Limits = DEFAULT_LIMITS, media_limits: MediaLimits = DEFAULT_MEDIA_LIMITS,
+                 state_cache: int = 0, state_cache_spill: int = 0) -> None:
         self.release = release
         self.backend = backend
         self.tokenizer = tokenizer
@@ -96,6 +118,8 @@ class ClefModel:
         self.stop_after_questions = head_reads_question_spans_only(release.path / HEAD_WEIGHTS)
         # the most bytes of text one token covers, read from the vocabulary once (check_size)
         self.max_token_bytes: int = tokenizer.max_token_bytes
+        # per model: a model loaded again starts empty; clear() empties this one
+        self.state_cache = _state_cache(backend, state_cache, state_cache_spill)
 
     @property
     def path(self) -> Path:
@@ -254,7 +278,11 @@ class ClefModel:
         layout = build_layout(records, max(len(r.input_ids) for r in records))
         started = time.perf_counter()
         reach = batch_reach(records) if self.stop_after_questions else None
-        logits = self.backend.logits(records, layout, self.tokenizer.pad_token_id, reach=reach)
+        if self.state_cache.enabled and isinstance(self.backend, StateCachingBackend):
+            logits = self.backend.cached_logits(records, layout, self.tokenizer.pad_token_id, self.state_cache,
+                                                reach=reach)
+        else:
+            logits = self.backend.logits(records, layout, self.tokenizer.pad_token_id, reach=reach)
         if self.temperatures:
             temps = [self.temperatures.get(QUESTION_TYPES[q.question_type], 1.0) for r in records for q in r.questions]
             logits = logits / np.asarray(temps, dtype=np.float32)[:, None]
@@ -310,6 +338,7 @@ class ClefModel:
             "tokenizer_vocab": self.tokenizer.vocab_size,
             "confidence": self.confidence,
             "backbone_pass": "to the last question span" if self.stop_after_questions else "whole record",
+            "state_cache": {"budget_bytes": self.state_cache.budget, "spill_bytes": self.state_cache.spill},
             **self.backend.describe(),
             **({"loader": decision.to_json()} if (decision := self.backend.load_decision) else {}),
         }
@@ -369,7 +398,8 @@ def _short(text: str, limit: int = 40) -> str:
 def load(path: str | Path, *, device: str = "auto", dtype: str | None = None, backend: str = "auto",
          max_length: int | None = None, confidence: Confidence = "jev",
          limits: Limits = DEFAULT_LIMITS, max_memory: str | dict[str, Any] | None = None,
-         media_limits: MediaLimits = DEFAULT_MEDIA_LIMITS) -> ClefModel:
+         media_limits: MediaLimits = DEFAULT_MEDIA_LIMITS, state_cache: int | str | None = None,
+         state_cache_spill: int | str = 0) -> ClefModel:
     """Load a Clef release (or variant) directory.
 
     ``backend`` is ``"auto"``, ``"torch"``, ``"mlx"`` or ``"onnx"`` and ``device`` ``"auto"``, ``"cpu"``, ``"cuda"``
@@ -381,13 +411,27 @@ def load(path: str | Path, *, device: str = "auto", dtype: str | None = None, ba
     exact comparisons); the joint schema head always runs in float32. ``max_length`` defaults to the smaller of
     the reference's 16,384 and the backbone's context. ``media_limits`` bounds the images and videos a request may
     carry (:class:`~clef_local.runtime.media.MediaLimits`).
+
+    ``state_cache``: bytes or a size (``"512MiB"``, ``"2GiB"``) for the cache of states (a second schema on the same
+    state runs only its own tokens; torch only), ``0`` to turn it off; ``None``/``"auto"``: sized by the planner from
+    the memory the model leaves free (:mod:`clef_local.planning.estimate`). ``state_cache_spill``: host memory for
+    entries pushed off a GPU (0: they are dropped).
     """
     from clef_local.backends.loader import build_backend
 
+    cache_budget, spill = parse_size(state_cache), parse_size(state_cache_spill) or 0
     release = read_release(path)
     started = time.perf_counter()
-    runner = build_backend(release, backend=backend, device=device, dtype=dtype, max_memory=max_memory)
-    model = ClefModel(release, runner, ReleaseTokenizer(release.path),
-                      max_length=max_length, confidence=confidence, limits=limits, media_limits=media_limits)
+    runner = build_backend(release, backend=backend, device=device, dtype=dtype, max_memory=max_memory,
+                           state_cache=cache_budget)
+    if runner.load_decision is not None:
+        cache_budget = runner.load_decision.state_cache_bytes
+    model = ClefModel(release, runner, ReleaseTokenizer(release.path), max_length=max_length,
+                      confidence=confidence, limits=limits, media_limits=media_limits, state_cache=cache_budget or 0,
+                      state_cache_spill=spill)
+    cache = model.state_cache
+    log.info("state cache: %s", "off" if not cache.enabled else format_size(cache.budget)
+             + (" (sized by the planner)" if state_cache in (None, "auto") else "")
+             + (f" + {format_size(cache.spill)} of host memory" if cache.spill else ""))
     log.info("loaded %s in %.1f s", release.path, time.perf_counter() - started)
     return model

@@ -66,3 +66,17 @@ def varied_requests(n: int = 40, seed: int = 0) -> list[dict[str, Any]]:
                                 for i in rng.sample(range(255), 255)}},
         "ok": {"type": "noul"}}})
     return requests
+
+
+def random_questions(rng: random.Random, count: int) -> dict[str, Any]:
+    """``count`` random questions (ids from :data:`IDS` first, then ``qN``), of every type, for varied schemas."""
+    ids = rng.sample(IDS, min(count, len(IDS))) + [f"q{i}" for i in range(len(IDS), count)]
+    return {qid: _question(rng, rng.choice(["noul", "choice", "score"])) for qid in ids}
+
+
+def shared_state_requests(states: list[Any], schemas: int, seed: int = 0) -> list[dict[str, Any]]:
+    """``schemas`` different random schemas (1-5 questions) on each state, state after state: what a state cache
+    sees when several question sets are asked about one ticket."""
+    rng = random.Random(seed)
+    return [{"model": "clef-test", "state": state, "questions": random_questions(rng, rng.randint(1, 5))}
+            for state in states for _ in range(schemas)]

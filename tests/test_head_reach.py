@@ -93,7 +93,8 @@ def test_the_cut_pass_gives_the_whole_records_probabilities(question_path_releas
 
 
 def test_the_backbone_runs_to_the_last_question_span_only(question_path_release: Path, tiny_llama: Path):
-    model = clef_local.load(question_path_release, backend="torch", dtype="float32")
+    # the cold pass (tests/test_state_cache.py checks that a continuation from a cached state stops there too)
+    model = clef_local.load(question_path_release, backend="torch", dtype="float32", state_cache=0)
     seen: list[int] = []
     original = model.backend.backbone.hidden_states
 
@@ -109,3 +110,30 @@ def test_the_backbone_runs_to_the_last_question_span_only(question_path_release:
     full = clef_local.load(tiny_llama, backend="torch", dtype="float32")
     assert not full.stop_after_questions
     assert full.describe()["backbone_pass"] == "whole record"
+
+
+def test_a_cached_state_continues_only_to_the_last_question_span(question_path_release: Path):
+    from clef_local.backends.torch_cache import state_end
+    from clef_local.runtime.head_reach import batch_reach
+
+    model = clef_local.load(question_path_release, backend="torch", dtype="float32", state_cache="64MiB")
+    cold = clef_local.load(question_path_release, backend="torch", dtype="float32", state_cache=0)
+    assert model.stop_after_questions and model.state_cache.enabled
+    lengths: list[int] = []
+    original = model.backend.backbone.forward
+
+    def spy(input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        lengths.append(input_ids.shape[1])
+        return original(input_ids, attention_mask, **kwargs)
+
+    model.backend.backbone.forward = spy
+    request = REQUESTS[0]
+    model.decide(request)
+    encoded = model.encode(request)[1]
+    # the state pass, then the schema up to the question span's end (not the 24 options after it)
+    assert lengths == [state_end(encoded), batch_reach([encoded]) - state_end(encoded)]
+    other = {**request, "questions": {"q": {"type": "noul", "instructions": "Is the card blocked?"}}}
+    got = [p for prediction in model.predict([request, other]) for p in prediction.probabilities]
+    want = [p for prediction in cold.predict([request, other]) for p in prediction.probabilities]
+    assert model.state_cache.stats().hits == 2
+    assert max(float(np.abs(a - b).max()) for a, b in zip(got, want, strict=True)) < 2e-5

@@ -399,7 +399,10 @@ def test_metrics_text_format(client: httpx.Client) -> None:
     assert types == {"clef_requests_total": "counter", "clef_request_duration_seconds": "histogram",
                      "clef_batch_size": "histogram", "clef_batch_inference_seconds": "histogram",
                      "clef_queue_depth": "gauge", "clef_requests_in_batch": "gauge", "clef_uptime_seconds": "gauge",
-                     "clef_request_bodies_total": "counter"}
+                     "clef_request_bodies_total": "counter", "clef_state_cache_hits_total": "counter",
+                     "clef_state_cache_misses_total": "counter", "clef_state_cache_evictions_total": "counter",
+                     "clef_state_cache_memory_clears_total": "counter", "clef_state_cache_bytes": "gauge",
+                     "clef_state_cache_budget_bytes": "gauge", "clef_state_cache_entries": "gauge"}
     assert samples['clef_requests_total{route="/v1/systemone",status="200"}'] >= 3
     assert samples['clef_requests_total{route="/v1/systemone",status="422"}'] >= 1
     route = 'route="/v1/systemone"'
@@ -408,6 +411,9 @@ def test_metrics_text_format(client: httpx.Client) -> None:
     assert buckets[-1] == samples["clef_request_duration_seconds_count{" + route + "}"]
     assert samples['clef_batch_size_bucket{le="+Inf"}'] == samples["clef_batch_size_count"] >= 3
     assert samples["clef_queue_depth"] == 0
+    # the same state three times: one state pass, then hits (tests/test_state_cache_use.py checks the numbers)
+    assert samples['clef_state_cache_hits_total{model="clef-local"}'] >= 2
+    assert samples['clef_state_cache_budget_bytes{model="clef-local",memory="host"}'] == 0
 
 
 # ---------------------------------------------------------------- CLI

@@ -160,8 +160,10 @@ def cli_server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     """
     port = _free_port()
     log = tmp_path_factory.mktemp("serve") / "server.log"
+    # a state cache of a fixed, small size: the hostile states fill it and churn it, and its bytes count in the
+    # first pass's settling (RSS_SETTLE_BOUND), never in a replay's growth
     command = [sys.executable, "-m", "clef_local.cli", "serve", "--model", f"clef-local={tiny_llama}",
-               "--port", str(port), "--dtype", "float32", "--max-queue", "256"]
+               "--port", str(port), "--dtype", "float32", "--max-queue", "256", "--state-cache", "16MiB"]
     # OMP: see `model`, the client shares the two cores. glibc's allocator otherwise makes RSS noise that is not a
     # leak: an arena per new thread (large bodies are decoded off the event loop), and a mmap threshold that rises
     # after the first multi-MiB bodies are freed, so later ones land in the heap and stay (+56 MiB seen in a replay).

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from clef_local.planning.choice import LoadDecision
     from clef_local.runtime.encoding import EncodedRecord
     from clef_local.runtime.layout import HeadLayout
+    from clef_local.runtime.state_cache import StateCache
 
 
 @runtime_checkable
@@ -39,4 +40,21 @@ class Backend(Protocol):
 
     def describe(self) -> dict[str, Any]:
         """Backend, device, dtypes, parameter counts and kernels, for ``clef-local inspect``."""
+        ...
+
+
+@runtime_checkable
+class StateCachingBackend(Backend, Protocol):
+    """A backend that can continue a backbone pass from a cached state (:mod:`clef_local.runtime.state_cache`):
+    torch. MLX and ONNX Runtime do not implement it and always run every state (docs/serving.md)."""
+
+    @property
+    def state_cache_blocker(self) -> str | None:
+        """Why this loaded backbone cannot use the cache after all (None: it can)."""
+        ...
+
+    def cached_logits(self, records: Sequence[EncodedRecord], layout: HeadLayout, pad_token_id: int,
+                      cache: StateCache, reach: int | None = None) -> np.ndarray:
+        """:meth:`Backend.logits` with each record's state from ``cache`` (stored there on a miss), running only the
+        tokens after it; the same numbers within float noise."""
         ...

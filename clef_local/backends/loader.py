@@ -31,14 +31,15 @@ log = logging.getLogger(__name__)
 
 def build_backend(release: Release, *, backend: str = "auto", device: str = "auto", dtype: Any = None,
                   context: int | None = None, check_memory: bool = True,
-                  max_memory: str | dict[str, Any] | None = None) -> Backend:
+                  max_memory: str | dict[str, Any] | None = None, state_cache: int | None = None) -> Backend:
     """The backend for ``release``: chosen by :func:`clef_local.planning.choice.decide` for this machine
     (``device`` ``auto``, ``cpu``, ``cuda[:N]``, ``mps``, or several for a pipeline split of the layers:
     ``cuda:0,cuda:1``), checked against the planner at ``context`` tokens (default: the model's context, at most
     16,384) under the ``max_memory`` caps (``{"cuda:0": "24GiB"}`` or ``"cuda:0=24GiB"``,
-    :mod:`clef_local.planning.caps`; on CUDA the allocator is capped too), logged, and recorded as
-    ``backend.load_decision``. ``auto`` on a machine with several CUDA cards splits the layers over all of them
-    when the model does not fit on the first one alone."""
+    :mod:`clef_local.planning.caps`; on CUDA the allocator is capped too) with a state cache of ``state_cache``
+    bytes (``None``: sized by the planner), logged, and recorded as ``backend.load_decision``
+    (``state_cache_bytes``: the cache's budget). ``auto`` on a machine with several CUDA cards splits the layers
+    over all of them when the model does not fit on the first one alone."""
     from clef_local.planning.census import stored_format
     from clef_local.planning.hardware import detect
     from clef_local.planning.planner import DEFAULT_CONTEXT, footprint_from_release
@@ -63,7 +64,7 @@ def build_backend(release: Release, *, backend: str = "auto", device: str = "aut
         try:
             decision = decide(hardware, scheme, footprint, context=context, onnx_export=onnx_export,
                               onnx_cuda=hardware.kind == "cuda" and (backend == "onnx" or onnx_export) and onnx_cuda(),
-                              **kwargs)
+                              state_cache=state_cache, **kwargs)
         except InsufficientMemoryError:
             cards = _other_cards(hardware, caps) if device == "auto" and backend in ("auto", "torch") else []
             if not cards:
@@ -71,6 +72,9 @@ def build_backend(release: Release, *, backend: str = "auto", device: str = "aut
             decision = decide_split([hardware, *cards], scheme, footprint, context=context, **kwargs)
             log.info("the model does not fit on %s alone: split over %d cards", hardware.device, len(cards) + 1)
     _log_decision(decision)
+    if state_cache is not None and state_cache > 0 and decision.state_cache_bytes == 0:
+        log.warning("state cache: off: the %s backend%s runs every state in full (docs/serving.md)",
+                    decision.backend, " with a split over devices" if decision.split else "")
     if caps and decision.backend == "torch":
         _cap_cuda(decision, caps)
     module_name, class_name = BACKENDS[decision.backend]

@@ -10,6 +10,7 @@ are swapped for :mod:`clef_local.backends.quantized` modules, and the shards' te
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,12 +22,14 @@ import torch
 from clef_local.backends.linear_attention import log_linear_attention_paths
 from clef_local.backends.placement import Stage, place_pipeline, to_device_except
 from clef_local.backends.quantized import kernel_counts, prepare_quantized, quantized_prefixes, swap_linears
+from clef_local.backends.torch_cache import cache_blocker, cached_hidden_states, is_out_of_memory
 from clef_local.errors import ReleaseError
 from clef_local.formats.release import QWEN3_5, SINGLE_WEIGHTS, WEIGHTS_INDEX, Release, find_weight_files, one_line
 from clef_local.formats.safetensors import DTYPES as SAFETENSORS_DTYPES
 from clef_local.formats.safetensors import read_header
 from clef_local.runtime.head import load_head
 from clef_local.runtime.layout import HeadLayout, pad_batch
+from clef_local.runtime.state_cache import StateCache, format_size, model_identity
 
 if TYPE_CHECKING:
     from clef_local.planning.choice import LoadDecision
@@ -129,6 +132,13 @@ class TorchBackbone:
         text_config = self.model.config.get_text_config()
         self.linear_attention = (log_linear_attention_paths(self.device.type, qwen3_5_type(self.model.config))
                                  if "linear_attention" in (getattr(text_config, "layer_types", None) or []) else {})
+        # transformers 5 renames past_key_values to cache (both accepted until 5.40)
+        parameters = inspect.signature(self.text_model.forward).parameters
+        self._cache_argument = "cache" if "cache" in parameters else "past_key_values"
+        # why the state cache cannot run on this backbone (None: it can), torch_cache.cache_blocker; a pipeline split
+        # keeps each layer's cache on its own device, which the continuation code does not place yet
+        self.state_cache_blocker = (cache_blocker(self.text_model.config) if not self.split
+                                    else "the layers are split over several devices")
 
     @torch.inference_mode()
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -147,14 +157,25 @@ class TorchBackbone:
                 out = base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, return_dict=True,
                            **media)
             return out.last_hidden_state
+        return self.forward(input_ids, attention_mask)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, cache: Any = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The text model's final hidden states of ``input_ids``; with ``cache`` (a ``transformers`` cache, filled or
+        continued in place) the pass runs with ``use_cache=True`` and ``attention_mask`` covers the cached past + the
+        new tokens (:mod:`clef_local.backends.torch_cache`)."""
+        kwargs: dict[str, Any] = {"attention_mask": attention_mask.to(self.input_device), "return_dict": True,
+                                  "use_cache": cache is not None}
+        if cache is not None:
+            kwargs[self._cache_argument] = cache
+        if position_ids is not None:
+            kwargs["position_ids"] = position_ids.to(self.input_device)
         if self.host_embeddings:  # gather on the host, ship only [B, T, hidden] to the device
             embeds = self.text_model.get_input_embeddings()(input_ids.cpu()).to(self.input_device)
-            out = self.text_model(inputs_embeds=embeds, attention_mask=attention_mask.to(self.input_device),
-                                  use_cache=False, return_dict=True)
+            out = self.text_model(inputs_embeds=embeds, **kwargs)
         else:
-            out = self.text_model(input_ids=input_ids.to(self.input_device),
-                                  attention_mask=attention_mask.to(self.input_device), use_cache=False,
-                                  return_dict=True)
+            out = self.text_model(input_ids=input_ids.to(self.input_device), **kwargs)
         return out.last_hidden_state
 
     def lexical_rows(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -180,6 +201,9 @@ class TorchBackend:
                                       split=split)
         self.device = self.backbone.device
         self.head = load_head(release, device=self.device)
+        # the state cache's key prefix: what makes two loaded models compute the same states
+        self.state_identity = model_identity(release.path, release.weight_files, backend=self.name,
+                                             device=str(self.device), dtype=str(self.backbone.dtype))
 
     @property
     def output_embedding(self) -> torch.Tensor:
@@ -187,6 +211,11 @@ class TorchBackend:
 
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return self.backbone.hidden_states(input_ids, attention_mask)
+
+    @property
+    def state_cache_blocker(self) -> str | None:
+        """Why this backbone cannot use a state cache (None: it can; :func:`torch_cache.cache_blocker`)."""
+        return self.backbone.state_cache_blocker
 
     @torch.inference_mode()
     def logits(self, records: list[EncodedRecord], layout: HeadLayout, pad_token_id: int,
@@ -196,9 +225,37 @@ class TorchBackend:
         ``reach``: run the backbone over the first ``reach`` positions only and leave the later hidden states zero,
         for a head that reads no further (:mod:`clef_local.runtime.head_reach`).
         """
+        return self._logits(records, layout, pad_token_id, reach, None)
+
+    @torch.inference_mode()
+    def cached_logits(self, records: list[EncodedRecord], layout: HeadLayout, pad_token_id: int,
+                      cache: StateCache, reach: int | None = None) -> np.ndarray:
+        """:meth:`logits`, each record's state taken from ``cache`` (run and stored on a miss) and only its schema
+        tokens run (:mod:`clef_local.backends.torch_cache`).
+
+        A pass that runs out of memory empties the cache (its entries are what can be given back), then runs the
+        batch again without it; a second failure is raised.
+        """
+        try:
+            return self._logits(records, layout, pad_token_id, reach, cache)
+        except RuntimeError as exc:
+            if not is_out_of_memory(exc):
+                raise
+            freed = cache.clear(out_of_memory=True)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            log.warning("out of memory with %s of cached states (%s); cleared the state cache, running the batch of "
+                        "%d again without it", format_size(freed), str(exc).splitlines()[0][:200], len(records))
+        return self._logits(records, layout, pad_token_id, reach, None)
+
+    def _logits(self, records: list[EncodedRecord], layout: HeadLayout, pad_token_id: int, reach: int | None,
+                cache: StateCache | None) -> np.ndarray:
         input_ids, attention_mask = collate(records, pad_token_id, self.device)
         cut = input_ids.shape[1] if reach is None else min(reach, input_ids.shape[1])
-        hidden = self._hidden(records, input_ids[:, :cut], attention_mask[:, :cut])
+        if cache is None or any(r.media is not None for r in records):  # media: cold (the cache keys text states)
+            hidden = self._hidden(records, input_ids[:, :cut], attention_mask[:, :cut])
+        else:
+            hidden = cached_hidden_states(self.backbone, records, cut, cache, self.state_identity, pad_token_id)
         hidden = torch.nn.functional.pad(hidden, (0, 0, 0, input_ids.shape[1] - cut))
         device_layout = layout.map(lambda a: torch.from_numpy(a).to(self.device))
         lexical = self.backbone.lexical_rows(device_layout.option_token_ids)

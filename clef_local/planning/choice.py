@@ -14,6 +14,8 @@ here they are only names. The choice is a pure function, :func:`decide`, of the 
   a CPU without AMX (bf16 is slower than float32 there) and on MLX's Linux CPU build.
 - memory: the planner's need for the stored format on the chosen device at the model's context; when it does not
   fit, :class:`~clef_local.errors.InsufficientMemoryError` says by how much and what to do instead.
+- state cache (torch only, :mod:`clef_local.runtime.state_cache`): a size asked for is counted in the need; without
+  one, :func:`clef_local.planning.estimate.auto_state_cache` sizes it from what the plan leaves free.
 
 The kernel names are those of :mod:`clef_local.backends.quantized` (torch), which records them per layer.
 """
@@ -29,7 +31,7 @@ from typing import Any
 
 from clef_local.errors import ApiUsageError, InsufficientMemoryError
 from clef_local.planning.census import WeightCensus
-from clef_local.planning.estimate import DTYPE_SIZE, Plan, best_fit, max_context, plan
+from clef_local.planning.estimate import DTYPE_SIZE, Plan, auto_state_cache, best_fit, max_context, plan
 from clef_local.planning.hardware import GiB, Hardware
 from clef_local.planning.split import SplitPlan, split_plan
 
@@ -59,6 +61,10 @@ KERNELS: dict[tuple[str, str], dict[str, str]] = {
 KERNELS[("mlx", "cpu")] = {**KERNELS[("mlx", "apple")], "int4": "mlx_dequantize_matmul",
                            "int8": "mlx_dequantize_matmul"}
 KERNELS[("torch", "apple")] = KERNELS[("torch", "cpu")]
+# the backends that can continue a pass from a cached state (StateCachingBackend); the others run every state
+STATE_CACHE_BACKENDS = ("torch",)
+# the state cache when no plan was made (check_memory=False): a fixed, small budget
+UNPLANNED_STATE_CACHE = 256 << 20
 # BF16 bytes of a quantized linear over its stored bytes (nf4 4.5 bits/weight, fp8 8): MLX dequantizes these at load.
 DEQUANTIZED_GROWTH = {"nf4": 16 / 4.5, "fp8": 2.0}
 
@@ -76,6 +82,7 @@ class LoadDecision:
     need_bytes: int | None = None
     available_bytes: int | None = None
     split: tuple[tuple[str, int, int], ...] = ()  # (device, first layer, end layer) per pipeline stage
+    state_cache_bytes: int = 0  # the state cache's budget on the device (0: off)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -210,29 +217,48 @@ def resident_census(census: WeightCensus, backend: str) -> WeightCensus:
 def decide(hardware: Hardware, scheme: str, footprint: Any, *, context: int, backend: str = "auto",
            dtype: Any = None, installed: Mapping[str, str | None], onnx_export: bool = False,
            bitsandbytes: bool = True, check_memory: bool = True, source: str = "DIR",
-           onnx_cuda: bool = False) -> LoadDecision:
+           onnx_cuda: bool = False, state_cache: int | None = None) -> LoadDecision:
     """:func:`choose`, then the planner's check: raises :class:`InsufficientMemoryError` (with a suggestion) when
     the stored format does not fit at ``context`` tokens. ``footprint`` is a
     :class:`clef_local.planning.planner.Footprint` (``censuses`` per format, ``dims``); ``source`` names the
-    directory in the suggestion. Pure."""
+    directory in the suggestion. ``state_cache``: the state cache's budget in bytes, counted in the need (``None``:
+    sized from what the plan leaves free, :func:`~clef_local.planning.estimate.auto_state_cache`; always 0 on a
+    backend outside :data:`STATE_CACHE_BACKENDS`). Pure."""
+    if state_cache is not None and state_cache < 0:
+        raise ApiUsageError(f"the state cache size cannot be negative, got {state_cache}; 0 turns it off")
     decision = choose(hardware, scheme, backend=backend, dtype=dtype, installed=installed, onnx_export=onnx_export,
                       bitsandbytes=bitsandbytes, onnx_cuda=onnx_cuda)
+    cache = state_cache if decision.backend in STATE_CACHE_BACKENDS else 0
     if not check_memory or footprint is None:
-        return decision
+        return replace(decision, state_cache_bytes=UNPLANNED_STATE_CACHE if cache is None else cache)
     target = hardware if decision.device != "cpu" or hardware.kind == "cpu" else _as_cpu(hardware)
     plans = {fmt: resident_plan(c, footprint, target, decision, context) for fmt, c in footprint.censuses.items()}
     mine = plans[scheme]
-    decision = replace(decision, need_bytes=mine.need, available_bytes=mine.available)
     if not mine.fits:
         raise InsufficientMemoryError(refusal(mine, plans, footprint, target, decision, context, source))
-    return decision
+    asked = cache is not None
+    if cache is None:
+        cache = auto_state_cache(mine, footprint.dims)  # fits by construction
+    if cache:
+        with_cache = resident_plan(footprint.censuses[scheme], footprint, target, decision, context, cache)
+        if asked and not with_cache.fits:
+            room = max(0, mine.available - mine.need - (with_cache.state_cache - cache))
+            raise InsufficientMemoryError(
+                f"{mine.fmt} on {decision.backend} fits at {context:,} tokens, but not with a state cache of "
+                f"{cache / GiB:.2f} GiB: it needs {with_cache.need / GiB:.1f} GiB, {mine.available / GiB:.1f} GiB "
+                f"free on {target.device}; ask for at most {room / GiB:.2f} GiB (state_cache=, --state-cache) "
+                f"or 0 (off)")
+        mine = with_cache
+    return replace(decision, need_bytes=mine.need, available_bytes=mine.available, state_cache_bytes=cache)
 
 
 def resident_plan(census: WeightCensus, footprint: Any, hardware: Hardware, decision: LoadDecision,
-                  context: int) -> Plan:
-    """The plan of ``census`` as ``decision``'s backend holds it on ``hardware`` at ``context`` tokens."""
+                  context: int, state_cache: int = 0) -> Plan:
+    """The plan of ``census`` as ``decision``'s backend holds it on ``hardware`` at ``context`` tokens, with a state
+    cache of ``state_cache`` bytes."""
     return plan(resident_census(census, decision.backend), footprint.dims, hardware, context=context,
-                dtype=decision.dtype, host_embeddings=_host_embeddings(decision), media=decision.backend == "torch")
+                dtype=decision.dtype, host_embeddings=_host_embeddings(decision), media=decision.backend == "torch",
+                state_cache=state_cache)
 
 
 def decide_split(devices: list[Hardware], scheme: str, footprint: Any, *, context: int, backend: str = "auto",

@@ -149,7 +149,20 @@ def report(probe: bool = True) -> dict[str, Any]:
     return {"hardware": hardware.to_json(), "hardware_summary": hardware.summary(),
             "backends": {name: {"available": why is None, "why_not": why} for name, why in backends.items()},
             "components": [asdict(c) | {"install": c.install} for c in parts], "media": media, "auto": auto,
-            "threads": thread_plan(workers=1).to_json(), "network": network_isolation()}
+            "threads": thread_plan(workers=1).to_json(), "network": network_isolation(),
+            "state_cache": state_cache_support()}
+
+
+def state_cache_support() -> dict[str, str]:
+    """Which backends keep a state cache (:mod:`clef_local.runtime.state_cache`), and why the others do not."""
+    from clef_local.planning.choice import BACKENDS, STATE_CACHE_BACKENDS
+
+    why_not = {
+        "mlx": "torch only: the MLX backend runs every state in full (mlx-lm's prompt caches are not wired to it)",
+        "onnx": "torch only: the ONNX export has no past key/value inputs, so ONNX Runtime runs every state in full",
+    }
+    return {name: "yes" if name in STATE_CACHE_BACKENDS else why_not.get(name, "torch only")
+            for name in BACKENDS}
 
 
 def render(info: dict[str, Any]) -> str:
@@ -163,6 +176,9 @@ def render(info: dict[str, Any]) -> str:
     lines += ["", "backends"]
     for name, state in info["backends"].items():
         lines.append(f"  {name:<6} {'available' if state['available'] else 'not available: ' + state['why_not']}")
+    lines += ["", "state cache (a second schema on the same state runs only its own tokens)"]
+    for name, support in info["state_cache"].items():
+        lines.append(f"  {name:<6} {support}")
     lines += ["", "components"]
     for c in info["components"]:
         state = f"installed {c['version']}" + (f" ({c['detail']})" if c["detail"] else "") if c["installed"] \

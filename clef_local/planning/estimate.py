@@ -23,6 +23,15 @@ decoder layer at a time, temporaries freed as soon as they die):
 net's key/value widths, ``V' = n_v·max(d_k, d_v)``, ``w`` the head's width. The recurrent state of the linear
 layers (``batch·n_v·d_k·d_v`` float32) and the conv state are counted in ``linear``'s chunk terms. Overhead: the
 runtime itself (CUDA context and cuBLAS workspace, or the Python process with torch) plus a 5 % margin.
+
+A state cache (:mod:`clef_local.runtime.state_cache`) adds its budget plus one entry at the full context (the state
+pass being saved while the cache is full): :func:`state_entry_bytes` is an entry's exact size,
+
+    entry = tokens · d·(h + A·2·kv) + L·(d·(2K+V)·c + 4·n_v·d_k·d_v)
+
+with ``A`` full-attention layers (keys and values), ``L`` linear-attention layers (conv state of ``c`` inputs, float32
+recurrent state) and the final hidden states the head reads. Without a size asked for, the cache gets
+:func:`auto_state_cache`: a quarter of what the plan leaves free, at most 4 GiB.
 """
 
 from __future__ import annotations
@@ -34,6 +43,8 @@ from typing import Any
 from clef_local.planning.census import FORMATS, WeightCensus
 from clef_local.planning.hardware import GiB, Hardware
 
+STATE_CACHE_SHARE = 0.25  # of the memory a plan leaves free, for a state cache of unspecified size
+STATE_CACHE_CAP = 4 * GiB
 DTYPE_SIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 RUNTIME_OVERHEAD = {"cuda": GiB // 2, "apple": GiB // 2, "cpu": GiB // 2}
 MARGIN = 0.05
@@ -56,6 +67,7 @@ class ModelDims:
     linear_v_heads: int = 0
     linear_k_dim: int = 0
     linear_v_dim: int = 0
+    linear_conv_kernel: int = 0
     head_width: int = 0
     max_context: int | None = None
 
@@ -73,7 +85,8 @@ class ModelDims:
                    linear_k_heads=int(text.get("linear_num_key_heads") or 0),
                    linear_v_heads=int(text.get("linear_num_value_heads") or 0),
                    linear_k_dim=int(text.get("linear_key_head_dim") or 0),
-                   linear_v_dim=int(text.get("linear_value_head_dim") or 0), head_width=head_width,
+                   linear_v_dim=int(text.get("linear_value_head_dim") or 0),
+                   linear_conv_kernel=int(text.get("linear_conv_kernel_dim") or 0), head_width=head_width,
                    max_context=int(text["max_position_embeddings"]) if text.get("max_position_embeddings") else None)
 
     def per_token(self, d: int) -> dict[str, int]:
@@ -96,6 +109,20 @@ class ModelDims:
             terms["linear"] = d * (2 * (2 * k_width + v_width) + v_width) + 4 * (
                 10 * v_wide + 3 * self.linear_v_heads * CHUNK)
         return terms
+
+
+def state_entry_bytes(dims: ModelDims, tokens: int, dtype: str) -> int:
+    """Exact bytes of one cached state of ``tokens`` positions (formula: module docstring) in compute ``dtype``:
+    what :class:`clef_local.backends.torch_cache.TorchState` holds."""
+    d = DTYPE_SIZE[dtype]
+    attention_layers = dims.layers - dims.linear_layers
+    per_token = d * (dims.hidden + attention_layers * 2 * dims.kv_heads * dims.head_dim)
+    fixed = 0
+    if dims.linear_layers:
+        conv_width = 2 * dims.linear_k_heads * dims.linear_k_dim + dims.linear_v_heads * dims.linear_v_dim
+        recurrent = dims.linear_v_heads * dims.linear_k_dim * dims.linear_v_dim
+        fixed = dims.linear_layers * (d * conv_width * dims.linear_conv_kernel + 4 * recurrent)
+    return tokens * per_token + fixed
 
 
 @dataclass(frozen=True)
@@ -144,12 +171,15 @@ class Plan:
     margin: int
     visual_tokens: int = 0  # of the context, filled by images (clef_local.planning.vision)
     vision_activations: int = 0  # the vision tower's peak, freed before the text layers run
+    state_cache: int = 0  # a state cache's budget + one entry at the context (0: no cache)
 
     @property
     def need(self) -> int:
         """Bytes needed on the device (on CPU and Apple: in the one memory pool): the larger of the two passes'
-        activations (the vision tower runs, and frees its temporaries, before the text prefill)."""
-        return self.device_weights + max(self.activations.total, self.vision_activations) + self.overhead + self.margin
+        activations (the vision tower runs, and frees its temporaries, before the text prefill), and the state
+        cache."""
+        return (self.device_weights + max(self.activations.total, self.vision_activations) + self.overhead
+                + self.margin + self.state_cache)
 
     @property
     def available(self) -> int:
@@ -171,7 +201,8 @@ class Plan:
             "backbone_bytes": self.census.backbone, "head_bytes": self.census.head,
             "device_weight_bytes": self.device_weights, "host_weight_bytes": self.host_weights,
             "activation_bytes": self.activations.total, "activation_terms_per_token": self.activations.terms,
-            "overhead_bytes": self.overhead, "margin_bytes": self.margin, "need_bytes": self.need,
+            "overhead_bytes": self.overhead, "margin_bytes": self.margin, "state_cache_bytes": self.state_cache,
+            "need_bytes": self.need,
             "visual_tokens": self.visual_tokens, "vision_activation_bytes": self.vision_activations,
             "available_bytes": self.available, "fits": self.fits,
         }
@@ -179,14 +210,17 @@ class Plan:
 
 def plan(census: WeightCensus, dims: ModelDims, hardware: Hardware, *, context: int, batch: int = 1,
          dtype: str = "bfloat16", host_embeddings: bool = True, media: bool = False, visual_tokens: int = 0,
-         vision_activations: int = 0) -> Plan:
+         vision_activations: int = 0, state_cache: int = 0) -> Plan:
     """The memory plan of ``census`` on ``hardware``.
 
     ``host_embeddings``: ``embed_tokens`` and ``lm_head`` stay in host memory (only gathered, docs/hardware.md); it
     matters only on a CUDA card. ``media``: the vision tower is resident (else it is not loaded at all, or stays on the
     host). ``visual_tokens`` (of the context) and ``vision_activations`` (bytes) come from
-    :mod:`clef_local.planning.vision` for requests with images.
+    :mod:`clef_local.planning.vision` for requests with images. ``state_cache``: a state cache's budget in bytes; the
+    plan adds it and one entry at ``context``.
     """
+    if state_cache < 0:
+        raise ValueError(f"state_cache is a budget in bytes, got {state_cache}")
     if context < 1 or batch < 1:
         raise ValueError(f"context and batch must be positive, got context={context}, batch={batch}")
     if dtype not in DTYPE_SIZE:
@@ -200,10 +234,18 @@ def plan(census: WeightCensus, dims: ModelDims, hardware: Hardware, *, context: 
     acts = activations(dims, context, batch, dtype)
     overhead = RUNTIME_OVERHEAD[hardware.kind]
     margin = int(MARGIN * (device_weights + max(acts.total, vision_activations)))
+    cache = state_cache + state_entry_bytes(dims, context, dtype) if state_cache else 0
     return Plan(fmt=census.fmt, census=census, hardware=hardware, context=context, batch=batch, dtype=dtype,
                 host_embeddings=host_embeddings, media=media, device_weights=device_weights,
                 host_weights=host_weights, activations=acts, overhead=overhead, margin=margin,
-                visual_tokens=visual_tokens, vision_activations=vision_activations)
+                visual_tokens=visual_tokens, vision_activations=vision_activations, state_cache=cache)
+
+
+def auto_state_cache(p: Plan, dims: ModelDims) -> int:
+    """The state cache budget when none is asked for: a quarter of what ``p`` (planned without a cache) leaves free
+    after one entry at its context, at most :data:`STATE_CACHE_CAP`; 0 when nothing is left."""
+    spare = p.available - p.need - state_entry_bytes(dims, p.context, p.dtype)
+    return int(min(STATE_CACHE_CAP, max(0, spare) * STATE_CACHE_SHARE))
 
 
 def best_fit(plans: Mapping[str, Plan]) -> Plan | None:
@@ -260,8 +302,10 @@ def explain(p: Plan) -> list[str]:
            f"{g(p.vision_activations)} (clef_local/planning/vision.py); the larger of the two counts"]
           if p.vision_activations else []),
         f"overhead {g(p.overhead)} (runtime) + margin 5% of weights and activations {g(p.margin)}",
-        f"need {g(p.device_weights)} + {g(max(a.total, p.vision_activations))} + {g(p.overhead)} + {g(p.margin)} = "
-        f"{g(p.need)}; available "
+        *([f"state cache {g(p.state_cache)} (its budget + one entry at {p.context:,} tokens)"] if p.state_cache
+          else []),
+        f"need {g(p.device_weights)} + {g(max(a.total, p.vision_activations))} + {g(p.overhead)} + {g(p.margin)}"
+        f"{f' + {g(p.state_cache)}' if p.state_cache else ''} = {g(p.need)}; available "
         f"{g(p.available)} on {p.hardware.device} ({p.hardware.name}) → {'fits' if p.fits else 'does not fit'}",
     ]
     if not p.host_fits:

@@ -44,8 +44,11 @@ class ServerConfig:
     body_timeout_s: float = BODY_TIMEOUT_S
     max_connections: int = MAX_CONNECTIONS
     threads: int | None = None  # intra-op threads of the inference thread (None: planning.hardware.thread_plan)
+    state_cache: int | None = None  # bytes per served model (0: off; None: sized by the planner at load)
 
     def __post_init__(self) -> None:
+        if self.state_cache is not None and self.state_cache < 0:
+            raise ApiUsageError(f"--state-cache must be a size ≥ 0 (0: off), got {self.state_cache}")
         if self.max_batch < 1:
             raise ApiUsageError(f"--max-batch must be at least 1, got {self.max_batch}")
         if self.max_wait_ms < 0:

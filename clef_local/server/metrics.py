@@ -1,8 +1,9 @@
 """Prometheus metrics for ``clef-local serve``, hand-written (text exposition format 0.0.4, no dependency).
 
-Requests by route and status, request latency, batch sizes, inference time per batch and the scheduler's queue
-depth. Routes are labelled by their template (``/v1/systemone``), never by the raw path, so a client cannot grow
-the label set; anything that matched no route is ``other``.
+Requests by route and status, request latency, batch sizes, inference time per batch, the scheduler's queue
+depth, and each served model's state cache (hits, misses, evictions, bytes against the budget). Routes are labelled
+by their template (``/v1/systemone``), never by the raw path, so a client cannot grow the label set; anything that
+matched no route is ``other``.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import bisect
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -72,6 +73,53 @@ class Gauge:
         return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} gauge", f"{self.name} {_number(self.read())}"]
 
 
+class Collected:
+    """Values per label set read when scraped (``read`` returns ``[(label values, value), ...]``)."""
+
+    def __init__(self, name: str, help_text: str, kind: str, labels: Sequence[str],
+                 read: Callable[[], Iterable[tuple[tuple[str, ...], float]]]) -> None:
+        self.name, self.help, self.kind, self.label_names, self.read = name, help_text, kind, tuple(labels), read
+
+    def render(self) -> list[str]:
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
+        lines += [f"{self.name}{_labels(self.label_names, k)} {_number(v)}" for k, v in sorted(self.read())]
+        return lines
+
+
+# (metric, help, kind, CacheStats field per memory) of the state cache (clef_local.runtime.state_cache)
+_CACHE_COUNTERS = (
+    ("clef_state_cache_hits_total", "Records whose state came from the state cache (only their schema ran).", "hits"),
+    ("clef_state_cache_misses_total", "State passes run because the state was not cached.", "misses"),
+    ("clef_state_cache_evictions_total", "State cache entries dropped to stay within a budget.", "evictions"),
+    ("clef_state_cache_memory_clears_total", "Times the state cache was emptied after a pass ran out of memory.",
+     "memory_clears"),
+)
+_CACHE_GAUGES = (
+    ("clef_state_cache_bytes", "Bytes held by the state cache.", ("bytes", "host_bytes")),
+    ("clef_state_cache_budget_bytes", "The state cache's budget in bytes (0: off).", ("budget", "host_budget")),
+    ("clef_state_cache_entries", "States held by the state cache.", ("entries", "host_entries")),
+)
+
+
+def state_cache_metrics(models: Callable[[], Mapping[str, Any]]) -> list[Collected]:
+    """The state cache metrics of each served model that has one (``model.state_cache.stats()``), by model name;
+    the byte gauges also by ``memory`` (``device``: the compute device, ``host``: entries spilled off a GPU)."""
+    def stats() -> list[tuple[str, Any]]:
+        return [(name, cache.stats()) for name, model in models().items()
+                if (cache := getattr(model, "state_cache", None)) is not None]
+
+    def counter(field: str) -> Callable[[], list[tuple[tuple[str, ...], float]]]:
+        return lambda: [((name, ), float(getattr(s, field))) for name, s in stats()]
+
+    def gauge(fields: tuple[str, str]) -> Callable[[], list[tuple[tuple[str, ...], float]]]:
+        return lambda: [((name, memory), float(getattr(s, field))) for name, s in stats()
+                        for memory, field in zip(("device", "host"), fields, strict=True)]
+
+    return ([Collected(name, text, "counter", ("model",), counter(field)) for name, text, field in _CACHE_COUNTERS]
+            + [Collected(name, text, "gauge", ("model", "memory"), gauge(fields))
+               for name, text, fields in _CACHE_GAUGES])
+
+
 class Histogram:
     """Cumulative buckets, sum and count per label set."""
 
@@ -123,14 +171,21 @@ class ServerMetrics:
                                    LATENCY_BUCKETS)
         self.queue_depth = Gauge("clef_queue_depth", "Requests waiting for the inference thread.", queue_depth)
         self.in_flight = Gauge("clef_requests_in_batch", "Requests in the batch being computed now.", in_flight)
+        self.state_caches: list[Collected] = []
         self.started = time.time()
+
+    def watch_state_caches(self, models: Mapping[str, Any]) -> None:
+        """Export the state cache metrics of ``models`` (``{served name: ClefModel}``), read at each scrape."""
+        self.state_caches = state_cache_metrics(lambda: models)
 
     def render(self) -> str:
         """The Prometheus text exposition of every metric."""
         uptime = Gauge("clef_uptime_seconds", "Seconds since the server started.", lambda: time.time() - self.started)
         lines: list[str] = []
-        for metric in (self.requests, self.latency, self.bodies, self.batch_size, self.inference, self.queue_depth,
-                       self.in_flight, uptime):
+        metrics: list[Counter | Histogram | Gauge | Collected] = [
+            self.requests, self.latency, self.bodies, self.batch_size, self.inference, self.queue_depth,
+            self.in_flight, *self.state_caches, uptime]
+        for metric in metrics:
             lines += metric.render()
         return "\n".join(lines) + "\n"
 

@@ -56,11 +56,12 @@ def uvicorn_options(config: ServerConfig) -> dict[str, Any]:
 
 
 def load_models(specs: Mapping[str, Path], *, dtype: str | None = None, device: str | None = None,
-                confidence: str = "jev", media_limits: Any = None) -> dict[str, Any]:
-    """Load each ``{name: release directory}`` with the public API (``clef_local.load``)."""
+                confidence: str = "jev", media_limits: Any = None, state_cache: int | None = None) -> dict[str, Any]:
+    """Load each ``{name: release directory}`` with the public API (``clef_local.load``); ``state_cache``: bytes
+    of state cache per model (None: sized by the planner)."""
     import clef_local
 
-    kwargs: dict[str, Any] = {"dtype": dtype, "confidence": confidence}
+    kwargs: dict[str, Any] = {"dtype": dtype, "confidence": confidence, "state_cache": state_cache}
     if media_limits is not None:
         kwargs["media_limits"] = media_limits
     if device:
@@ -77,7 +78,8 @@ def serve(model_specs: Sequence[str] = (), *, host: str = "127.0.0.1", port: int
           dtype: str | None = None, device: str | None = None, log_level: str = "info",
           allowed_hosts: Sequence[str] = (), cors_origins: Sequence[str] = (),
           header_timeout: float = HEADER_TIMEOUT_S, body_timeout: float = BODY_TIMEOUT_S,
-          max_connections: int = MAX_CONNECTIONS, threads: int | None = None, media_limits: Any = None) -> int:
+          max_connections: int = MAX_CONNECTIONS, threads: int | None = None, media_limits: Any = None,
+          state_cache: int | None = None) -> int:
     """Load the models and serve them until interrupted (SIGINT/SIGTERM finish in-flight requests first).
 
     ``model_specs`` are ``NAME=DIR`` strings; none means the default model, served as ``clef-local``.
@@ -90,7 +92,7 @@ def serve(model_specs: Sequence[str] = (), *, host: str = "127.0.0.1", port: int
                           max_queue=max_queue, confidence=confidence,  # type: ignore[arg-type]
                           allowed_hosts=tuple(allowed_hosts), cors_origins=tuple(cors_origins),
                           header_timeout_s=header_timeout, body_timeout_s=body_timeout,
-                          max_connections=max_connections, threads=threads)
+                          max_connections=max_connections, threads=threads, state_cache=state_cache)
     if model_specs:
         specs = parse_model_specs(model_specs)
     else:
@@ -100,7 +102,7 @@ def serve(model_specs: Sequence[str] = (), *, host: str = "127.0.0.1", port: int
     if warning := bind_warning(host, api_key):
         print(warning, file=sys.stderr)
     models = load_models(specs, dtype=None if dtype in (None, "auto") else dtype, device=device,
-                         confidence=confidence, media_limits=media_limits)
+                         confidence=confidence, media_limits=media_limits, state_cache=config.state_cache)
     from clef_local.server.app import create_app
 
     app = create_app(models, config)
@@ -145,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, metavar="N",
                         help="intra-op threads of the inference thread (default: physical cores − 1, or "
                              "$CLEF_LOCAL_THREADS / $OMP_NUM_THREADS; docs/hardware.md#threads)")
+    parser.add_argument("--state-cache", metavar="SIZE", type=_state_cache_size, default=None,
+                        help="memory per model for cached states (512MiB, 2GiB; 0: off; default: sized from the free "
+                             "memory): a second schema on the same state runs only its own tokens (torch only)")
     add_confidence_flag(parser)
     add_runtime_flags(parser, backend=False)
     add_media_flags(parser)
@@ -157,12 +162,21 @@ def main(argv: list[str] | None = None) -> int:
     with airgap(not args.allow_network):  # loopback and the listening socket stay allowed
         return serve(args.model or (), host=args.host, port=args.port, api_key=args.api_key,
                      max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, max_queue=args.max_queue,
-                     confidence=args.confidence, dtype=args.dtype,
+                     confidence=args.confidence, dtype=args.dtype, state_cache=args.state_cache,
                      device=None if args.device == "auto" else args.device, media_limits=media_limits(args),
                      log_level="debug" if logging.getLogger().getEffectiveLevel() <= logging.DEBUG else "info",
                      allowed_hosts=args.allowed_host, cors_origins=args.cors_origin,
                      header_timeout=args.header_timeout, body_timeout=args.body_timeout,
                      max_connections=args.max_connections, threads=args.threads)
+
+
+def _state_cache_size(text: str) -> int | None:
+    from clef_local.runtime.state_cache import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 class ThreadedServer:

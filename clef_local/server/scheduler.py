@@ -149,6 +149,8 @@ class BatchScheduler:
         """Start the collector (call from the running event loop)."""
         if self._task is not None:
             return
+        if self.metrics is not None:
+            self.metrics.watch_state_caches(self.models)
         self._wakeup = asyncio.Event()
         self._threads_before = apply_torch_threads(self.thread_plan)
         log.info("inference: %s", self.thread_plan.describe())

@@ -1,0 +1,278 @@
+"""The torch side of the state cache (:mod:`clef_local.runtime.state_cache`): save a backbone pass at the end of a
+state, and continue from there over a schema's tokens only.
+
+A **state pass** runs the text model over prefix + media + state with a ``transformers`` ``DynamicCache`` and keeps
+(:class:`TorchState`) what the next tokens need: every full-attention layer's keys and values (RoPE already applied
+at their positions), every linear-attention layer's (Qwen3.5's gated delta net) convolution state (the last
+``kernel`` inputs of its causal conv) and recurrent state (float32), and the final normed hidden states of those
+positions, which the head reads as memory. A **continuation** runs a schema's tokens with that past: position ids
+continue from the state's length, the attention mask covers past + new, and a fresh cache object is built per pass
+so that an entry is never written (``transformers`` updates the linear layers' states in place).
+
+Keys/values are not copied into the continuation's cache: :class:`_PastLayer` hands attention the concatenation of
+the saved past and the new tokens one layer at a time and keeps nothing, so a hit needs one layer's copy of the
+past at a time, not all of them.
+
+Exactness: the continuation computes the same function as one pass over the whole record; the numbers differ only
+by float reduction order (attention split past/new, the gated delta rule's 64-token chunks starting at the state's
+end): float32 probabilities within 1e-5 of a cold pass (``tests/test_state_cache.py``).
+
+Only the cache layouts checked by :func:`cache_blocker` are supported (full attention and linear attention); any
+other (sliding windows, compressed attention, ...) leaves the cache off for that backbone, with the reason logged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from functools import cache as memoized
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from clef_local.runtime.state_cache import StateCache, state_key
+
+if TYPE_CHECKING:
+    from clef_local.runtime.encoding import EncodedRecord
+
+
+class Backbone(Protocol):
+    """What the passes need of :class:`clef_local.backends.torch_backend.TorchBackbone`."""
+
+    device: torch.device
+    text_model: Any
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, cache: Any = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class AttentionPast:
+    """A full-attention layer's keys and values, ``[1, kv_heads, tokens, head_dim]``."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+
+@dataclass(frozen=True)
+class LinearPast:
+    """A linear-attention layer's states: conv ``[1, conv_dim, kernel]`` and recurrent ``[1, heads, d_k, d_v]``,
+    one of each per state index (Qwen3.5 has one)."""
+
+    conv: tuple[torch.Tensor, ...]
+    recurrent: tuple[torch.Tensor, ...]
+    kernel: tuple[int, ...]
+
+
+LayerPast = AttentionPast | LinearPast
+
+
+def _tensors(layer: LayerPast) -> tuple[torch.Tensor, ...]:
+    if isinstance(layer, AttentionPast):
+        return layer.keys, layer.values
+    return (*layer.conv, *layer.recurrent)
+
+
+def _moved(layer: LayerPast, device: torch.device) -> LayerPast:
+    if isinstance(layer, AttentionPast):
+        return AttentionPast(layer.keys.to(device), layer.values.to(device))
+    return LinearPast(tuple(t.to(device) for t in layer.conv), tuple(t.to(device) for t in layer.recurrent),
+                      layer.kernel)
+
+
+def _compact(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` owning exactly its own bytes (a view of a larger storage is copied), so byte counts are exact."""
+    if tensor.is_contiguous() and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size():
+        return tensor
+    return tensor.contiguous().clone()
+
+
+@dataclass(frozen=True)
+class TorchState:
+    """Everything a continuation needs of one state, on ``home`` (the compute device) or spilled to the host."""
+
+    tokens: int  # prefix + media + state positions
+    hidden: torch.Tensor  # [tokens, hidden]: final normed hidden states (the head's memory)
+    layers: tuple[LayerPast, ...]
+    home: torch.device  # the compute device, where continuations run
+    nbytes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        tensors = (self.hidden, *(t for layer in self.layers for t in _tensors(layer)))
+        object.__setattr__(self, "nbytes", sum(t.numel() * t.element_size() for t in tensors))
+
+    @property
+    def device(self) -> torch.device:
+        return self.hidden.device
+
+    def to_host(self) -> TorchState:
+        if self.device.type == "cpu":
+            return self
+        host = torch.device("cpu")
+        return replace(self, hidden=self.hidden.to(host), layers=tuple(_moved(layer, host) for layer in self.layers))
+
+    def to_device(self) -> TorchState:
+        if self.device == self.home:
+            return self
+        return replace(self, hidden=self.hidden.to(self.home),
+                       layers=tuple(_moved(layer, self.home) for layer in self.layers))
+
+
+def _layer_classes() -> tuple[Any, Any]:
+    from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
+
+    return DynamicLayer, LinearAttentionLayer
+
+
+def new_cache(config: Any) -> Any:
+    """An empty ``transformers`` ``DynamicCache`` laid out for ``config`` (one layer object per decoder layer)."""
+    from transformers import DynamicCache
+
+    return DynamicCache(config=config)
+
+
+def cache_blocker(config: Any) -> str | None:
+    """Why the state cache cannot run on a text model of ``config`` (None: it can). Every layer of its cache must be
+    a plain full-attention ``DynamicLayer`` or a ``LinearAttentionLayer``: the layouts :func:`snapshot` reads and
+    :func:`past_cache` rebuilds."""
+    try:
+        dynamic, linear = _layer_classes()
+        layers = new_cache(config).layers
+    except (ImportError, AttributeError, TypeError, ValueError) as exc:
+        return f"this transformers has no per-layer DynamicCache ({exc})"
+    if not layers:
+        return "this transformers' DynamicCache does not lay out its layers from the config"
+    for index, layer in enumerate(layers):
+        if type(layer) not in (dynamic, linear):
+            return f"layer {index} caches as {type(layer).__name__} (only full and linear attention are supported)"
+    return None
+
+
+def snapshot(cache: Any, hidden: torch.Tensor, home: torch.device) -> TorchState:
+    """A :class:`TorchState` of a filled ``DynamicCache`` (batch 1) and the pass's ``[tokens, hidden]`` states."""
+    dynamic, linear = _layer_classes()
+    layers: list[LayerPast] = []
+    for index, layer in enumerate(cache.layers):
+        if type(layer) is dynamic:
+            layers.append(AttentionPast(_compact(layer.keys), _compact(layer.values)))
+        elif type(layer) is linear:
+            slots = range(layer.number_of_states)
+            layers.append(LinearPast(tuple(_compact(layer.conv_states[i]) for i in slots),
+                                     tuple(_compact(layer.recurrent_states[i]) for i in slots),
+                                     tuple(int(layer.conv_kernel_size[i]) for i in slots)))
+        else:  # cache_blocker refused such a backbone before any pass
+            raise TypeError(f"cache layer {index} is a {type(layer).__name__}, which the state cache cannot save")
+    return TorchState(tokens=int(hidden.shape[0]), hidden=_compact(hidden), layers=tuple(layers), home=home)
+
+
+@memoized
+def _past_layer_class() -> type:
+    dynamic, _ = _layer_classes()
+
+    class _PastLayer(dynamic):  # type: ignore[misc, valid-type]
+        """A full-attention layer over a saved past: attention gets past + new keys/values, nothing is stored
+        (the past is shared by every continuation and must never change)."""
+
+        def __init__(self, past: AttentionPast, rows: int) -> None:
+            super().__init__()
+            self.keys, self.values = past.keys, past.values
+            self.device, self.dtype = past.keys.device, past.keys.dtype
+            self.is_initialized = True
+            self.rows = rows
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+            keys = self.keys.expand(self.rows, -1, -1, -1)
+            values = self.values.expand(self.rows, -1, -1, -1)
+            return torch.cat([keys, key_states], dim=-2), torch.cat([values, value_states], dim=-2)
+
+    return _PastLayer
+
+
+def past_cache(config: Any, state: TorchState, rows: int) -> Any:
+    """A fresh ``DynamicCache`` that continues ``state`` for ``rows`` records; ``state``'s tensors are only read."""
+    cache = new_cache(config)
+    past_layer = _past_layer_class()
+    _, linear = _layer_classes()
+    for index, (layer, past) in enumerate(zip(cache.layers, state.layers, strict=True)):
+        if isinstance(past, AttentionPast):
+            cache.layers[index] = past_layer(past, rows)
+            continue
+        if type(layer) is not linear:
+            raise TypeError(f"cache layer {index} is a {type(layer).__name__}, the saved state a linear layer")
+        for slot, (conv, recurrent, kernel) in enumerate(zip(past.conv, past.recurrent, past.kernel, strict=True)):
+            # repeat() copies: transformers updates these states in place during the pass
+            conv_rows, recurrent_rows = conv.repeat(rows, 1, 1), recurrent.repeat(rows, 1, 1, 1)
+            layer.lazy_initialization(conv_states=conv_rows, recurrent_states=recurrent_rows, state_idx=slot,
+                                      conv_kernel_size=kernel)
+            layer.conv_states[slot].copy_(conv_rows)
+            layer.recurrent_states[slot].copy_(recurrent_rows)
+            layer.has_previous_state[slot] = True
+    return cache
+
+
+def state_end(record: EncodedRecord) -> int:
+    """Positions of prefix + media + state: where a record's schema starts."""
+    return record.state_start + record.state_tokens
+
+
+def state_pass(backbone: Backbone, ids: Sequence[int]) -> TorchState:
+    """Run prefix + media + state and save the pass (:class:`TorchState`)."""
+    tokens = torch.tensor([list(ids)], dtype=torch.long, device=backbone.device)
+    cache = new_cache(backbone.text_model.config)
+    hidden = backbone.forward(tokens, torch.ones_like(tokens), cache=cache)
+    return snapshot(cache, hidden[0], backbone.device)
+
+
+def continuation(backbone: Backbone, state: TorchState, tails: Sequence[Sequence[int]],
+                 pad_token_id: int) -> torch.Tensor:
+    """Final hidden states ``[rows, longest tail, hidden]`` of each tail (a record's tokens after the state) run
+    after ``state``; tails are right-padded, the padding's states are left as computed (the head masks them)."""
+    rows, longest, past = len(tails), max(len(t) for t in tails), state.tokens
+    device = backbone.device
+    ids = torch.full((rows, longest), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((rows, past + longest), dtype=torch.long)
+    mask[:, :past] = 1
+    for row, tail in enumerate(tails):
+        ids[row, : len(tail)] = torch.tensor(list(tail), dtype=torch.long)
+        mask[row, past : past + len(tail)] = 1
+    positions = torch.arange(past, past + longest, device=device).expand(rows, longest)
+    cache = past_cache(backbone.text_model.config, state, rows)
+    return backbone.forward(ids.to(device), mask.to(device), cache=cache, position_ids=positions)
+
+
+def cached_hidden_states(backbone: Backbone, records: Sequence[EncodedRecord], cut: int, cache: StateCache,
+                         identity: str, pad_token_id: int) -> torch.Tensor:
+    """The hidden states ``[records, cut, hidden]`` of a right-padded batch, each record's state from ``cache``
+    (run and stored on a miss) and only its schema tokens (up to ``cut``) run; positions past a record's end are
+    zero. Records that share a state run as one continuation batch; each distinct state is one lookup."""
+    groups: dict[str, list[int]] = {}
+    for row, record in enumerate(records):
+        groups.setdefault(state_key(identity, record.input_ids[: state_end(record)]), []).append(row)
+    out: torch.Tensor | None = None
+    for key, rows in groups.items():
+        state = cache.get(key, uses=len(rows))
+        if state is None:
+            state = state_pass(backbone, records[rows[0]].input_ids[: state_end(records[rows[0]])])
+            cache.put(key, state)
+        if not isinstance(state, TorchState):
+            raise TypeError(f"the state cache holds a {type(state).__name__}, not a TorchState")
+        start = state.tokens
+        tails = [records[row].input_ids[start : min(cut, len(records[row].input_ids))] for row in rows]
+        hidden = continuation(backbone, state, tails, pad_token_id)
+        if out is None:
+            out = hidden.new_zeros((len(records), cut, hidden.shape[-1]))
+        for j, (row, tail) in enumerate(zip(rows, tails, strict=True)):
+            out[row, :start] = state.hidden
+            out[row, start : start + len(tail)] = hidden[j, : len(tail)]
+    if out is None:
+        raise ValueError("cached_hidden_states needs at least one record")
+    return out
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """A failed allocation: torch's ``OutOfMemoryError`` (CUDA, MPS) or the CPU allocator's RuntimeError."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("out of memory" in text.lower() or "can't allocate memory" in text)

@@ -17,7 +17,7 @@ from clef_local.formats.release import HEAD_WEIGHTS, Release, read_release
 from clef_local.runtime.answers import CONFIDENCE_MODES, Confidence, build_response, softmax_rows
 from clef_local.runtime.batching import device_pad_waste, split_by_length
 from clef_local.runtime.encoding import REFERENCE_MAX_LENGTH, EncodedRecord, encode_request
-from clef_local.runtime.head_reach import batch_reach, head_reads_question_spans_only, question_reach
+from clef_local.runtime.head_reach import Reach, batch_reach, head_reach, record_reach
 from clef_local.runtime.layout import build_layout
 from clef_local.runtime.schema import DEFAULT_LIMITS, QUESTION_TYPES, Limits, request_to_record, validate_request
 from clef_local.runtime.tokenizer import ReleaseTokenizer
@@ -76,10 +76,9 @@ class ClefModel:
         self.temperatures = read_temperatures(release.config, str(release.path / "config.json"))
         # how much padding a batch may carry on this device (clef_local.runtime.batching): tight on a CPU
         self.pad_waste = device_pad_waste(backend.device)
-        # a head that reads question spans only lets the backbone stop after the last one
-        # (clef_local.runtime.head_reach); set it to False to run every record in full (the same numbers, for
-        # comparisons)
-        self.stop_after_questions = head_reads_question_spans_only(release.path / HEAD_WEIGHTS)
+        # how far the head reads a record decides how far the backbone runs (clef_local.runtime.head_reach); set it
+        # to Reach.WHOLE_RECORD to run every record in full (the same numbers, for comparisons)
+        self.reach: Reach = head_reach(release.path / HEAD_WEIGHTS)
 
     @property
     def path(self) -> Path:
@@ -140,12 +139,12 @@ class ClefModel:
         return run()
 
     def _backbone_positions(self, record: EncodedRecord) -> int:
-        return question_reach(record) if self.stop_after_questions else len(record.input_ids)
+        return record_reach(record, self.reach)
 
     def _probabilities(self, records: list[EncodedRecord]) -> list[list[np.ndarray]]:
         layout = build_layout(records, max(len(r.input_ids) for r in records))
         started = time.perf_counter()
-        reach = batch_reach(records) if self.stop_after_questions else None
+        reach = None if self.reach is Reach.WHOLE_RECORD else batch_reach(records, self.reach)
         logits = self.backend.logits(records, layout, self.tokenizer.pad_token_id, reach=reach)
         if self.temperatures:
             temps = [self.temperatures.get(QUESTION_TYPES[q.question_type], 1.0) for r in records for q in r.questions]
@@ -187,7 +186,7 @@ class ClefModel:
             "head_config": release.head_config.to_json_dict(),
             "tokenizer_vocab": self.tokenizer.vocab_size,
             "confidence": self.confidence,
-            "backbone_pass": "to the last question span" if self.stop_after_questions else "whole record",
+            "backbone_pass": self.reach.value,
             **self.backend.describe(),
             **({"loader": decision.to_json()} if (decision := self.backend.load_decision) else {}),
         }

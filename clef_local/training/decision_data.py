@@ -281,8 +281,8 @@ class Generator:
                 qid = question_id(rng, "team", used)
                 questions[qid] = {"type": "choice", "criteria": {
                     d: self.domains[d] if describe else None for d in options}}
-                if (wording := rng.choice(ROUTING_QUESTIONS)) is not None:
-                    questions[qid]["instructions"] = wording
+                if (routing := rng.choice(ROUTING_QUESTIONS)) is not None:
+                    questions[qid]["instructions"] = routing
                 labels[qid] = ladder.domain
         if not questions:
             return self.severity(n)

@@ -89,3 +89,14 @@ def test_a_finished_run_resumes_at_its_last_checkpoint_and_other_settings_are_re
     with pytest.raises(ValueError, match=r"other settings.*lr"):
         train_adapters(tiny_llama, examples, twins, root / "other", work=root / "work",
                        config=replace(CONFIG, lr=1e-3))
+
+
+def test_a_run_cut_by_max_steps_goes_on_where_it_stopped(tiny_llama: Path, tmp_path: Path) -> None:
+    examples, twins = decision_data(CONFIG.records, DecisionMix(twins=0.5))
+    config = replace(CONFIG, checkpoint_steps=5)  # the cut itself is checkpointed
+    cut = train_adapters(tiny_llama, examples, twins, tmp_path / "cut", work=tmp_path / "work", config=config,
+                         max_steps=1)
+    assert (cut["steps"], [h["step"] for h in cut["history"]]) == (1, [1])
+    whole = train_adapters(tiny_llama, examples, twins, tmp_path / "whole", work=tmp_path / "work", config=config)
+    assert whole["steps"] == whole["planned_steps"] == cut["planned_steps"] > 1
+    assert [h["step"] for h in whole["history"]] == [whole["steps"]]  # steps 2.. only: it resumed after step 1

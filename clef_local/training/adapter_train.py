@@ -226,9 +226,12 @@ def _pairs(items: Sequence[int], encoded, twins_of) -> list[tuple[int, int]]:
 
 def train_adapters(backbone_dir: Path, examples: Sequence[Example], twins: Sequence[Twin], out: Path, *,
                    work: Path, config: AdapterConfig = AdapterConfig(), device: str = "cpu",
-                   init: Path | None = None) -> dict:
+                   init: Path | None = None, max_steps: int | None = None) -> dict:
     """Train adapters and a question-path head on ``examples`` and ``twins``; write the head files and the adapter
-    to ``out``; returns the training log."""
+    to ``out``; returns the training log.
+
+    ``max_steps`` cuts the run short at that step (a budget): the schedule stays the full run's, so a run cut at its
+    last checkpoint and resumed with the same settings and no cut would go on exactly where it stopped."""
     torch.manual_seed(config.seed)
     tokenizer = ReleaseTokenizer(backbone_dir)
     encoded, gold = encode_records(tokenizer, training_records(examples, twins), backbone_dir)
@@ -255,9 +258,10 @@ def train_adapters(backbone_dir: Path, examples: Sequence[Example], twins: Seque
     history: list[dict] = []
     started, tokens, window = time.perf_counter(), 0, []
     trainable = [p for group in optimizer.param_groups for p in group["params"]]
+    stop = len(batches) if max_steps is None else min(len(batches), max_steps)
     model.train()
     with flush_denormals():
-        for step in range(first, len(batches)):
+        for step in range(first, stop):
             items = batches[step]
             records = [encoded[i] for i in items]
             logits, means = model.forward(records)
@@ -275,13 +279,13 @@ def train_adapters(backbone_dir: Path, examples: Sequence[Example], twins: Seque
             scheduler.step()
             tokens += sum(lengths[i] for i in items)
             window.append(float(loss.detach()))
-            if (step + 1) % 10 == 0 or step + 1 == len(batches):
+            if (step + 1) % 10 == 0 or step + 1 == stop:
                 elapsed = time.perf_counter() - started
                 log.info("step %d/%d loss %.4f (last 10) %.2f ms/token", step + 1, len(batches),
                          float(np.mean(window)), 1e3 * elapsed / max(tokens, 1))
                 history.append({"step": step + 1, "loss": float(np.mean(window))})
                 window = []
-            if (step + 1) % config.checkpoint_steps == 0 or step + 1 == len(batches):
+            if (step + 1) % config.checkpoint_steps == 0 or step + 1 == stop:
                 _save(checkpoint, _checkpoint_state(model, optimizer, scheduler, step + 1, settings))
     model.train(False)
     metrics, logits, target = _validate(model, val, encoded, gold, twins_of, config)
@@ -295,6 +299,8 @@ def train_adapters(backbone_dir: Path, examples: Sequence[Example], twins: Seque
         log.info("validation %s; temperature %.3f folded in: NLL %.4f -> %.4f", metrics, temperature,
                  metrics["val_nll"], after["val_nll"])
     log_dict = {"method": "adapters", "config": asdict(config), "init": str(init) if init else None,
+                "steps": max(first, stop),
+                "planned_steps": len(batches),
                 "examples": len(examples), "twins": len(twins), "validation_units": len(val),
                 "history": history, "validation": metrics, "calibration": calibration}
     save_head(model.head, model.head_config, out, log_dict)
@@ -339,5 +345,5 @@ def run_from_cli(parser: argparse.ArgumentParser, args: argparse.Namespace, work
                            **({"lr": args.lr} if args.lr is not None else {}))
     examples, twins = decision_data(config.records, seed=config.seed)
     result = train_adapters(args.backbone, examples, twins, args.out, work=work, config=config, device=args.device,
-                            init=args.init)
+                            init=args.init, max_steps=args.max_steps)
     return print_last_epoch({"history": [result["validation"] | {"calibration": result["calibration"]}]})

@@ -339,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--records", type=int, default=6000,
                         help="--adapters: labelled decision records to draw (twins add their partners; default "
                              "%(default)s)")
+    parser.add_argument("--max-steps", type=int, metavar="N",
+                        help="--adapters: stop at step N (a budget cut; resuming the same run without it goes on), "
+                             "then validate and write the head and adapter")
     args = parser.parse_args(argv)
     if args.adapters is not None:
         if args.method not in ("full", "question-path"):

@@ -83,7 +83,7 @@ def test_a_finished_run_resumes_at_its_last_checkpoint_and_other_settings_are_re
     with caplog.at_level(logging.INFO, logger="clef_local.training.adapter_train"):
         again = train_adapters(tiny_llama, examples, twins, root / "again", work=root / "work", config=CONFIG)
     assert f"resuming at step {steps} " in caplog.text
-    assert again["history"] == []  # nothing left to train
+    assert again["history"] == log["history"]  # nothing left to train; the run's history comes with its checkpoint
     first, second = read_adapter(root / "out" / ADAPTER_FILE), read_adapter(root / "again" / ADAPTER_FILE)
     assert all(torch.equal(first.factors[n][1], second.factors[n][1]) for n in first.factors)
     with pytest.raises(ValueError, match=r"other settings.*lr"):
@@ -99,4 +99,4 @@ def test_a_run_cut_by_max_steps_goes_on_where_it_stopped(tiny_llama: Path, tmp_p
     assert (cut["steps"], [h["step"] for h in cut["history"]]) == (1, [1])
     whole = train_adapters(tiny_llama, examples, twins, tmp_path / "whole", work=tmp_path / "work", config=config)
     assert whole["steps"] == whole["planned_steps"] == cut["planned_steps"] > 1
-    assert [h["step"] for h in whole["history"]] == [whole["steps"]]  # steps 2.. only: it resumed after step 1
+    assert [h["step"] for h in whole["history"]] == [1, whole["steps"]]  # resumed after step 1, its history kept

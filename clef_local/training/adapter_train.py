@@ -189,14 +189,15 @@ class AdapterModel:
         self.head.train(mode)
 
 
-def _checkpoint_state(model: AdapterModel, optimizer, scheduler, step: int, settings: dict) -> dict:
+def _checkpoint_state(model: AdapterModel, optimizer, scheduler, step: int, settings: dict,
+                      history: list[dict]) -> dict:
     adapters = {name: {"A": m.lora_A.detach().cpu(), "B": m.lora_B.detach().cpu()}
                 for name, m in model.adapted.items()}
     return {"adapters": adapters, "head": model.head.state_dict(), "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(), "step": step, "settings": settings}
+            "scheduler": scheduler.state_dict(), "step": step, "settings": settings, "history": history}
 
 
-def _restore(path: Path, model: AdapterModel, optimizer, scheduler, settings: dict) -> int:
+def _restore(path: Path, model: AdapterModel, optimizer, scheduler, settings: dict) -> tuple[int, list[dict]]:
     state = torch.load(path, weights_only=False, map_location=model.device)
     if state.get("settings") != settings:
         changed = sorted(k for k in {*state.get("settings", {}), *settings}
@@ -211,7 +212,7 @@ def _restore(path: Path, model: AdapterModel, optimizer, scheduler, settings: di
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     log.info("resuming at step %d of %s", state["step"], path)
-    return int(state["step"])
+    return int(state["step"]), list(state.get("history", []))
 
 
 def _save(path: Path, state: dict) -> None:
@@ -254,8 +255,8 @@ def train_adapters(backbone_dir: Path, examples: Sequence[Example], twins: Seque
     work.mkdir(parents=True, exist_ok=True)
     checkpoint = work / "adapter_checkpoint.pt"
     settings = asdict(config) | {"init": str(init) if init else None, "records_encoded": len(encoded)}
-    first = _restore(checkpoint, model, optimizer, scheduler, settings) if checkpoint.is_file() else 0
-    history: list[dict] = []
+    first, history = (_restore(checkpoint, model, optimizer, scheduler, settings) if checkpoint.is_file()
+                      else (0, []))
     started, tokens, window = time.perf_counter(), 0, []
     trainable = [p for group in optimizer.param_groups for p in group["params"]]
     stop = len(batches) if max_steps is None else min(len(batches), max_steps)
@@ -286,7 +287,7 @@ def train_adapters(backbone_dir: Path, examples: Sequence[Example], twins: Seque
                 history.append({"step": step + 1, "loss": float(np.mean(window))})
                 window = []
             if (step + 1) % config.checkpoint_steps == 0 or step + 1 == stop:
-                _save(checkpoint, _checkpoint_state(model, optimizer, scheduler, step + 1, settings))
+                _save(checkpoint, _checkpoint_state(model, optimizer, scheduler, step + 1, settings, history))
     model.train(False)
     metrics, logits, target = _validate(model, val, encoded, gold, twins_of, config)
     calibration = {}

@@ -7,6 +7,11 @@
 - nlupp: NLU++ banking folds 16–19, a noul per ontology intent: macro-F1 over intents (threshold 0.5) and ECE.
 - robustness: 100 held-out mixed requests; renaming question ids, reordering questions, or adding three unrelated
   questions must move no probability by more than 0.05.
+- ordinal: the held-out severity ladders (clef_local/data/cases, 8 situations x 4 rising severities) asked a
+  severity score at 3, 5 and 10 levels: Spearman of the expected level against the true rank (pooled), and the share
+  of ladders whose expected level rises at every step.
+- negation: a noul and its negation asked of the same held-out state in separate requests (NLU++ folds 16-19,
+  BANKING77 test): mean and max |p + p_neg - 1|.
 - speed: a 3-question request with a one-sentence state (median of 20) and the 77-option request.
 - generation: the same backbone answering the same 3 questions by generating JSON (greedy) vs one decide pass.
 """
@@ -24,7 +29,17 @@ import numpy as np
 from _timing import median_ms
 
 import clef_local
-from clef_local.data.datasets import banking77_examples, banking77_intents, banking77_rows, evenly, nlupp_examples
+from clef_local.data.datasets import (
+    banking77_examples,
+    banking77_intents,
+    banking77_rows,
+    evenly,
+    intent_description,
+    nlupp_examples,
+    nlupp_intents,
+    nlupp_rows,
+)
+from clef_local.data.sources import severity_ladders
 from clef_local.quality.metrics import classification_report, ece, macro_f1
 
 THREE = {
@@ -111,8 +126,79 @@ def section_robustness(model, n: int = 100) -> dict[str, Any]:
         moves = [{k: _max_delta(ref["answers"][k], new["answers"][names[k]]) for k in ref["answers"]}
                  for ref, new, names in zip(reference, model.decide_batch(requests), same[name], strict=True)]
         results[name] = {**robustness_summary([max(m.values()) for m in moves]),
-                         "mean_by_question": {k: float(np.mean([m[k] for m in moves])) for k in moves[0]}}
+                         "mean_by_question": {k: float(np.mean([m[k] for m in moves])) for k in moves[0]},
+                         "max_by_question": {k: float(np.max([m[k] for m in moves])) for k in moves[0]}}
     return results
+
+
+ORDINAL_LEVELS = {3: ["minor", "significant", "critical"], 5: ["negligible", "low", "medium", "high", "critical"],
+                  10: [str(n) for n in range(1, 11)]}
+ORDINAL_QUESTION = "Rate how critical this support case is."  # not a wording of the training data
+
+
+def _ranks(values: np.ndarray) -> np.ndarray:
+    order = np.argsort(values, kind="stable")
+    ranks = np.empty(len(values))
+    ranks[order] = np.arange(len(values))
+    for value in np.unique(values):  # ties share their mean rank
+        ranks[values == value] = ranks[values == value].mean()
+    return ranks
+
+
+def spearman(a: Any, b: Any) -> float:
+    ra, rb = _ranks(np.asarray(a, dtype=float)), _ranks(np.asarray(b, dtype=float))
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def section_ordinal(model) -> dict[str, Any]:
+    """The held-out severity ladders: does a score's expected level rise with the case's severity?"""
+    ladders = severity_ladders("heldout")
+    out: dict[str, Any] = {"cases": sum(len(lad.levels) for lad in ladders)}
+    for count, levels in ORDINAL_LEVELS.items():
+        requests = [{"model": "clef-demo", "state": text, "questions": {"severity": {
+            "type": "score", "instructions": ORDINAL_QUESTION, "criteria": levels}}}
+            for ladder in ladders for text in ladder.levels]
+        expected = [a["answers"]["severity"]["score"] / (count - 1) for a in model.decide_batch(requests)]
+        truth = [rank for ladder in ladders for rank in range(len(ladder.levels))]
+        per_ladder = np.array(expected).reshape(len(ladders), -1)
+        out[f"levels_{count}"] = {"spearman": spearman(truth, expected),
+                                  "rising_ladders": float(np.mean([np.all(np.diff(r) > 0) for r in per_ladder])),
+                                  "mean_expected_by_rank": per_ladder.mean(0).round(3).tolist()}
+    return out
+
+
+def negation_pairs(n: int = 60) -> list[tuple[dict, dict]]:
+    """(request, its negated twin) over held-out states: NLU++ folds 16-19 and BANKING77 test rows."""
+    rng = random.Random(11)
+    intents = nlupp_intents()
+    pairs = []
+    for text, _ in evenly(nlupp_rows(range(16, 20)), n):
+        name = rng.choice([k for k, v in intents.items() if v.startswith("is the intent ")])
+        question = intents[name]
+        negated = "is the intent not " + question.removeprefix("is the intent ")
+        pairs.append(({"model": "clef-demo", "state": text, "questions": {"q": {"type": "noul",
+                                                                             "instructions": question}}},
+                      {"model": "clef-demo", "state": text, "questions": {"q": {"type": "noul",
+                                                                             "instructions": negated}}}))
+    b77 = banking77_intents()
+    for text, gold in evenly(banking77_rows("test"), n):
+        intent = gold if rng.random() < 0.5 else rng.choice(b77)
+        about = intent_description(intent)
+        pairs.append(({"model": "clef-demo", "state": text, "questions": {"q": {
+            "type": "noul", "instructions": f"Is the customer asking about {about}?"}}},
+                      {"model": "clef-demo", "state": text, "questions": {"q": {
+                          "type": "noul", "instructions": f"Is the customer not asking about {about}?"}}}))
+    return pairs
+
+
+def section_negation(model) -> dict[str, Any]:
+    pairs = negation_pairs()
+    plain = model.decide_batch([p for p, _ in pairs])
+    negated = model.decide_batch([q for _, q in pairs])
+    gap = np.array([abs(a["answers"]["q"]["noul"] + b["answers"]["q"]["noul"] - 1)
+                    for a, b in zip(plain, negated, strict=True)])
+    return {"pairs": len(pairs), "mean_abs_p_plus_pneg_minus_1": float(gap.mean()), "max": float(gap.max()),
+            "nlupp_mean": float(gap[: len(gap) // 2].mean()), "banking77_mean": float(gap[len(gap) // 2 :].mean())}
 
 
 def _max_delta(a: dict, b: dict) -> float:
@@ -184,7 +270,8 @@ def section_generation(model, n: int = 20) -> dict[str, Any]:
 
 
 SECTIONS = {"banking77": section_banking77, "nlupp": section_nlupp, "robustness": section_robustness,
-            "speed": section_speed, "generation": section_generation}
+            "ordinal": section_ordinal, "negation": section_negation, "speed": section_speed,
+            "generation": section_generation}
 
 
 def main() -> None:

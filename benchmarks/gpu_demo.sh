@@ -3,6 +3,10 @@
 # schema head with the default recipe (the same command runs on CPU, slower), and evaluate it on BANKING77 and
 # NLU++. Writes the head and the metrics under $OUT. Scale knobs are for a quick dry run on CPU:
 #   NO_WHEELS=1 DEVICE=cpu BANKING77=20 NLUPP=10 TWINS=8 EPOCHS=1 LIMIT=5 bash benchmarks/gpu_demo.sh
+# ADAPTERS=1 also trains the v2 recipe: LoRA adapters on the backbone with a question-path head
+# (train-head --adapters, clef_local/training/adapter_train.py) on RECORDS decision records, started from the head
+# in INIT (a question-path head directory; default: a fresh head), merged into a copy of the backbone and evaluated on every section:
+#   ADAPTERS=1 RECORDS=40000 ADAPTER_SPEC=r=16,alpha=32,layers=30 bash benchmarks/gpu_demo.sh
 # On the lent H200 (no network, 64 MiB carried per call): the GGUF travels in two parts. A call's carried paths
 # replace .gpu/ in the repo copy, but /tmp survives while the machine is warm (30 s), so call 1 carries
 # .gpu/gguf.part-01 and runs `mkdir -p /tmp/clef-gguf && cp .gpu/gguf.part-01 /tmp/clef-gguf/`; call 2 carries
@@ -52,6 +56,21 @@ train_and_eval() {  # name banking77-records nlupp-records twins epochs [train-h
   python3 benchmarks/demo_model.py --model "$WORK/$name.release" --device "$DEVICE" ${LIMIT:+--limit $LIMIT} \
     --sections banking77 nlupp robustness --json "$OUT/$name/metrics.json" 2>&1 | grep -v "^\[transformers\]"
 }
+train_adapters_and_eval() {  # the v2 recipe: adapters + question-path head, merged, every section measured
+  local name=adapters
+  python3 -m clef_local.cli -v train-head --adapters "${ADAPTER_SPEC:-r=16,alpha=32,layers=10}" \
+    --records "${RECORDS:-20000}" --backbone "$WORK/backbone" ${INIT:+--init "$INIT"} \
+    --out "$OUT/$name" --work "$WORK/$name.work" --device "$DEVICE" ${TRAIN_ARGS:-} 2>&1 | tail -20
+  rm -rf "$WORK/$name.release" && cp -r "$WORK/backbone" "$WORK/$name.release"
+  cp "$OUT/$name"/joint_head.safetensors "$OUT/$name"/joint_head_config.json "$WORK/$name.release/"
+  python3 -c "import sys; from pathlib import Path; from clef_local.demo.adapter import merge_adapter
+merge_adapter(Path(sys.argv[1]) / 'model.safetensors', Path(sys.argv[2]) / 'backbone_adapter.safetensors')" \
+    "$WORK/$name.release" "$OUT/$name"
+  python3 benchmarks/demo_model.py --model "$WORK/$name.release" --device "$DEVICE" ${LIMIT:+--limit $LIMIT} \
+    --sections banking77 nlupp robustness ordinal negation --json "$OUT/$name/metrics.json" 2>&1 \
+    | grep -v "^\[transformers\]"
+}
+if [ -n "${ADAPTERS:-}" ]; then echo "== adapters (v2) recipe"; train_adapters_and_eval; fi
 echo "== default recipe"; train_and_eval default "$BANKING77" "$NLUPP" "$TWINS" "$EPOCHS"
 if [ -n "${LARGE:-}" ]; then
   echo "== larger recipe"; train_and_eval large 10240 3328 2048 30

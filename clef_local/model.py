@@ -24,7 +24,7 @@ from clef_local.runtime.encoding import (
     option_semantics,
     question_options,
 )
-from clef_local.runtime.head_reach import batch_reach, head_reads_question_spans_only, question_reach
+from clef_local.runtime.head_reach import Reach, batch_reach, head_reach, record_reach
 from clef_local.runtime.layout import build_layout
 from clef_local.runtime.media import DEFAULT_MEDIA_LIMITS, MediaLimits, RequestMedia, resolve_media
 from clef_local.runtime.processor import MediaProcessor
@@ -112,10 +112,9 @@ class ClefModel:
         self.temperatures = read_temperatures(release.config, str(release.path / "config.json"))
         # how much padding a batch may carry on this device (clef_local.runtime.batching): tight on a CPU
         self.pad_waste = device_pad_waste(backend.device)
-        # a head that reads question spans only lets the backbone stop after the last one
-        # (clef_local.runtime.head_reach); set it to False to run every record in full (the same numbers, for
-        # comparisons)
-        self.stop_after_questions = head_reads_question_spans_only(release.path / HEAD_WEIGHTS)
+        # how far the head reads a record decides how far the backbone runs (clef_local.runtime.head_reach); set it
+        # to Reach.WHOLE_RECORD to run every record in full (the same numbers, for comparisons)
+        self.reach: Reach = head_reach(release.path / HEAD_WEIGHTS)
         # the most bytes of text one token covers, read from the vocabulary once (check_size)
         self.max_token_bytes: int = tokenizer.max_token_bytes
         # per model: a model loaded again starts empty; clear() empties this one
@@ -272,12 +271,12 @@ class ClefModel:
         return run()
 
     def _backbone_positions(self, record: EncodedRecord) -> int:
-        return question_reach(record) if self.stop_after_questions else len(record.input_ids)
+        return record_reach(record, self.reach)
 
     def _probabilities(self, records: list[EncodedRecord]) -> list[list[np.ndarray]]:
         layout = build_layout(records, max(len(r.input_ids) for r in records))
         started = time.perf_counter()
-        reach = batch_reach(records) if self.stop_after_questions else None
+        reach = None if self.reach is Reach.WHOLE_RECORD else batch_reach(records, self.reach)
         if self.state_cache.enabled and isinstance(self.backend, StateCachingBackend):
             logits = self.backend.cached_logits(records, layout, self.tokenizer.pad_token_id, self.state_cache,
                                                 reach=reach)
@@ -337,7 +336,7 @@ class ClefModel:
             "head_config": release.head_config.to_json_dict(),
             "tokenizer_vocab": self.tokenizer.vocab_size,
             "confidence": self.confidence,
-            "backbone_pass": "to the last question span" if self.stop_after_questions else "whole record",
+            "backbone_pass": self.reach.value,
             "state_cache": {"budget_bytes": self.state_cache.budget, "spill_bytes": self.state_cache.spill},
             **self.backend.describe(),
             **({"loader": decision.to_json()} if (decision := self.backend.load_decision) else {}),

@@ -19,13 +19,13 @@ def test_detect_here_is_a_cpu_with_cores_and_memory() -> None:
 
 
 @pytest.mark.parametrize(("flags", "expected"), [
-    (("avx2", "avx512_bf16"), (True, False)),  # this machine: bf16 works, but slower than float32
-    (("avx512_bf16", "amx_bf16", "amx_tile"), (True, True)),
-    (("asimd", "bf16"), (True, False)),
-    (("avx2",), (False, False)),
+    (("avx2", "avx512_bf16"), True),
+    (("avx512_bf16", "amx_bf16", "amx_tile"), True),
+    (("asimd", "bf16"), True),
+    (("avx2",), False),
 ])
-def test_cpu_bf16_needs_amx_to_be_fast(flags: tuple[str, ...], expected: tuple[bool, bool]) -> None:
-    assert cpu_bf16(flags) == expected
+def test_cpu_bf16_support_comes_from_the_flags_and_its_speed_does_not(flags: tuple[str, ...], expected: bool) -> None:
+    assert cpu_bf16(flags) is expected  # whether it is *faster* is measured: tests/test_dtype_probe.py
 
 
 def test_detect_without_torch_or_mlx_does_not_fail() -> None:

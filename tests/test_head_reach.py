@@ -1,5 +1,6 @@
-"""A head that reads question spans only: the runtime stops the backbone after the last question span, with the
-same probabilities on every backend, and never for a head whose other branches are live."""
+"""How far a head reads a record, from its weights: the runtime stops the backbone after the last question span (a
+question-path head) or the last option span (the option context live too), with the same probabilities on every
+backend, and never for a head that reads the memory, the last token or the prior."""
 
 from __future__ import annotations
 
@@ -14,7 +15,14 @@ from safetensors.torch import load_file, save_file
 import clef_local
 from clef_local.formats.release import HEAD_WEIGHTS, read_release
 from clef_local.runtime.head import JointSchemaHead
-from clef_local.runtime.head_reach import question_reach, reads_question_spans_only
+from clef_local.runtime.head_reach import (
+    Reach,
+    head_reach,
+    question_reach,
+    reach_of,
+    reads_question_spans_only,
+    record_reach,
+)
 from clef_local.training.question_path import question_path_head
 
 OPTIONS = {f"intent_{i}": (f"the customer asks about topic number {i}" if i % 3 else None) for i in range(24)}
@@ -46,6 +54,18 @@ def question_path_release(tiny_llama: Path, tmp_path_factory: pytest.TempPathFac
     return path
 
 
+@pytest.fixture(scope="module")
+def option_path_release(question_path_release: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The question-path release with its option-context projection live (random): it reads the option spans."""
+    path = tmp_path_factory.mktemp("reach-options") / "release"
+    shutil.copytree(question_path_release, path)
+    state = load_file(path / HEAD_WEIGHTS)
+    torch.manual_seed(1)
+    state["option_context_projection.weight"] = torch.randn_like(state["option_context_projection.weight"]) * 0.2
+    save_file({k: v.contiguous() for k, v in state.items()}, path / HEAD_WEIGHTS)
+    return path
+
+
 def _tensors(path: Path) -> dict[str, np.ndarray]:
     return {k: v.numpy() for k, v in load_file(path / HEAD_WEIGHTS).items()}
 
@@ -65,6 +85,22 @@ def test_the_predicate_needs_every_far_branch_off(tiny_llama: Path, question_pat
     assert reads_question_spans_only({**tensors, "layers.0.self_attn.out_proj.weight": np.ones((32, 32))})
 
 
+def test_the_reach_is_the_farthest_branch_that_is_live(tiny_llama: Path, question_path_release: Path,
+                                                       option_path_release: Path):
+    tensors = _tensors(question_path_release)
+    assert reach_of(tensors) is Reach.QUESTION_SPANS
+    options_live = _tensors(option_path_release)
+    assert reach_of(options_live) is Reach.OPTION_SPANS
+    for name in ("global_projection.weight", "evidence_layers.0.attention.out_proj.weight",
+                 "layers.0.multihead_attn.out_proj.weight"):
+        live = dict(options_live)
+        live[name] = tensors[name] + 1e-4
+        assert reach_of(live) is Reach.WHOLE_RECORD, name
+    assert reach_of({**tensors, "prior_logit_scale": np.array(-10.0, dtype=np.float32)}) is Reach.WHOLE_RECORD
+    assert [head_reach(p / HEAD_WEIGHTS) for p in (question_path_release, option_path_release, tiny_llama)] == [
+        Reach.QUESTION_SPANS, Reach.OPTION_SPANS, Reach.WHOLE_RECORD]
+
+
 def _probabilities(model: clef_local.ClefModel) -> list[np.ndarray]:
     return [p for prediction in model.predict(REQUESTS, batch_size=3) for p in prediction.probabilities]
 
@@ -81,15 +117,38 @@ def test_the_cut_pass_gives_the_whole_records_probabilities(question_path_releas
     elif backend == "mlx":
         pytest.importorskip("mlx.core")
     model = clef_local.load(path, backend=backend, dtype="float32")
-    assert model.stop_after_questions
+    assert model.reach is Reach.QUESTION_SPANS
     assert model.describe()["backbone_pass"] == "to the last question span"
     cut = _probabilities(model)
-    model.stop_after_questions = False
+    model.reach = Reach.WHOLE_RECORD
     whole = _probabilities(model)
     assert [p.shape for p in cut] == [p.shape for p in whole] == [(24,), (2,), (3,), (3,), (2,)]
     # float32 noise only: the backbone's matmuls over a shorter sequence round differently (~1e-6 relative)
     assert max(float(np.abs(a - b).max()) for a, b in zip(cut, whole, strict=True)) < 2e-5
     assert max(float(p.max() - p.min()) for p in whole) > 0.05  # the head discriminates: not a test of constants
+
+
+def test_a_head_that_reads_option_spans_gets_them_and_the_whole_records_probabilities(option_path_release: Path):
+    model = clef_local.load(option_path_release, backend="torch", dtype="float32")
+    assert model.reach is Reach.OPTION_SPANS and model.describe()["backbone_pass"] == "to the last option span"
+    seen: list[int] = []
+    original = model.backend.backbone.hidden_states
+
+    def spy(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        seen.append(input_ids.shape[1])
+        return original(input_ids, attention_mask)
+
+    model.backend.backbone.hidden_states = spy
+    cut = _probabilities(model)
+    for request in REQUESTS:  # one at a time: each pass stops at that record's last option span
+        seen.clear()
+        (prediction,) = model.predict([request])
+        assert seen == [record_reach(prediction.encoded, Reach.OPTION_SPANS)]
+        assert question_reach(prediction.encoded) < seen[0] < len(prediction.encoded.input_ids)
+    model.reach = Reach.WHOLE_RECORD
+    whole = _probabilities(model)
+    assert max(float(np.abs(a - b).max()) for a, b in zip(cut, whole, strict=True)) < 2e-5
+    assert max(float(p.max() - p.min()) for p in whole) > 0.05
 
 
 def test_the_backbone_runs_to_the_last_question_span_only(question_path_release: Path, tiny_llama: Path):
@@ -108,7 +167,7 @@ def test_the_backbone_runs_to_the_last_question_span_only(question_path_release:
     assert seen[0] < len(prediction.encoded.input_ids) / 3  # the 24 options are after the question span
 
     full = clef_local.load(tiny_llama, backend="torch", dtype="float32")
-    assert not full.stop_after_questions
+    assert full.reach is Reach.WHOLE_RECORD
     assert full.describe()["backbone_pass"] == "whole record"
 
 

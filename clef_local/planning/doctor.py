@@ -135,7 +135,7 @@ def report(probe: bool = True) -> dict[str, Any]:
     from clef_local.planning.choice import choose, installed_backends
     from clef_local.planning.hardware import detect, thread_plan
 
-    hardware = detect()
+    hardware = detect(measure_bf16=probe)  # the one-off bf16 measurement is a probe too (about a second, cached)
     backends = installed_backends()
     bnb = importlib.util.find_spec("bitsandbytes") is not None
     auto: dict[str, Any] = {}
@@ -172,6 +172,11 @@ def render(info: dict[str, Any]) -> str:
         lines.append(f"  host: {hw['host_total_bytes'] / 2**30:.1f} GiB RAM ({hw['host_free_bytes'] / 2**30:.1f} free)")
     if hw["cpu_flags"]:
         lines.append(f"  cpu flags: {' '.join(hw['cpu_flags'])}")
+    if hw["kind"] == "cpu":
+        speed = hw["bf16_speedup"]
+        lines.append("  bf16 probe: " + (f"bf16 runs {speed:.2f}x float32's speed here; auto picks "
+                                          f"{'bfloat16' if hw['fast_bf16'] else 'float32'}" if speed is not None
+                                          else "not measured (needs torch); auto picks float32"))
     lines += [f"  note: {n}" for n in hw["notes"]]
     lines += ["", "backends"]
     for name, state in info["backends"].items():

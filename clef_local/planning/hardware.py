@@ -35,8 +35,10 @@ class Hardware:
     """One compute device and the host around it.
 
     ``total_bytes``/``free_bytes`` are the device's memory (CUDA: the GPU's; Apple: the unified memory Metal may use;
-    CPU: RAM and MemAvailable). ``bf16`` says BF16 math is supported at all; ``fast_bf16`` that it is faster than
-    float32 (CUDA sm_80+, Apple, x86 with AMX; an AVX512-BF16 CPU without AMX runs BF16 *slower* than float32).
+    CPU: RAM and MemAvailable). ``bf16`` says BF16 math is supported at all (from the flags); ``fast_bf16`` that it
+    is faster than float32: CUDA sm_80+ and Apple by their generation, a CPU by measurement only
+    (:mod:`clef_local.planning.dtype_probe`; ``bf16_speedup`` is float32's time over BF16's there, None when not
+    measured, and then ``fast_bf16`` is False).
     """
 
     kind: Kind
@@ -52,6 +54,7 @@ class Hardware:
     host_total_bytes: int = 0  # RAM beside the device (equal to the device's memory on CPU and Apple)
     host_free_bytes: int = 0
     unified_memory: bool = False
+    bf16_speedup: float | None = None  # CPU: measured float32 time / BF16 time (dtype_probe); None: not measured
     cpu_flags: tuple[str, ...] = ()
     notes: tuple[str, ...] = field(default=())
     cap_bytes: int | None = None  # a --max-memory cap (clef_local.planning.caps): free_bytes is at most this
@@ -70,8 +73,13 @@ class Hardware:
         extra = [self.capability_label] if self.compute_capability else []
         if self.kind == "cpu":
             extra.append(f"{self.cores} cores" if self.cores else "")
-        extra.append("bf16 " + ("fast" if self.fast_bf16 else "supported, slower than float32" if self.bf16
-                                else "unsupported"))
+        if self.kind == "cpu" and self.bf16_speedup is not None:
+            extra.append(f"bf16 measured {self.bf16_speedup:.2f}x float32's speed"
+                         + (" (auto runs bf16)" if self.fast_bf16 else " (auto runs float32)"))
+        elif self.kind == "cpu":
+            extra.append("bf16 speed not measured" + ("" if self.bf16 else "; no bf16 flags"))
+        else:
+            extra.append("bf16 " + ("fast" if self.fast_bf16 else "supported" if self.bf16 else "unsupported"))
         if self.fp8:
             extra.append("fp8")
         return (f"{self.kind} {self.device}: {self.name}, {self.total_bytes / GiB:.1f} GiB"
@@ -141,12 +149,10 @@ def cpu_flags_and_name() -> tuple[tuple[str, ...], str]:
     return tuple(sorted(flags)), name or platform.processor() or platform.machine()
 
 
-def cpu_bf16(flags: tuple[str, ...] | set[str]) -> tuple[bool, bool]:
-    """(bf16 supported, bf16 faster than float32) from CPU flags: AVX512-BF16 or ARM BF16 support it; only AMX
-    makes it the fast path (without AMX, torch's BF16 matmuls run slower than float32)."""
-    flags = set(flags)
-    fast = "amx_bf16" in flags
-    return fast or "avx512_bf16" in flags or "bf16" in flags, fast
+def cpu_bf16(flags: tuple[str, ...] | set[str]) -> bool:
+    """Whether the CPU's flags show BF16 instructions (AVX512-BF16, AMX-BF16, ARM BF16). Whether BF16 is *faster*
+    than float32 is measured, not read from here (:mod:`clef_local.planning.dtype_probe`)."""
+    return bool({"amx_bf16", "avx512_bf16", "bf16"} & set(flags))
 
 
 def _cores() -> int:
@@ -156,17 +162,26 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-def detect_cpu() -> Hardware:
-    """The CPU: cores (usable by this process), RAM, BF16 support from its flags."""
+def detect_cpu(measure_bf16: bool = False) -> Hardware:
+    """The CPU: cores (usable by this process), RAM, BF16 support from its flags, and BF16's measured speed: the
+    cached measurement of :mod:`clef_local.planning.dtype_probe`, or with ``measure_bf16`` a new one when none is
+    cached (about a second, once per CPU and torch version; needs torch)."""
+    from clef_local.planning.dtype_probe import bf16_probe, cached_probe
+
     flags, name = cpu_flags_and_name()
-    bf16, fast = cpu_bf16(flags)
+    bf16 = cpu_bf16(flags)
     total, free = host_memory()
-    notes = () if fast else ("no AMX: bf16 matmuls are slower than float32 here, so auto runs float32",) if bf16 else ()
+    probe = bf16_probe(name, flags) if measure_bf16 else cached_probe(name, flags)
+    if probe is not None:
+        notes: tuple[str, ...] = (probe.summary(),)
+    else:
+        notes = ("bf16 speed not measured yet (clef-local doctor measures it; needs torch): auto runs float32",)
     keep = tuple(f for f in flags if f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "amx_int8",
                                            "bf16", "asimd", "sve", "i8mm"))
     return Hardware(kind="cpu", name=name, device="cpu", total_bytes=total, free_bytes=free, bf16=bf16,
-                    fast_bf16=fast, cores=_cores(), host_total_bytes=total, host_free_bytes=free, cpu_flags=keep,
-                    notes=notes)
+                    fast_bf16=probe is not None and probe.bf16_faster, cores=_cores(), host_total_bytes=total,
+                    host_free_bytes=free, bf16_speedup=probe.speedup if probe is not None else None,
+                    cpu_flags=keep, notes=notes)
 
 
 def detect_cuda(index: int = 0) -> Hardware | None:
@@ -203,11 +218,12 @@ def detect_apple() -> Hardware | None:
                     notes=(f"Metal may use {usable / GiB:.1f} of {total / GiB:.1f} GiB unified memory",))
 
 
-def detect(device: str = "auto") -> Hardware:
+def detect(device: str = "auto", *, measure_bf16: bool = False) -> Hardware:
     """The hardware ``device`` names (``auto``: CUDA, else Apple silicon, else CPU; ``cpu``; ``cuda``/``cuda:N``;
-    ``mps``). Raises ValueError when the named kind is not present."""
+    ``mps``). Raises ValueError when the named kind is not present. ``measure_bf16``: a CPU without a cached BF16
+    measurement is measured now (:func:`detect_cpu`)."""
     if device == "cpu":
-        return detect_cpu()
+        return detect_cpu(measure_bf16)
     if device.startswith("cuda"):
         index = int(device.partition(":")[2] or 0)
         found = detect_cuda(index)
@@ -221,7 +237,7 @@ def detect(device: str = "auto") -> Hardware:
         return found
     if device != "auto":
         raise ValueError(f"unknown device {device!r}; use auto, cpu, cuda, cuda:N or mps")
-    return detect_cuda() or detect_apple() or detect_cpu()
+    return detect_cuda() or detect_apple() or detect_cpu(measure_bf16)
 
 
 # name: (label, memory MiB as the driver reports it, compute capability)

@@ -117,6 +117,23 @@ def partner_pairs(rows: Sequence[int], partner: dict[int, int]) -> list[tuple[in
     return [(at[a], at[b]) for a, b in partner.items() if a in at and b in at]
 
 
+def twin_rows(items: Sequence[int], encoded, twins_of: dict[int, tuple[int, dict[str, str]]]
+               ) -> list[tuple[int, int]]:
+    """Row pairs (first, second) in the batch's logits for every twin question whose partner is in the batch."""
+    offsets, row = {}, 0
+    for i in items:
+        offsets[i] = row
+        row += len(encoded[i].questions)
+    pairs = []
+    for i in items:
+        if i in twins_of and twins_of[i][0] in offsets:
+            j, same = twins_of[i]
+            where = {q.question_id: k for k, q in enumerate(encoded[j].questions)}
+            pairs += [(offsets[i] + k, offsets[j] + where[same[q.question_id]])
+                      for k, q in enumerate(encoded[i].questions) if q.question_id in same]
+    return pairs
+
+
 def units_to_batches(units: Sequence[Sequence[int]], batch_records: int,
                      lengths: Sequence[int] | None = None, pool: int = 50) -> list[list[int]]:
     """Units (a record, or a twin's two records) grouped into batches of about ``batch_records`` records.

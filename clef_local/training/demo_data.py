@@ -92,7 +92,7 @@ class DemoExample(Example):
         return {qid: label for qid, label in labels.items() if label is not None}
 
 
-def _qid(rng: random.Random, readable: str, used: set[str]) -> str:
+def question_id(rng: random.Random, readable: str, used: set[str]) -> str:
     """A readable id half the time, a random string otherwise; unique within the record."""
     while True:
         if rng.random() < 0.5:
@@ -166,13 +166,13 @@ def banking77_record(rng: random.Random, n: int, text: str, gold: str, intents: 
     rng.shuffle(kinds)
     for kind in kinds:
         if kind == "choice":
-            qid = _qid(rng, "intent", used)
+            qid = question_id(rng, "intent", used)
             questions[qid], labels[qid] = _choice(rng, gold, intents, max_options, neighbours, hard, full_share), gold
             rules[qid] = Rule("intent", tuple(questions[qid]["criteria"]))
         else:
             positive = rng.random() < 0.5
             intent = gold if positive else rng.choice([i for i in intents if i != gold])
-            qid = _qid(rng, intent, used)
+            qid = question_id(rng, intent, used)
             questions[qid] = _noul(rng, rng.choice(NOUL_TEMPLATES).format(intent=intent_description(intent)))
             labels[qid] = positive
             rules[qid] = Rule("is", (intent,))
@@ -195,7 +195,7 @@ def nlupp_record(rng: random.Random, n: int, text: str, gold: frozenset[str], in
     picked += rng.sample(negatives, count - len(picked))
     rng.shuffle(picked)
     for intent in picked:
-        qid = _qid(rng, intent, used)
+        qid = question_id(rng, intent, used)
         questions[qid] = _noul(rng, intents[intent])
         labels[qid] = intent in gold
         rules[qid] = Rule("has", (intent,))
@@ -204,7 +204,7 @@ def nlupp_record(rng: random.Random, n: int, text: str, gold: frozenset[str], in
         if positives and rng.random() < 0.5:
             listed[0] = rng.choice(positives)
         rng.shuffle(listed)
-        qid = _qid(rng, "how_many", used)
+        qid = question_id(rng, "how_many", used)
         questions[qid] = {
             "type": "score", "criteria": COUNT_LEVELS,
             "instructions": "How many of these intents does the message carry: "
@@ -295,11 +295,11 @@ def _random_id(rng: random.Random, used: set[str]) -> str:
             return qid
 
 
-def _twin(rng: random.Random, n: int, base: Example) -> Twin:
+def make_twin(rng: random.Random, n: int, base: Example) -> Twin:
     """``base`` plus generic questions, and its perturbed twin."""
     questions = dict(base.request["questions"])
     for name, question in rng.sample(GENERIC, rng.randint(1, 2)):
-        questions[_qid(rng, name, set(questions))] = question
+        questions[question_id(rng, name, set(questions))] = question
     keys = list(questions)
     rng.shuffle(keys)
     first = {k: questions[k] for k in keys}
@@ -314,7 +314,7 @@ def _twin(rng: random.Random, n: int, base: Example) -> Twin:
     names = {k: (_random_id(rng, used) if "rename" in kind else k) for k in second_keys}
     second = {names[k]: first[k] for k in second_keys}
     if kind == "add":
-        extra = [(_qid(rng, name, used), q) for name, q in rng.sample(GENERIC, 3) if q not in first.values()]
+        extra = [(question_id(rng, name, used), q) for name, q in rng.sample(GENERIC, 3) if q not in first.values()]
         items = list(second.items())
         for item in extra:
             items.insert(rng.randint(0, len(items)), item)
@@ -344,5 +344,5 @@ def twin_records(count: int, seed: int = 0) -> list[Twin]:
         else:
             text, gold_set = nlu_rows[n % len(nlu_rows)]
             base = nlupp_record(rng, n, text, gold_set, nlu_intents)
-        twins.append(_twin(rng, n, base))
+        twins.append(make_twin(rng, n, base))
     return twins

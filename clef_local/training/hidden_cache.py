@@ -31,12 +31,13 @@ BLOCK_RECORDS = 256  # cache unit: a larger training set reuses every block it s
 
 
 def cache_dtype(device: str) -> torch.dtype:
-    """The backbone's compute dtype for caching: BF16 where it is the fast path (accelerators, AMX CPUs)."""
+    """The backbone's compute dtype for caching: BF16 where it is the fast path (accelerators; a CPU where it was
+    measured faster, :mod:`clef_local.planning.dtype_probe`)."""
     if device != "cpu":
         return torch.bfloat16
     from clef_local.planning.hardware import detect_cpu
 
-    return torch.bfloat16 if detect_cpu().fast_bf16 else torch.float32
+    return torch.bfloat16 if detect_cpu(measure_bf16=True).fast_bf16 else torch.float32
 
 
 def block_name(block: Sequence[EncodedRecord], dtype: torch.dtype = torch.float32) -> str:

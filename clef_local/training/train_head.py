@@ -49,6 +49,7 @@ from clef_local.training.common import (
     save_head,
     settings_from_args,
     training_records,
+    twin_rows,
     units_to_batches,
     warmup_cosine,
 )
@@ -113,23 +114,6 @@ def record_batch(items: Sequence[int], encoded, hidden, gold, embedding: torch.T
     lexical = embedding.index_select(0, layout.option_token_ids)
     target = torch.tensor([g for i in items for g in gold[i]], device=device)
     return states.to(device), mask.to(device), lexical, layout, target
-
-
-def twin_rows(items: Sequence[int], encoded, twins_of: dict[int, tuple[int, dict[str, str]]]
-               ) -> list[tuple[int, int]]:
-    """Row pairs (first, second) in the batch's logits for every twin question whose partner is in the batch."""
-    offsets, row = {}, 0
-    for i in items:
-        offsets[i] = row
-        row += len(encoded[i].questions)
-    pairs = []
-    for i in items:
-        if i in twins_of and twins_of[i][0] in offsets:
-            j, same = twins_of[i]
-            where = {q.question_id: k for k, q in enumerate(encoded[j].questions)}
-            pairs += [(offsets[i] + k, offsets[j] + where[same[q.question_id]])
-                      for k, q in enumerate(encoded[i].questions) if q.question_id in same]
-    return pairs
 
 
 def _splicer(backbone_dir: Path, tokenizer: ReleaseTokenizer, examples: Sequence[Example], encoded, hidden,
@@ -349,7 +333,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--init", type=Path, metavar="HEAD_DIR",
                         help="fine-tune this head (joint_head.* in HEAD_DIR, e.g. clef_local/demo_model) instead of "
                              "a fresh one; its architecture overrides --width and the layer counts")
+    parser.add_argument("--adapters", metavar="SPEC",
+                        help="train LoRA adapters on the backbone together with a question-path head "
+                             "(clef_local/training/adapter_train.py), e.g. r=16 or r=16,alpha=32,layers=10")
+    parser.add_argument("--records", type=int, default=6000,
+                        help="--adapters: labelled decision records to draw (twins add their partners; default "
+                             "%(default)s)")
+    parser.add_argument("--max-steps", type=int, metavar="N",
+                        help="--adapters: stop at step N (a budget cut; resuming the same run without it goes on), "
+                             "then validate and write the head and adapter")
     args = parser.parse_args(argv)
+    if args.adapters is not None:
+        if args.method not in ("full", "question-path"):
+            parser.error(f"--adapters trains a question-path head; --method {args.method} cannot be combined")
+        from clef_local.training.adapter_train import run_from_cli as run_adapters
+
+        return run_adapters(parser, args, args.work or args.out.with_name(args.out.name + ".work"))
     defaults = CLI_DEFAULTS
     if args.method == "state-path":
         from clef_local.training import state_path_train

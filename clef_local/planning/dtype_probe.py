@@ -1,0 +1,155 @@
+"""Is BF16 faster than float32 on this CPU? Measured once, not guessed from its flags (docs/hardware.md).
+
+CPU flags do not tell: on an AVX512-BF16 CPU without AMX, where the flags said "float32", the triage example took
+741 ms in float32 and 297 ms in BF16 (issue 31), and torch versions move the kernels. So a one-off micro-benchmark
+(:func:`measure`: the matmuls of a small transformer block's prefill in float32 and in BF16, interleaved, the best of
+a few repetitions each; about a second) decides, and its result is cached in the user cache
+(``dtype_probe.json`` under :func:`clef_local.demo.default.cache_dir`), keyed by the CPU's model name and flags and
+the torch version, so a new CPU or a torch upgrade is measured again. ``clef-local doctor`` shows the measurement;
+the loader's ``dtype="auto"`` on a CPU follows it (:func:`clef_local.planning.choice.default_dtype`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+PROBE_FILE = "dtype_probe.json"
+# BF16 must beat float32 by this factor to be chosen: at a tie, float32's precision wins.
+BF16_MARGIN = 1.1
+# A prefill's shapes: 128 tokens through a 1024-wide block (MLP 1024 -> 2816 -> 1024 and an attention projection).
+TOKENS, WIDTH, MLP = 128, 1024, 2816
+REPEATS = 5
+
+
+@dataclass(frozen=True)
+class Bf16Probe:
+    """One measurement: the best time of the probe's matmuls in each dtype, on the CPU and torch of ``key``."""
+
+    key: str
+    cpu: str
+    torch: str
+    float32_ms: float
+    bfloat16_ms: float
+    measured_at: str
+
+    @property
+    def speedup(self) -> float:
+        """float32 time over BF16 time: above 1, BF16 is faster."""
+        return self.float32_ms / self.bfloat16_ms
+
+    @property
+    def bf16_faster(self) -> bool:
+        return self.speedup >= BF16_MARGIN
+
+    def summary(self) -> str:
+        return (f"bf16 {self.bfloat16_ms:.1f} ms vs float32 {self.float32_ms:.1f} ms ({self.speedup:.2f}x) on the "
+                f"probe's prefill matmuls, torch {self.torch}, measured {self.measured_at[:10]}")
+
+
+def torch_version() -> str | None:
+    """The installed torch's version, without importing it."""
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def probe_key(cpu_name: str, flags: tuple[str, ...] | list[str], torch: str) -> str:
+    """What a measurement holds for: this CPU model with these flags, under this torch."""
+    text = "\n".join([cpu_name, " ".join(sorted(flags)), torch])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def measure() -> tuple[float, float]:
+    """(float32 ms, BF16 ms): the best of :data:`REPEATS` timings of the probe's matmuls in each dtype, the two
+    interleaved so that a burst of load elsewhere on the machine hits both."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    base = {name: torch.randn(shape, generator=generator) * 0.05 for name, shape in
+            (("x", (TOKENS, WIDTH)), ("up", (MLP, WIDTH)), ("down", (WIDTH, MLP)), ("proj", (WIDTH, WIDTH)))}
+    tensors = {dtype: {k: v.to(dtype) for k, v in base.items()} for dtype in (torch.float32, torch.bfloat16)}
+
+    def run(t: dict[str, torch.Tensor]) -> float:
+        started = time.perf_counter()
+        h = torch.nn.functional.linear(t["x"], t["proj"])
+        h = torch.nn.functional.gelu(torch.nn.functional.linear(h, t["up"]))
+        torch.nn.functional.linear(h, t["down"])
+        return 1e3 * (time.perf_counter() - started)
+
+    best = {dtype: float("inf") for dtype in tensors}
+    with torch.inference_mode():
+        for dtype in tensors:  # warm-up: the first call of a kernel pays for its set-up
+            run(tensors[dtype])
+        for _ in range(REPEATS):
+            for dtype in tensors:
+                best[dtype] = min(best[dtype], run(tensors[dtype]))
+    return best[torch.float32], best[torch.bfloat16]
+
+
+def _probe_file(cache: Path | None) -> Path:
+    if cache is None:
+        from clef_local.demo.default import cache_dir
+
+        cache = cache_dir()
+    return cache / PROBE_FILE
+
+
+def _read(path: Path) -> dict[str, dict]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        log.warning("%s is unreadable (%s): measuring again", path, exc)
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def cached_probe(cpu_name: str, flags: tuple[str, ...], cache: Path | None = None) -> Bf16Probe | None:
+    """The cached measurement for this CPU and the installed torch, or None (no torch, or not measured yet)."""
+    version = torch_version()
+    if version is None:
+        return None
+    entry = _read(_probe_file(cache)).get(probe_key(cpu_name, flags, version))
+    try:
+        return Bf16Probe(**entry) if isinstance(entry, dict) else None
+    except TypeError:  # an entry written by another version of this module
+        return None
+
+
+def bf16_probe(cpu_name: str, flags: tuple[str, ...], cache: Path | None = None,
+               run: Callable[[], tuple[float, float]] | None = None) -> Bf16Probe | None:
+    """The cached measurement, or a new one (``run``, default :func:`measure`) written to the cache; None without
+    torch. A cache that cannot be written is logged, not fatal: the measurement still answers this process."""
+    if (found := cached_probe(cpu_name, flags, cache)) is not None:
+        return found
+    version = torch_version()
+    if version is None:
+        return None
+    float32_ms, bfloat16_ms = (run or measure)()
+    probe = Bf16Probe(key=probe_key(cpu_name, flags, version), cpu=cpu_name, torch=version,
+                      float32_ms=round(float32_ms, 3), bfloat16_ms=round(bfloat16_ms, 3),
+                      measured_at=datetime.now(UTC).isoformat(timespec="seconds"))
+    log.info("measured this CPU once: %s", probe.summary())
+    path = _probe_file(cache)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        entries = _read(path) | {probe.key: asdict(probe)}
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(entries, indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("cannot cache the bf16 measurement in %s (%s); it will be measured again next time", path, exc)
+    return probe

@@ -103,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().parse_args(argv or ["--help"])  # prints help / the unknown-command error and exits
         return 2
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-    if own_process:  # before the command's imports start threads: decide/eval/drift/calibrate lose the network
+    # before the command's imports start threads: decide/eval/drift/calibrate lose the network (not for --help)
+    if own_process and not {"-h", "--help"} & set(rest):
         from clef_local.airgap import isolate_process
 
         isolate_process(command, rest)

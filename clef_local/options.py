@@ -11,8 +11,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 BACKENDS = ("auto", "torch", "mlx", "onnx")
 CONFIDENCES = ("jev", "reference")
 
-DTYPE_HELP = ("backbone compute dtype (default auto: the loader's choice for this machine — bfloat16 on GPUs, Apple "
-              "silicon and AMX CPUs, float32 on other CPUs); the head always runs in float32")
+DTYPE_HELP = ("backbone compute dtype (default auto: the loader's choice for this machine — bfloat16 on GPUs with bf16 "
+              "and Apple silicon, on a CPU bfloat16 where a one-time probe measured it faster, else float32); the "
+              "head always runs in float32")
 BACKEND_HELP = "runtime for the backbone (default auto: chosen from the hardware and the variant, see `doctor`)"
 DEVICE_HELP = ("auto, cpu, cuda, cuda:N or mps (default auto); several, comma-separated (cuda:0,cuda:1), split the "
                "decoder layers over them")

@@ -18,6 +18,7 @@ from typing import Any, Literal
 import torch
 
 from clef_local.runtime.head import HeadConfig, JointSchemaHead
+from clef_local.runtime.hf_bars import hf_progress_bars
 from clef_local.synthetic import DEFAULT_SHARD_BYTES, write_shaped_weights
 
 SPECIAL_TOKENS = (
@@ -259,7 +260,6 @@ def _write_backbone(out: Path, backbone: str, ids: dict[str, int], vocab_size: i
                     dtype: torch.dtype, vision: bool = False) -> int:
     """Build, randomly initialise and save the backbone; return its hidden size."""
     from transformers import GenerationConfig
-    from transformers.utils import logging as hf_logging
 
     eos, pad = ids["<|im_end|>"], ids["<|endoftext|>"]
     if backbone == "qwen3_5":
@@ -279,13 +279,8 @@ def _write_backbone(out: Path, backbone: str, ids: dict[str, int], vocab_size: i
             bos_token_id=bos, eos_token_id=eos, pad_token_id=pad))
     model.generation_config = GenerationConfig(bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
     model = model.to(dtype).eval()
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # "Writing model shards" is noise in a test log
-    try:
+    with hf_progress_bars(False):  # "Writing model shards" is noise in a test log
         model.save_pretrained(out, safe_serialization=True, max_shard_size=_shard_limit(model, shards))
-    finally:
-        if bars:
-            hf_logging.enable_progress_bar()
     if backbone == "llama":  # docs/hardware.md, known traps: older readers ignore rope_parameters; write rope_theta too
         config = json.loads((out / "config.json").read_text(encoding="utf-8"))
         config["rope_theta"] = config["rope_parameters"]["rope_theta"]

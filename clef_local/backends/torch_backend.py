@@ -28,6 +28,7 @@ from clef_local.formats.release import QWEN3_5, SINGLE_WEIGHTS, WEIGHTS_INDEX, R
 from clef_local.formats.safetensors import DTYPES as SAFETENSORS_DTYPES
 from clef_local.formats.safetensors import read_header
 from clef_local.runtime.head import load_head
+from clef_local.runtime.hf_bars import hf_progress_bars
 from clef_local.runtime.layout import HeadLayout, pad_batch
 from clef_local.runtime.state_cache import StateCache, format_size, model_identity
 
@@ -101,12 +102,14 @@ class TorchBackbone:
             read_header(file)
         if self.scheme is not None:
             log.info("loading %s %s variant from %s in %s", cls.__name__, self.scheme, path, dtype)
-            model = load_variant_backbone(cls, path, weight_files, self.scheme, dtype)
+            with hf_progress_bars(log.isEnabledFor(logging.INFO)):
+                model = load_variant_backbone(cls, path, weight_files, self.scheme, dtype)
         else:
             log.info("loading %s backbone from %s in %s", cls.__name__, path, dtype)
             try:
                 # trust_remote_code=False: never run (or ask on stdin whether to run) a release's Python files
-                model = cls.from_pretrained(path, dtype=dtype, local_files_only=True, trust_remote_code=False)
+                with hf_progress_bars(log.isEnabledFor(logging.INFO)):  # "Loading weights": noise in `decide`
+                    model = cls.from_pretrained(path, dtype=dtype, local_files_only=True, trust_remote_code=False)
             except (OSError, ValueError, KeyError) as exc:
                 raise ReleaseError(f"{path}: the backbone cannot be loaded ({one_line(exc)})") from exc
         model.config.use_cache = False

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from clef_local.errors import ReleaseError
+from clef_local.runtime.hf_bars import hf_progress_bars
 
 log = logging.getLogger(__name__)
 
@@ -215,20 +216,16 @@ def _verify(out: Path, meta: Mapping[str, Any]) -> dict[str, Any]:
 @contextlib.contextmanager
 def _offline() -> Iterator[None]:
     """No network (HF_HUB_OFFLINE, on top of local_files_only) and no "Writing model shards" bar; restored after."""
-    from transformers.utils import logging as hf_logging
-
-    before, bars = os.environ.get("HF_HUB_OFFLINE"), hf_logging.is_progress_bar_enabled()
+    before = os.environ.get("HF_HUB_OFFLINE")
     os.environ["HF_HUB_OFFLINE"] = "1"
-    hf_logging.disable_progress_bar()
     try:
-        yield
+        with hf_progress_bars(False):
+            yield
     finally:
         if before is None:
             os.environ.pop("HF_HUB_OFFLINE", None)
         else:
             os.environ["HF_HUB_OFFLINE"] = before
-        if bars:
-            hf_logging.enable_progress_bar()
 
 
 def _timed(what: str, since: float) -> float:

@@ -17,12 +17,16 @@
   without the cache: throughput, the ratio, the hit rate from ``/metrics``, the cache's bytes vs its budget and the
   process's peak RSS.
 - **parity**: max |Δp| of a hit vs a cold pass over 60 varied requests (12 states × 5 schemas, float32) per backbone
-  kind: tiny Llama, tiny Qwen3.5 and the demo model (Llama), batched by 8 on the hit side.
+  kind: tiny Llama, tiny Qwen3.5 and the demo model (Llama), batched by 8 on the hit side; and the tiny vision
+  release (Qwen3.5 with its vision tower) with 1–3 images of varied sizes in each of the 12 states
+  (``--releases vision`` runs that row alone).
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
+import io
 import random
 import resource
 import statistics
@@ -33,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from PIL import Image
 
 import clef_local
 from clef_local.demo.default import default_model_path
@@ -72,6 +77,35 @@ STATES: list[Any] = [
     "A much longer ticket thread, message after message. " * 40,
     {"trace": [f"step {i}: tool call returned ok" for i in range(60)]},
 ]
+
+
+# (width, height) of the parity part's images: square, wide, tall, tiny, odd
+IMAGE_SIZES = [(64, 64), (320, 96), (90, 280), (17, 23), (257, 129), (120, 200)]
+
+
+def image_uri(width: int, height: int, seed: int) -> str:
+    """A PNG data URI: a smooth gradient plus noise (so that resizing and patches carry signal)."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width]
+    base = np.stack([x * 255 / max(width, 1), y * 255 / max(height, 1), (x + y) * 127 / max(width + height, 1)], -1)
+    pixels = np.clip(base + rng.normal(0, 40, base.shape), 0, 255).astype(np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def parity_requests(images: bool) -> list[dict[str, Any]]:
+    """12 states × 5 schemas (seed 0: :data:`SCHEMAS`); with ``images`` each state carries 1–3 images."""
+    out = []
+    for i, state in enumerate(STATES):
+        media = ([image_uri(*IMAGE_SIZES[(i + 2 * k) % len(IMAGE_SIZES)], seed=10 * i + k) for k in range(1 + i % 3)]
+                 if images else [])
+        for k in range(5):
+            body: dict[str, Any] = {"model": "clef-local", "state": state, "questions": schema(5 * i + k)}
+            if media:
+                body["images"] = media
+            out.append(body)
+    return out
 
 
 def state_of(model: clef_local.ClefModel, tokens: int, seed: int = 0) -> str:
@@ -175,12 +209,11 @@ def server(path: Path, state_tokens: int, dtype: str | None, budget: str) -> Non
         del model
 
 
-def parity(models: dict[str, Path]) -> None:
-    requests = [{"model": "clef-local", "state": state, "questions": schema(5 * i + k)}
-                for i, state in enumerate(STATES) for k in range(5)]  # 12 states × 5 schemas (seed 0: SCHEMAS)
+def parity(models: dict[str, Path], with_images: set[str]) -> None:
     print("| backbone | release | requests | state passes | hits | max \\|Δp\\| hit vs cold (float32) |")
     print("|---|---|---|---|---|---|")
     for name, path in models.items():
+        requests = parity_requests(images=name in with_images)
         cold = clef_local.load(path, dtype="float32", state_cache=0)
         warm = clef_local.load(path, dtype="float32", state_cache="1GiB")
         want = cold.predict(requests, batch_size=1)
@@ -189,7 +222,7 @@ def parity(models: dict[str, Path]) -> None:
         worst = max(float(np.abs(a - b).max()) for p, q in zip(got, want, strict=True)
                     for a, b in zip(p.probabilities, q.probabilities, strict=True))
         stats = warm.state_cache.stats()
-        kind = "Qwen3.5" if cold.release.is_qwen3_5 else "Llama"
+        kind = ("Qwen3.5" if cold.release.is_qwen3_5 else "Llama") + (" + images" if name in with_images else "")
         print(f"| {kind} | {name} | {len(requests)} | {stats.misses} | {stats.hits} | {worst:.1e} |", flush=True)
 
 
@@ -202,6 +235,8 @@ def main() -> None:
     parser.add_argument("--state-tokens", type=int, default=2048, help="tokens per state (server)")
     parser.add_argument("--budget", default="1GiB", help="the state cache size with the cache on (server)")
     parser.add_argument("--dtype", default=None, help="compute dtype (default: the loader's choice)")
+    parser.add_argument("--releases", default="llama,qwen,demo,vision",
+                        help="the parity part's releases, of llama, qwen, demo, vision")
     args = parser.parse_args()
     demo = args.model or default_model_path()
     root = Path(tempfile.mkdtemp(prefix="clef-state-cache-"))
@@ -212,8 +247,21 @@ def main() -> None:
     if args.part in ("server", "all"):
         server(demo, args.state_tokens, args.dtype, args.budget)
     if args.part in ("parity", "all"):
-        tiny_llama = build_tiny_release(root / "tiny-llama", backbone="llama", seed=1)
-        parity({"tiny llama": tiny_llama, "tiny Qwen3.5": tiny_qwen, demo.name: demo})
+        wanted = set(args.releases.split(","))
+        unknown = wanted - {"llama", "qwen", "demo", "vision"}
+        if unknown:
+            raise SystemExit(f"--releases: unknown {', '.join(sorted(unknown))}; use llama, qwen, demo, vision")
+        releases: dict[str, Path] = {}
+        if "llama" in wanted:
+            releases["tiny llama"] = build_tiny_release(root / "tiny-llama", backbone="llama", seed=1)
+        if "qwen" in wanted:
+            releases["tiny Qwen3.5"] = tiny_qwen
+        if "demo" in wanted:
+            releases[demo.name] = demo
+        if "vision" in wanted:
+            releases["tiny vision"] = build_tiny_release(root / "tiny-vision", backbone="qwen3_5", seed=0,
+                                                         vision=True)
+        parity(releases, with_images={"tiny vision"})
 
 
 if __name__ == "__main__":

@@ -150,17 +150,51 @@ class TorchBackbone:
         (:func:`collate_media`) of the whole multimodal model (``model.model``: the vision tower's features in
         place of the pad tokens, rope positions from Qwen's multimodal rotary embedding; docs/format.md §7)."""
         if media:
-            base = self.model.model
-            if self.host_embeddings:  # the ids still go along: they mark where the visual features go
-                embeds = base.get_input_embeddings()(input_ids.cpu()).to(self.device)
-                out = base(input_ids=input_ids.to(self.device), inputs_embeds=embeds,
-                           attention_mask=attention_mask.to(self.device), use_cache=False, return_dict=True,
-                           **media)
-            else:
-                out = base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, return_dict=True,
-                           **media)
-            return out.last_hidden_state
+            return self._multimodal(input_ids, attention_mask, media)
         return self.forward(input_ids, attention_mask)
+
+    @torch.inference_mode()
+    def media_state(self, record: EncodedRecord, end: int, cache: Any) -> tuple[torch.Tensor, int]:
+        """One record's first ``end`` positions (prefix + media + state) through the multimodal model with its media,
+        filling ``cache`` (a ``DynamicCache`` of the text config, :mod:`clef_local.backends.torch_cache`): the final
+        hidden states ``[end, hidden]`` and the rope offset of the positions after them.
+
+        Qwen's multimodal rope gives an image of ``t×h×w`` merged patches ``max(h, w)`` positions, not one per
+        token, and the text after it continues from the largest position + 1: token ``i`` after the media sits at
+        position ``i + offset`` on every rope axis (``rope_deltas`` in ``transformers``' ``get_rope_index``). The
+        positions are computed here and passed in, not left to the model's own stateful ``rope_deltas``."""
+        if record.media is None:
+            raise ValueError("media_state needs a record with media; a text-only state runs the text model")
+        base = self.model.model
+        get_rope_index = getattr(base, "get_rope_index", None)
+        if get_rope_index is None:
+            raise TypeError(f"{type(base).__name__} has no get_rope_index: this transformers does not give the "
+                            "multimodal rope positions the state cache continues from")
+        input_ids = torch.tensor([record.input_ids[:end]], dtype=torch.long, device=self.device)
+        attention_mask = torch.ones_like(input_ids)
+        media = collate_media([record], end, self.device)
+        positions, deltas = get_rope_index(input_ids, mm_token_type_ids=media["mm_token_type_ids"],
+                                           image_grid_thw=media.get("image_grid_thw"),
+                                           video_grid_thw=media.get("video_grid_thw"), attention_mask=attention_mask)
+        hidden = self._multimodal(input_ids, attention_mask, media, cache=cache, position_ids=positions)
+        return hidden[0], int(deltas.reshape(-1)[0])
+
+    def _multimodal(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, media: dict[str, torch.Tensor],
+                    *, cache: Any = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``model.model`` (vision tower + text model) over a batch with ``media``; with ``cache`` it fills it."""
+        base = self.model.model
+        kwargs: dict[str, Any] = {"attention_mask": attention_mask.to(self.device), "use_cache": cache is not None,
+                                  "return_dict": True, **media}
+        if cache is not None:
+            kwargs[self._cache_argument] = cache
+        if position_ids is not None:
+            kwargs["position_ids"] = position_ids.to(self.device)
+        if self.host_embeddings:  # the ids still go along: they mark where the visual features go
+            embeds = base.get_input_embeddings()(input_ids.cpu()).to(self.device)
+            out = base(input_ids=input_ids.to(self.device), inputs_embeds=embeds, **kwargs)
+        else:
+            out = base(input_ids=input_ids.to(self.device), **kwargs)
+        return out.last_hidden_state
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, cache: Any = None,
@@ -255,7 +289,7 @@ class TorchBackend:
                 cache: StateCache | None) -> np.ndarray:
         input_ids, attention_mask = collate(records, pad_token_id, self.device)
         cut = input_ids.shape[1] if reach is None else min(reach, input_ids.shape[1])
-        if cache is None or any(r.media is not None for r in records):  # media: cold (the cache keys text states)
+        if cache is None:
             hidden = self._hidden(records, input_ids[:, :cut], attention_mask[:, :cut])
         else:
             hidden = cached_hidden_states(self.backbone, records, cut, cache, self.state_identity, pad_token_id)

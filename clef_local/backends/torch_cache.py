@@ -1,13 +1,18 @@
 """The torch side of the state cache (:mod:`clef_local.runtime.state_cache`): save a backbone pass at the end of a
 state, and continue from there over a schema's tokens only.
 
-A **state pass** runs the text model over prefix + media + state with a ``transformers`` ``DynamicCache`` and keeps
+A **state pass** runs the backbone over prefix + media + state with a ``transformers`` ``DynamicCache`` (the text
+model; with images or videos the multimodal model, vision tower and Qwen's multimodal rope) and keeps
 (:class:`TorchState`) what the next tokens need: every full-attention layer's keys and values (RoPE already applied
 at their positions), every linear-attention layer's (Qwen3.5's gated delta net) convolution state (the last
 ``kernel`` inputs of its causal conv) and recurrent state (float32), and the final normed hidden states of those
-positions, which the head reads as memory. A **continuation** runs a schema's tokens with that past: position ids
-continue from the state's length, the attention mask covers past + new, and a fresh cache object is built per pass
-so that an entry is never written (``transformers`` updates the linear layers' states in place).
+positions, which the head reads as memory. A **continuation** runs a schema's tokens through the text model with
+that past: position ids continue from the state's length, the attention mask covers past + new, and a fresh cache
+object is built per pass so that an entry is never written (``transformers`` updates the linear layers' states in
+place). After media the rope positions are not the token indices: an image of ``h×w`` merged patches takes
+``max(h, w)`` positions for its ``h·w`` tokens, so the state keeps the offset (``TorchState.position_offset``, Qwen's
+``rope_deltas``) that the schema's positions add on the three mrope axes (:func:`continuation_positions`). A media
+state is keyed on the media's pixels too (:func:`record_state_key`).
 
 Keys/values are not copied into the continuation's cache: :class:`_PastLayer` hands attention the concatenation of
 the saved past and the new tokens one layer at a time and keeps nothing, so a hit needs one layer's copy of the
@@ -15,7 +20,8 @@ past at a time, not all of them.
 
 Exactness: the continuation computes the same function as one pass over the whole record; the numbers differ only
 by float reduction order (attention split past/new, the gated delta rule's 64-token chunks starting at the state's
-end): float32 probabilities within 1e-5 of a cold pass (``tests/test_state_cache.py``).
+end): float32 probabilities within 1e-5 of a cold pass (``tests/test_state_cache.py``; with images
+``tests/test_state_cache_media.py``).
 
 Only the cache layouts checked by :func:`cache_blocker` are supported (full attention and linear attention); any
 other (sliding windows, compressed attention, ...) leaves the cache off for that backbone, with the reason logged.
@@ -44,6 +50,8 @@ class Backbone(Protocol):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, cache: Any = None,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def media_state(self, record: EncodedRecord, end: int, cache: Any) -> tuple[torch.Tensor, int]: ...
 
 
 @dataclass(frozen=True)
@@ -95,6 +103,8 @@ class TorchState:
     hidden: torch.Tensor  # [tokens, hidden]: final normed hidden states (the head's memory)
     layers: tuple[LayerPast, ...]
     home: torch.device  # the compute device, where continuations run
+    # what the next token's rope position exceeds its index by: 0 for text, Qwen's rope delta after media
+    position_offset: int = 0
     nbytes: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -148,8 +158,9 @@ def cache_blocker(config: Any) -> str | None:
     return None
 
 
-def snapshot(cache: Any, hidden: torch.Tensor, home: torch.device) -> TorchState:
-    """A :class:`TorchState` of a filled ``DynamicCache`` (batch 1) and the pass's ``[tokens, hidden]`` states."""
+def snapshot(cache: Any, hidden: torch.Tensor, home: torch.device, position_offset: int = 0) -> TorchState:
+    """A :class:`TorchState` of a filled ``DynamicCache`` (batch 1) and the pass's ``[tokens, hidden]`` states;
+    ``position_offset``: :attr:`TorchState.position_offset`."""
     dynamic, linear = _layer_classes()
     layers: list[LayerPast] = []
     for index, layer in enumerate(cache.layers):
@@ -162,7 +173,8 @@ def snapshot(cache: Any, hidden: torch.Tensor, home: torch.device) -> TorchState
                                      tuple(int(layer.conv_kernel_size[i]) for i in slots)))
         else:  # cache_blocker refused such a backbone before any pass
             raise TypeError(f"cache layer {index} is a {type(layer).__name__}, which the state cache cannot save")
-    return TorchState(tokens=int(hidden.shape[0]), hidden=_compact(hidden), layers=tuple(layers), home=home)
+    return TorchState(tokens=int(hidden.shape[0]), hidden=_compact(hidden), layers=tuple(layers), home=home,
+                      position_offset=position_offset)
 
 
 @memoized
@@ -216,12 +228,39 @@ def state_end(record: EncodedRecord) -> int:
     return record.state_start + record.state_tokens
 
 
-def state_pass(backbone: Backbone, ids: Sequence[int]) -> TorchState:
-    """Run prefix + media + state and save the pass (:class:`TorchState`)."""
-    tokens = torch.tensor([list(ids)], dtype=torch.long, device=backbone.device)
+def record_state_key(identity: str, record: EncodedRecord) -> str:
+    """The cache key of a record's state: its ids up to :func:`state_end` and, with media, the media's digest
+    (:attr:`MediaInputs.digest <clef_local.runtime.encoding.MediaInputs.digest>`: ids, modalities and every pixel
+    array's dtype, shape and bytes), so two pictures behind the same placeholder ids never share an entry. A
+    text-only record keys on its ids alone, even one that spells a vision pad token as text."""
+    media = b"" if record.media is None else bytes.fromhex(record.media.digest)
+    return state_key(identity, record.input_ids[: state_end(record)], media=media)
+
+
+def state_pass(backbone: Backbone, record: EncodedRecord) -> TorchState:
+    """Run a record's prefix + media + state and save the pass (:class:`TorchState`): the text model for a
+    text-only record, the multimodal model (vision tower, multimodal rope) for one with media, whose rope offset the
+    state keeps for its continuations."""
+    end = state_end(record)
     cache = new_cache(backbone.text_model.config)
-    hidden = backbone.forward(tokens, torch.ones_like(tokens), cache=cache)
-    return snapshot(cache, hidden[0], backbone.device)
+    if record.media is not None:
+        hidden, offset = backbone.media_state(record, end, cache)
+        return snapshot(cache, hidden, backbone.device, position_offset=offset)
+    tokens = torch.tensor([list(record.input_ids[:end])], dtype=torch.long, device=backbone.device)
+    out = backbone.forward(tokens, torch.ones_like(tokens), cache=cache)
+    return snapshot(cache, out[0], backbone.device)
+
+
+def continuation_positions(state: TorchState, rows: int, length: int) -> torch.Tensor:
+    """Position ids of ``length`` tokens after ``state`` for ``rows`` records: ``[rows, length]`` token indices
+    after a text state; after a media state (offset ≠ 0) Qwen3.5's ``[4, rows, length]``: the text row keeps the
+    token index (what the text model gives a cache position), the three mrope rows (temporal, height, width) add
+    the state's rope offset: after the media, text positions are equal on every axis."""
+    index = torch.arange(state.tokens, state.tokens + length, device=state.home).expand(rows, length)
+    if state.position_offset == 0:
+        return index
+    rope = index + state.position_offset
+    return torch.stack([index, rope, rope, rope])
 
 
 def continuation(backbone: Backbone, state: TorchState, tails: Sequence[Sequence[int]],
@@ -236,7 +275,7 @@ def continuation(backbone: Backbone, state: TorchState, tails: Sequence[Sequence
     for row, tail in enumerate(tails):
         ids[row, : len(tail)] = torch.tensor(list(tail), dtype=torch.long)
         mask[row, past : past + len(tail)] = 1
-    positions = torch.arange(past, past + longest, device=device).expand(rows, longest)
+    positions = continuation_positions(state, rows, longest)
     cache = past_cache(backbone.text_model.config, state, rows)
     return backbone.forward(ids.to(device), mask.to(device), cache=cache, position_ids=positions)
 
@@ -248,12 +287,12 @@ def cached_hidden_states(backbone: Backbone, records: Sequence[EncodedRecord], c
     zero. Records that share a state run as one continuation batch; each distinct state is one lookup."""
     groups: dict[str, list[int]] = {}
     for row, record in enumerate(records):
-        groups.setdefault(state_key(identity, record.input_ids[: state_end(record)]), []).append(row)
+        groups.setdefault(record_state_key(identity, record), []).append(row)
     out: torch.Tensor | None = None
     for key, rows in groups.items():
         state = cache.get(key, uses=len(rows))
         if state is None:
-            state = state_pass(backbone, records[rows[0]].input_ids[: state_end(records[rows[0]])])
+            state = state_pass(backbone, records[rows[0]])
             cache.put(key, state)
         if not isinstance(state, TorchState):
             raise TypeError(f"the state cache holds a {type(state).__name__}, not a TorchState")

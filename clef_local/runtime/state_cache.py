@@ -14,8 +14,8 @@ This module is backend-free: the key, the size parsing and the LRU by bytes. Ent
   state — never raw text, so a truncated state (``truncate_state=True``) keys on the ids it kept. Media: the media's
   placeholder ids are part of those ids (right after the prefix), and a request with images or videos must also pass
   ``media``: a digest of its pixel tensors (the same placeholder ids stand for any picture,
-  ``MediaInputs.digest``). Records with media do not use the cache yet: the torch backend runs them cold (their
-  continuation needs the multimodal rope positions of the cached part), so the digest is empty for every entry.
+  ``MediaInputs.digest``; the torch backend's ``record_state_key``). A text-only record's digest is empty, even one
+  that spells a vision pad token as text.
 - **Bounded**: least recently used entries go first, counted in exact bytes; the cache never holds more than
   ``budget`` bytes on the device. With ``spill`` bytes of host memory (a GPU's cache), entries pushed out of the
   device are moved there instead of dropped, and moved back on their next hit; ``spill`` is bounded the same way. An

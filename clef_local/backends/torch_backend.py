@@ -100,18 +100,17 @@ class TorchBackbone:
         # never a traceback from inside safetensors or transformers.
         for file in weight_files:
             read_header(file)
-        if self.scheme is not None:
-            log.info("loading %s %s variant from %s in %s", cls.__name__, self.scheme, path, dtype)
-            with hf_progress_bars(log.isEnabledFor(logging.INFO)):
+        with hf_progress_bars(log.isEnabledFor(logging.INFO)):  # "Loading weights": noise in `decide`
+            if self.scheme is not None:
+                log.info("loading %s %s variant from %s in %s", cls.__name__, self.scheme, path, dtype)
                 model = load_variant_backbone(cls, path, weight_files, self.scheme, dtype)
-        else:
-            log.info("loading %s backbone from %s in %s", cls.__name__, path, dtype)
-            try:
-                # trust_remote_code=False: never run (or ask on stdin whether to run) a release's Python files
-                with hf_progress_bars(log.isEnabledFor(logging.INFO)):  # "Loading weights": noise in `decide`
+            else:
+                log.info("loading %s backbone from %s in %s", cls.__name__, path, dtype)
+                try:
+                    # trust_remote_code=False: never run (or ask on stdin whether to run) a release's Python files
                     model = cls.from_pretrained(path, dtype=dtype, local_files_only=True, trust_remote_code=False)
-            except (OSError, ValueError, KeyError) as exc:
-                raise ReleaseError(f"{path}: the backbone cannot be loaded ({one_line(exc)})") from exc
+                except (OSError, ValueError, KeyError) as exc:
+                    raise ReleaseError(f"{path}: the backbone cannot be loaded ({one_line(exc)})") from exc
         model.config.use_cache = False
         base = model.model
         # Without media only the text model runs (docs/format.md §3); with a vision tower it sits beside it.

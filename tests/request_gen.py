@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
+import numpy as np
+
 STATES: list[Any] = [
     "I was charged twice for the same coffee this morning.",
     "Mon virement n'est jamais arrivé 😡 — pouvez-vous vérifier ?",
@@ -80,3 +82,10 @@ def shared_state_requests(states: list[Any], schemas: int, seed: int = 0) -> lis
     rng = random.Random(seed)
     return [{"model": "clef-test", "state": state, "questions": random_questions(rng, rng.randint(1, 5))}
             for state in states for _ in range(schemas)]
+
+
+def max_dp(a: list[Any], b: list[Any]) -> float:
+    """The largest probability difference between two runs' predictions (``ClefModel.predict``) of the same
+    requests, over every question."""
+    return max(float(np.abs(x - y).max()) for p, q in zip(a, b, strict=True)
+               for x, y in zip(p.probabilities, q.probabilities, strict=True))

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from request_gen import STATES, shared_state_requests
+from request_gen import STATES, max_dp, shared_state_requests
 
 import clef_local
 from clef_local.backends.torch_cache import TorchState, continuation
@@ -22,11 +22,6 @@ LONG_STATES: list[Any] = [*STATES, "A much longer ticket thread, message after m
                           {"trace": [f"step {i}: tool call returned ok" for i in range(60)]}]
 REQUESTS = shared_state_requests(LONG_STATES, 5, seed=1)
 FLOAT32_BOUND = 1e-5
-
-
-def _max_dp(a: list[clef_local.Prediction], b: list[clef_local.Prediction]) -> float:
-    return max(float(np.abs(x - y).max()) for p, q in zip(a, b, strict=True)
-               for x, y in zip(p.probabilities, q.probabilities, strict=True))
 
 
 @pytest.fixture(scope="module", params=["tiny_llama", "tiny_qwen"])
@@ -51,11 +46,11 @@ def test_hits_equal_a_cold_pass_over_60_requests(release: Path, cold: clef_local
     one_by_one = model.predict(REQUESTS, batch_size=1)
     stats = model.state_cache.stats()
     assert (stats.misses, stats.hits, stats.stores, stats.evictions) == (12, 48, 12, 0)
-    assert _max_dp(one_by_one, cold_answers) <= FLOAT32_BOUND
+    assert max_dp(one_by_one, cold_answers) <= FLOAT32_BOUND
     # again, batched: every state is cached now, and batch mates that share a state run as one continuation
     batched = model.predict(REQUESTS, batch_size=8)
     assert model.state_cache.stats().hits == 48 + 60 and model.state_cache.stats().misses == 12
-    assert _max_dp(batched, cold_answers) <= FLOAT32_BOUND
+    assert max_dp(batched, cold_answers) <= FLOAT32_BOUND
     # the head discriminates (the comparison is not of constants)
     assert max(float(p.max() - p.min()) for a in cold_answers for p in a.probabilities) > 0.05
 
@@ -76,7 +71,7 @@ def test_a_batch_of_new_states_runs_each_state_once(release: Path,
     # per state: one state pass (1 row) and one continuation of its 5 schemas (right-padded)
     assert passes == [1, 5] * 4
     assert model.state_cache.stats().misses == 4 and model.state_cache.stats().hits == 16
-    assert _max_dp(answers, cold_answers[:20]) <= FLOAT32_BOUND
+    assert max_dp(answers, cold_answers[:20]) <= FLOAT32_BOUND
 
 
 def test_entries_are_exact_in_size_and_never_written(release: Path) -> None:
@@ -119,7 +114,7 @@ def test_truncated_states_key_on_the_ids_they_keep(release: Path) -> None:
     got = model.predict(requests, truncate_state=True, batch_size=1)
     stats = model.state_cache.stats()
     assert (stats.misses, stats.hits) == (2, 1)  # the second schema hits; the longer one keys on fewer ids
-    assert _max_dp(got, cold.predict(requests, truncate_state=True, batch_size=1)) <= FLOAT32_BOUND
+    assert max_dp(got, cold.predict(requests, truncate_state=True, batch_size=1)) <= FLOAT32_BOUND
 
 
 def test_eviction_by_bytes_on_a_real_model(release: Path) -> None:
@@ -187,7 +182,7 @@ def test_out_of_memory_clears_the_cache_and_runs_again(release: Path, caplog: py
     assert "out of memory" in caplog.text and "cleared the state cache" in caplog.text
     stats = model.state_cache.stats()
     assert stats.memory_clears == 1 and len(model.state_cache) == 0
-    assert _max_dp([answer], [cold_answers[11]]) <= FLOAT32_BOUND  # the retry ran the batch cold
+    assert max_dp([answer], [cold_answers[11]]) <= FLOAT32_BOUND  # the retry ran the batch cold
 
     failures[0] = 0
     model.decide(REQUESTS[0])  # cached again
@@ -231,7 +226,7 @@ def test_bfloat16_hits_equal_a_cold_bfloat16_pass(release: Path) -> None:
     entry = model.state_cache.get(key)
     assert isinstance(entry, TorchState) and size == state_entry_bytes(dims, entry.tokens, "bfloat16")
     # bf16 rounds each layer's output: a split pass is not bit-equal; the bound is bf16's batch-vs-single tolerance
-    assert _max_dp(model.predict(requests, batch_size=1), cold.predict(requests, batch_size=1)) <= 2e-2
+    assert max_dp(model.predict(requests, batch_size=1), cold.predict(requests, batch_size=1)) <= 2e-2
 
 
 def test_a_quantized_variant_caches_exactly(tiny_llama: Path, tiny_qwen: Path, tmp_path: Path) -> None:
@@ -248,7 +243,7 @@ def test_a_quantized_variant_caches_exactly(tiny_llama: Path, tiny_qwen: Path, t
         assert model.state_cache.stats().hits == 16
         reference = clef_local.load(source, dtype="float32", state_cache="64MiB")
         assert reference.backend.state_identity != model.backend.state_identity  # never shares a key
-        assert _max_dp(model.predict(requests, batch_size=4), cold.predict(requests, batch_size=1)) <= FLOAT32_BOUND
+        assert max_dp(model.predict(requests, batch_size=4), cold.predict(requests, batch_size=1)) <= FLOAT32_BOUND
 
 
 def test_continuation_pads_rows_to_the_longest_tail(tiny_qwen: Path) -> None:

@@ -9,10 +9,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 from media_gen import data_uri, image, vision_requests
-from request_gen import random_questions, shared_state_requests
+from request_gen import max_dp, random_questions, shared_state_requests
 
 import clef_local
 from clef_local.backends.torch_cache import TorchState, continuation, record_state_key
@@ -35,11 +34,6 @@ def _schemas(count: int) -> list[dict[str, Any]]:
 REQUESTS = _schemas(len(BASES))
 STATES = len(BASES)
 TEXT_ONLY = shared_state_requests(["A text-only ticket about a refund.", {"order": 7, "late": True}, "ok"], 3, seed=5)
-
-
-def _max_dp(a: list[clef_local.Prediction], b: list[clef_local.Prediction]) -> float:
-    return max(float(np.abs(x - y).max()) for p, q in zip(a, b, strict=True)
-               for x, y in zip(p.probabilities, q.probabilities, strict=True))
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +71,7 @@ def test_media_hits_equal_a_cold_pass(tiny_vision: Path, cold: clef_local.ClefMo
     assert (stats.misses, stats.hits, stats.stores) == (STATES, len(REQUESTS) - STATES, STATES)
     # the vision tower runs once per state, on its miss only (the requests run in length order)
     assert sorted(towers) == sorted(len(b["images"]) for b in BASES)
-    worst = _max_dp(one_by_one, cold_answers)
+    worst = max_dp(one_by_one, cold_answers)
     print(f"max |Δp| hit vs cold over {len(REQUESTS)} image requests, one by one: {worst:.2e}")
     assert worst <= FLOAT32_BOUND
     # the states carry Qwen's rope offset: an image takes max(h, w) positions, fewer than its tokens
@@ -111,13 +105,13 @@ def test_mixed_batches_of_hits_and_misses_equal_cold(tiny_vision: Path, cold: cl
     want = {id(r): cold_answers[i] for i, r in enumerate(REQUESTS)}
     text_cold = cold.predict(TEXT_ONLY, batch_size=1)
     want.update({id(r): a for r, a in zip(TEXT_ONLY, text_cold, strict=True)})
-    worst = _max_dp(got, [want[id(r)] for r in mixed])
+    worst = max_dp(got, [want[id(r)] for r in mixed])
     print(f"max |Δp| hit vs cold over {len(mixed)} mixed requests, batches of 8: {worst:.2e}")
     assert worst <= FLOAT32_BOUND
     # everything cached now: the same batches again are all hits, with the same numbers
     again = model.predict(mixed, batch_size=8)
     assert model.state_cache.stats().hits - stats.hits == len(mixed)
-    assert _max_dp(again, got) <= FLOAT32_BOUND
+    assert max_dp(again, got) <= FLOAT32_BOUND
 
 
 def test_the_same_text_with_another_image_is_a_miss(tiny_vision: Path, cold: clef_local.ClefModel) -> None:
@@ -137,9 +131,9 @@ def test_the_same_text_with_another_image_is_a_miss(tiny_vision: Path, cold: cle
     stats = model.state_cache.stats()
     assert (stats.misses, stats.hits, stats.entries) == (2, 0, 2)
     want = cold.predict([first, other], batch_size=1)
-    assert _max_dp(got, want) <= FLOAT32_BOUND
+    assert max_dp(got, want) <= FLOAT32_BOUND
     # each hit has its own image's numbers: the two images' answers differ well beyond the bound, their states more
-    assert _max_dp([got[0]], [got[1]]) > 4 * FLOAT32_BOUND
+    assert max_dp([got[0]], [got[1]]) > 4 * FLOAT32_BOUND
     states = [model.state_cache.get(record_state_key(identity, r)) for r in (mine, theirs)]
     assert float((states[0].hidden - states[1].hidden).abs().max()) > 1e-2
     hits = model.state_cache.stats().hits  # (the two gets above count too)
@@ -176,7 +170,7 @@ def test_text_with_a_vision_token_keys_and_runs_as_text(tiny_vision: Path, cold:
     key = state_key(model.backend.state_identity, encoded.input_ids[: encoded.state_start + encoded.state_tokens])
     entry = model.state_cache.get(key)
     assert isinstance(entry, TorchState) and entry.position_offset == 0
-    assert _max_dp(got, cold.predict(batch, batch_size=1)) <= FLOAT32_BOUND
+    assert max_dp(got, cold.predict(batch, batch_size=1)) <= FLOAT32_BOUND
 
 
 def test_host_embeddings_state_pass_equals_cold(tiny_vision: Path, cold: clef_local.ClefModel) -> None:
@@ -185,7 +179,7 @@ def test_host_embeddings_state_pass_equals_cold(tiny_vision: Path, cold: clef_lo
     model.backend.backbone.host_embeddings = True
     got = model.predict(REQUESTS[:5], batch_size=1)  # two states: 2 and 3 schemas
     assert (model.state_cache.stats().misses, model.state_cache.stats().hits) == (2, 3)
-    assert _max_dp(got, cold.predict(REQUESTS[:5], batch_size=1)) <= FLOAT32_BOUND
+    assert max_dp(got, cold.predict(REQUESTS[:5], batch_size=1)) <= FLOAT32_BOUND
 
 
 def test_video_states_hit_like_a_cold_pass(tiny_vision: Path, cold: clef_local.ClefModel) -> None:
@@ -203,6 +197,6 @@ def test_video_states_hit_like_a_cold_pass(tiny_vision: Path, cold: clef_local.C
         requests += [{**base, "questions": BASES[i]["questions"]}, {**base, "questions": BASES[i + 1]["questions"]}]
     got = model.predict(requests, batch_size=1)
     assert model.state_cache.stats().misses == 3 and model.state_cache.stats().hits == 3
-    assert _max_dp(got, cold.predict(requests, batch_size=1)) <= FLOAT32_BOUND
+    assert max_dp(got, cold.predict(requests, batch_size=1)) <= FLOAT32_BOUND
     mixed = model.predict([*requests, REQUESTS[0], TEXT_ONLY[0]], batch_size=8)
-    assert _max_dp(mixed[:6], got) <= FLOAT32_BOUND
+    assert max_dp(mixed[:6], got) <= FLOAT32_BOUND

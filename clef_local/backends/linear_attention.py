@@ -34,11 +34,7 @@ def linear_attention_paths(model_type: str = "qwen3_5") -> dict[str, str]:
     module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
     paths = {}
     for name, (attribute, _) in FUNCTIONS.items():
-        function = getattr(module, attribute, None)
-        try:
-            nonlocals: Mapping[str, Any] = inspect.getclosurevars(function).nonlocals if function else {}
-        except TypeError:  # not a Python function: transformers changed how it wraps kernels
-            nonlocals = {}
+        nonlocals = _resolution(getattr(module, attribute, None))
         implementation = nonlocals.get("implementation")
         if "is_new_implementation" not in nonlocals or implementation is None:
             paths[name] = f"unknown (transformers {_version()} does not record it as 5.x did)"
@@ -47,6 +43,28 @@ def linear_attention_paths(model_type: str = "qwen3_5") -> dict[str, str]:
         else:
             paths[name] = REFERENCE
     return paths
+
+
+def _resolution(function: Any) -> Mapping[str, Any]:
+    """The closure in which transformers' ``use_kernel_func_from_hub_with_fallback`` recorded its choice, found
+    through the wrappers around it (from 5.25 the function is a hub-kernel ``nn.Module`` whose ``forward`` closes
+    over it); empty when none records it."""
+    pending, seen = [function], 0
+    while pending and seen < 8:
+        candidate = pending.pop()
+        seen += 1
+        if candidate is None:
+            continue
+        try:
+            nonlocals = inspect.getclosurevars(candidate).nonlocals
+        except TypeError:  # not a Python function: look at a module's forward instead
+            pending.append(getattr(type(candidate), "forward", None))
+            continue
+        if "is_new_implementation" in nonlocals:
+            return nonlocals
+        pending.extend(v for v in nonlocals.values() if inspect.isfunction(v))
+        pending.append(getattr(candidate, "__wrapped__", None))
+    return {}
 
 
 def log_linear_attention_paths(device_type: str, model_type: str = "qwen3_5") -> dict[str, str]:

@@ -1,10 +1,6 @@
 """The architecture contract (docs/architecture.md), checked on every run: package layers and no import cycles
-(import-linter), no module importing another's ``_private`` names, and the type check (mypy).
-
-import-linter and mypy read the package from the file system, where ``export/``, ``quant/`` and ``app/`` live beside
-``clef_local/`` (pyproject's package-dir maps them in). So each check runs on a mirror of the *installed* layout: the
-``.py`` files copied to ``TMP/clef_local/{export,quant,app}``.
-"""
+(import-linter), no module importing another's ``_private`` names, and the type check (mypy). Each check also runs
+once on a seeded violation, in a copy of the package, to show that it can fail."""
 
 from __future__ import annotations
 
@@ -18,22 +14,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-MAPPED = {"clef_local": "clef_local", "export": "clef_local/export", "quant": "clef_local/quant",
-          "app": "clef_local/app"}
 
 
-def _mirror(target: Path) -> Path:
-    for source, installed in MAPPED.items():
-        for file in (ROOT / source).rglob("*.py"):
-            out = target / installed / file.relative_to(ROOT / source)
-            out.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(file, out)
+def _copy(target: Path) -> Path:
+    """The package's ``.py`` files copied under ``target`` (for a seeded violation that must not touch the tree)."""
+    for file in (ROOT / "clef_local").rglob("*.py"):
+        out = target / file.relative_to(ROOT)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(file, out)
     return target
-
-
-@pytest.fixture(scope="module")
-def mirror(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _mirror(tmp_path_factory.mktemp("installed"))
 
 
 def _lint_imports(tree: Path) -> subprocess.CompletedProcess:
@@ -43,15 +32,15 @@ def _lint_imports(tree: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, cwd=tree, env=env, timeout=300)
 
 
-def test_the_layers_hold_and_no_package_has_a_cycle(mirror: Path) -> None:
-    result = _lint_imports(mirror)
+def test_the_layers_hold_and_no_package_has_a_cycle() -> None:
+    result = _lint_imports(ROOT)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert "Contracts: 3 kept, 0 broken." in result.stdout
 
 
 def test_a_seeded_cycle_breaks_the_contract(tmp_path: Path) -> None:
     """The check can fail: one upward import (runtime → model, a cycle through model → runtime) is caught."""
-    tree = _mirror(tmp_path)
+    tree = _copy(tmp_path)
     encoding = tree / "clef_local" / "runtime" / "encoding.py"
     seeded = "\n\ndef _seeded() -> None:\n    from clef_local.model import load  # noqa\n"
     encoding.write_text(encoding.read_text() + seeded)
@@ -91,11 +80,10 @@ def _private_imports(file: Path, module: str) -> list[str]:
     return found
 
 
-def test_no_module_imports_another_modules_private_names(mirror: Path) -> None:
-    package = mirror / "clef_local"
+def test_no_module_imports_another_modules_private_names() -> None:
     problems = []
-    for file in sorted(package.rglob("*.py")):
-        module = ".".join(file.relative_to(mirror).with_suffix("").parts).removesuffix(".__init__")
+    for file in sorted((ROOT / "clef_local").rglob("*.py")):
+        module = ".".join(file.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
         problems += _private_imports(file, module)
     assert not problems, "\n".join(problems)
 
@@ -113,16 +101,13 @@ def _mypy(tree: Path, cache: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, cwd=tree, timeout=900)
 
 
-def test_types_check(mirror: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_types_check(tmp_path_factory: pytest.TempPathFactory) -> None:
     cache = tmp_path_factory.mktemp("mypy-cache")
-    result = _mypy(mirror, cache)
+    result = _mypy(ROOT, cache)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
-    # and it can fail: a seeded type error in a leaf module (checked incrementally from the warm cache)
-    leaf = mirror / "clef_local" / "decide.py"
-    original = leaf.read_text()
-    try:
-        leaf.write_text(original + "\n\ndef _seeded() -> int:\n    return 'not an int'\n")
-        seeded = _mypy(mirror, cache)
-    finally:
-        leaf.write_text(original)
+    # and it can fail: a seeded type error in a leaf module of a copy (checked from the warm cache)
+    tree = _copy(tmp_path_factory.mktemp("seeded"))
+    leaf = tree / "clef_local" / "decide.py"
+    leaf.write_text(leaf.read_text() + "\n\ndef _seeded() -> int:\n    return 'not an int'\n")
+    seeded = _mypy(tree, cache)
     assert seeded.returncode != 0 and "decide.py" in seeded.stdout and "return-value" in seeded.stdout

@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import sysconfig
-import tomllib
 import zipfile
 from pathlib import Path
 
@@ -36,16 +35,14 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return built
 
 
-def test_every_package_directory_is_listed():
-    """pyproject lists packages by hand (setuptools' discovery ignores package-dir prefixes): none may be missing."""
-    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    roots = {"clef_local": "clef_local", **setuptools["package-dir"]}
-    found = {".".join([package, *init.parent.relative_to(ROOT / folder).parts])
-             for package, folder in roots.items() for init in (ROOT / folder).rglob("__init__.py")}
-    assert found == set(setuptools["packages"]), found ^ set(setuptools["packages"])
+def test_every_package_directory_is_a_package():
+    """Setuptools finds packages by their ``__init__.py``: a folder of modules without one would not be installed."""
+    for folder in (ROOT / "clef_local").rglob("*"):
+        if folder.is_dir() and any(folder.glob("*.py")) and "__pycache__" not in folder.parts:
+            assert (folder / "__init__.py").is_file(), f"{folder} has modules but no __init__.py"
 
 
-def test_wheel_contains_mapped_subpackages(wheel: Path):
+def test_wheel_contains_every_subpackage(wheel: Path):
     names = set(zipfile.ZipFile(wheel).namelist())
     for module in ("clef_local/export/__init__.py", "clef_local/quant/__init__.py", "clef_local/app/__init__.py",
                    "clef_local/runtime/head.py", "clef_local/backends/torch_backend.py",
@@ -57,12 +54,6 @@ def test_wheel_contains_mapped_subpackages(wheel: Path):
     assert not any(n.startswith(("app/", "quant/", "export/", "tests/", "benchmarks/")) for n in names)
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "clef-local = clef_local.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
-
-
-def test_subpackage_init_says_where_it_installs():
-    for folder in ("export", "quant", "app"):
-        first = (ROOT / folder / "__init__.py").read_text().splitlines()[0]
-        assert f"clef_local.{folder}" in first
 
 
 def test_ci_runs_the_readme_test_command():

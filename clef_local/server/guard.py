@@ -10,7 +10,7 @@ read the answers, since the browser then thinks the server *is* ``evil.example``
   own origin or one given with ``--cors-origin``: 403 otherwise, before anything runs. Clients that are not
   browsers send no ``Origin`` and are not affected.
 
-:class:`HostGuard` is a plain ASGI middleware, so the Gradio app uses the same one (``app/ui.py``).
+:class:`HostGuard` is a plain ASGI middleware, so the Gradio app uses the same one (``clef_local/app/ui.py``).
 """
 
 from __future__ import annotations

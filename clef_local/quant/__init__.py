@@ -1,4 +1,4 @@
-"""clef_local.quant: quantization schemes as pure tensor functions (installed as clef_local.quant)."""
+"""Quantization schemes as pure tensor functions: tensors in, tensors out; nothing else of clef_local imported."""
 
 # Each scheme turns one 2-D weight [out, in] into a dict of tensors whose keys are relative to the module path
 # (``weight`` plus ``scales``/``biases``, ``weight_scale`` or ``weight.absmax``/...); the exact math and packing are in

@@ -136,17 +136,17 @@ def int8_to_mlx(q: np.ndarray, scale: np.ndarray) -> QuantizedLayer:
 
 
 def int8_dequantize(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
-    """``float32(q) · scale`` (clef_local/quant/int8.py's math, in numpy)."""
+    """``float32(q) · scale`` (quant.int8's math, in numpy)."""
     return q.astype(np.float32) * scale.astype(np.float32)
 
 
 def fp8_dequantize(q: Stored, scale: np.ndarray) -> np.ndarray:
-    """``float32(e4m3fn q) · scale`` (clef_local/quant/fp8.py's math, in numpy)."""
+    """``float32(e4m3fn q) · scale`` (quant.fp8's math, in numpy)."""
     return q.float32() * scale.astype(np.float32)
 
 
 def nf4_dequantize(tensors: Mapping[str, Stored]) -> np.ndarray:
-    """``NF4_CODE[q] · absmax[block]`` reshaped to the stored shape (clef_local/quant/nf4.py's math, in numpy); ``tensors``
+    """``NF4_CODE[q] · absmax[block]`` reshaped to the stored shape (quant.nf4's math, in numpy); ``tensors``
     are the layer's ``weight``, ``weight.absmax``, ``weight.quant_map``, ``weight.quant_state.bitsandbytes__nf4``
     (and the nested ones with double quantization)."""
     blob = next((t for k, t in tensors.items() if k.startswith("weight.quant_state.")), None)

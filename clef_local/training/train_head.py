@@ -77,7 +77,7 @@ class TrainConfig(HeadShape):
     # A cosine scorer needs a temperature to say anything with confidence (CLIP starts at 1/0.07); from the
     # module's 0 (scale 1, logits within ±1) the trained scale stayed at ~1.03 and only the residual MLP scored.
     joint_scale_init: float = 0.0
-    spliced: int = 0  # spliced records per epoch (clef_local/export/splicing.py): new state/schema pairs for a state-only pass
+    spliced: int = 0  # spliced records per epoch (export/splicing.py): new state/schema pairs for a state-only pass
     # The evidence is in the state, ~1% of a 77-option prompt's tokens; left alone, trained heads put 0.5-1.5% of
     # their cross-attention there. This weight x -log(attention mass on the state) speeds finding it (training only).
     state_attention_weight: float = 0.0
@@ -278,10 +278,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, help="cache and checkpoints (default: OUT.work); resumable")
     parser.add_argument("--method", choices=("full", "question-path", "state-path"), default="full",
                         help="full: every branch on cached whole-prompt hidden states; question-path: the head's "
-                             "question and option-lexical path on question-span means only (clef_local/export/question_path.py: "
+                             "question and option-lexical path on question-span means only (export/question_path.py: "
                              "~5x fewer backbone tokens, every BANKING77 row on a CPU); state-path: choices answered "
                              "from the state's tokens and the options, nouls and scores from their question span "
-                             "(clef_local/export/state_path.py: answers that renamed ids, reordered or added questions cannot "
+                             "(export/state_path.py: answers that renamed ids, reordered or added questions cannot "
                              "move through the state)")
     parser.add_argument("--epochs", type=int,
                         help="passes over the training data (default: 8 full, 12 question-path, 8 state-path)")

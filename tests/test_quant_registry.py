@@ -1,4 +1,4 @@
-"""The scheme registry: uniform signatures, config dicts, bits per weight; clef_local/quant/ imports nothing of clef_local."""
+"""The scheme registry: uniform signatures, config dicts, bits per weight; quant imports nothing else."""
 
 from __future__ import annotations
 

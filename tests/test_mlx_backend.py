@@ -121,7 +121,7 @@ def test_hidden_states_match_torch_and_ignore_padding(loaded, kind: str) -> None
 
 
 def test_int8_and_int4_map_exactly_onto_mlx_arrays(variants, loaded) -> None:
-    """Every quantized layer: MLX's dequantized weight (× row scale for int8) equals clef_local.quant's float32 dequantize
+    """Every quantized layer: MLX's dequantized weight (× row scale for int8) equals quant's float32 dequantize
     bit for bit; nothing is re-quantized."""
     import torch
     from safetensors.torch import load_file

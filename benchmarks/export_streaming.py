@@ -50,7 +50,7 @@ def build_sources(root: Path, layers: int, shard_counts: tuple[int, ...]) -> dic
     from transformers import AutoConfig, LlamaForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from clef_local.runtime.head import JointSchemaHead
+    from clef_local.heads.torch_head import JointSchemaHead
     from clef_local.testing import DEFAULT_HEAD, build_tiny_release
 
     hf_logging.disable_progress_bar()

@@ -26,8 +26,8 @@ from safetensors.torch import load_file
 import clef_local
 from clef_local.data.datasets import Example, banking77_examples, banking77_intents, evenly, nlupp_examples
 from clef_local.formats.release import read_head_config, read_json
+from clef_local.heads.torch_head import JointSchemaHead
 from clef_local.quality.metrics import classification_report, macro_f1
-from clef_local.runtime.head import JointSchemaHead
 from clef_local.runtime.tokenizer import ReleaseTokenizer
 from clef_local.training.common import encode_examples, max_length
 from clef_local.training.demo_data import splice_states, training_examples, twin_records

@@ -19,8 +19,8 @@ import torch
 from _timing import median_ms
 
 import clef_local
+from clef_local.heads.torch_head import HeadConfig, JointSchemaHead
 from clef_local.runtime.encoding import encode_request
-from clef_local.runtime.head import HeadConfig, JointSchemaHead
 from clef_local.runtime.layout import build_layout
 from clef_local.runtime.schema import request_to_record, validate_request
 from clef_local.runtime.tokenizer import ReleaseTokenizer

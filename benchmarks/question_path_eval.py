@@ -24,8 +24,8 @@ import clef_local
 from clef_local.backends.torch_backend import TorchBackbone
 from clef_local.data.datasets import banking77_examples, banking77_intents, evenly
 from clef_local.formats.release import read_head_config, read_json
+from clef_local.heads.torch_head import JointSchemaHead
 from clef_local.quality.metrics import classification_report
-from clef_local.runtime.head import JointSchemaHead
 from clef_local.runtime.tokenizer import ReleaseTokenizer
 from clef_local.training.common import encode_examples, max_length
 from clef_local.training.question_path import (

@@ -56,11 +56,6 @@ def install_hint(exc: ModuleNotFoundError) -> str | None:
     return f"pip install 'clef-local[{EXTRAS[top]}]'" if top in EXTRAS else None
 
 
-def one_line(text: object) -> str:
-    """A message on one line: transformers' and pydantic's span several, and the CLI prints one line per error."""
-    return " ".join(str(text).split())
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser: global flags and the command list (each command parses the rest itself)."""
     parser = argparse.ArgumentParser(prog="clef-local", description="Run Clef decision models on this machine, "
@@ -113,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
 
             os.environ["OMP_NUM_THREADS"] = str(thread_plan().intra_op)
     module_name, function, _ = COMMANDS[command]
-    from clef_local.errors import ClefError
+    from clef_local.errors import ClefError, one_line
 
     try:
         return int(getattr(importlib.import_module(module_name), function)(rest) or 0)

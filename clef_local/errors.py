@@ -9,6 +9,16 @@ from __future__ import annotations
 from typing import Any
 
 
+def one_line(text: object) -> str:
+    """A message on one line (transformers' and pydantic's span several): the CLI prints one line per error."""
+    return " ".join(str(text).split())
+
+
+def short(text: str, limit: int = 40) -> str:
+    """``text`` cut for a message: an error must not echo a megabyte back."""
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 class ClefError(Exception):
     """Base class of every error clef-local raises on purpose."""
 

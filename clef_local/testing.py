@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import torch
 
-from clef_local.runtime.head import HeadConfig, JointSchemaHead
+from clef_local.heads.torch_head import HeadConfig, JointSchemaHead
 from clef_local.runtime.hf_bars import hf_progress_bars
 from clef_local.synthetic import DEFAULT_SHARD_BYTES, write_shaped_weights
 

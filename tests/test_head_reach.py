@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 import clef_local
 from clef_local.formats.release import HEAD_WEIGHTS, read_release
-from clef_local.runtime.head import JointSchemaHead
+from clef_local.heads.torch_head import JointSchemaHead
 from clef_local.runtime.head_reach import (
     Reach,
     head_reach,

@@ -1,4 +1,4 @@
-"""Loader decisions with faked hardware (clef_local.planning.choice.decide is pure), and through clef_local.load."""
+"""Loader decisions with faked hardware (clef_local.planning.choice.plan_load is pure), and through clef_local.load."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 import clef_local
 from clef_local.errors import ApiUsageError, InsufficientMemoryError
-from clef_local.planning.choice import DEQUANTIZE, choose, decide
+from clef_local.planning.choice import DEQUANTIZE, choose, plan_load
 from clef_local.planning.hardware import GiB, Hardware, named_device
 from clef_local.planning.planner import CONFIGS_DIR
 
@@ -95,43 +95,43 @@ def test_unavailable_backends_name_the_available_ones() -> None:
 def test_24gb_card_refuses_bf16_clef_and_suggests_4_bits(flash, clef) -> None:
     l4 = named_device("l4")  # a "24 GB" sm_89 card with 22.5 GiB usable
     with pytest.raises(InsufficientMemoryError) as info:
-        decide(l4, "bf16", clef, context=16384, installed=ALL, source="clef")
+        plan_load(l4, "bf16", clef, context=16384, installed=ALL, source="clef")
     message = str(info.value)
     assert "bf16 on torch needs 55.6 GiB at 16,384 tokens, 22.5 GiB free on cuda:0 (NVIDIA L4)" in message
     assert "try --bits 4: clef-local quantize --bits 4 --model clef --out clef-int4" in message
     # Clef 27B int4 at 16K fits once embed_tokens and lm_head stay in host memory (torch on CUDA, docs/hardware.md).
-    ok = decide(l4, "int4", clef, context=16384, installed=ALL)
+    ok = plan_load(l4, "int4", clef, context=16384, installed=ALL)
     assert 20 * GiB < ok.need_bytes < ok.available_bytes == l4.free_bytes
-    assert decide(l4, "bf16", flash, context=16384, installed=ALL).need_bytes < l4.free_bytes
+    assert plan_load(l4, "bf16", flash, context=16384, installed=ALL).need_bytes < l4.free_bytes
 
 
 def test_24gb_card_and_27b(clef) -> None:
     with pytest.raises(InsufficientMemoryError, match="try --bits 4"):
-        decide(CARD_24, "int8", clef, context=4096, installed=ALL, source="clef")
-    assert decide(CARD_24, "int4", clef, context=4096, installed=ALL).kernel == "tinygemm_cuda"
+        plan_load(CARD_24, "int8", clef, context=4096, installed=ALL, source="clef")
+    assert plan_load(CARD_24, "int4", clef, context=4096, installed=ALL).kernel == "tinygemm_cuda"
     with pytest.raises(InsufficientMemoryError, match=r"try max_length=\d+ \(a context of [\d,]+ tokens fits\)"):
-        decide(CARD_24, "int4", clef, context=65536, installed=ALL)
+        plan_load(CARD_24, "int4", clef, context=65536, installed=ALL)
 
 
 def test_80gb_card_holds_bf16_clef(clef) -> None:
-    d = decide(CARD_80, "bf16", clef, context=16384, installed=ALL)
+    d = plan_load(CARD_80, "bf16", clef, context=16384, installed=ALL)
     assert (d.backend, d.dtype, d.kernel) == ("torch", "bfloat16", "dense")
     assert 50 * GiB < d.need_bytes < 80 * GiB
-    assert decide(CARD_80, "fp8", clef, context=16384, installed=ALL).kernel == "scaled_mm_rowwise"
+    assert plan_load(CARD_80, "fp8", clef, context=16384, installed=ALL).kernel == "scaled_mm_rowwise"
 
 
 def test_36gb_mac(flash, clef) -> None:
-    assert decide(MAC_36, "bf16", flash, context=8192, installed=ALL).backend == "mlx"
-    assert decide(MAC_36, "int4", clef, context=4096, installed=ALL).kernel == "mlx_quantized_matmul"
+    assert plan_load(MAC_36, "bf16", flash, context=8192, installed=ALL).backend == "mlx"
+    assert plan_load(MAC_36, "int4", clef, context=4096, installed=ALL).kernel == "mlx_quantized_matmul"
     with pytest.raises(InsufficientMemoryError, match=r"nf4 on mlx needs .* GiB free on mps .*try --bits 4"):
-        decide(MAC_36, "nf4", clef, context=4096, installed=ALL)  # dequantized at load: bf16-sized
+        plan_load(MAC_36, "nf4", clef, context=4096, installed=ALL)  # dequantized at load: bf16-sized
 
 
 def test_8gb_cpu_box(flash) -> None:
     with pytest.raises(InsufficientMemoryError) as info:
-        decide(CPU_8, "int4", flash, context=4096, installed=ALL)
+        plan_load(CPU_8, "int4", flash, context=4096, installed=ALL)
     assert "GiB free on cpu (an 8 GB box)" in str(info.value) and "a device with more memory" in str(info.value)
-    assert decide(CPU_8, "int4", flash, context=4096, installed=ALL, check_memory=False).backend == "torch"
+    assert plan_load(CPU_8, "int4", flash, context=4096, installed=ALL, check_memory=False).backend == "torch"
 
 
 def test_load_records_the_decision_and_refuses_with_too_little_memory(tiny_llama: Path,

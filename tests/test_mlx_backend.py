@@ -217,7 +217,7 @@ def test_head_names_and_shapes_equal_the_torch_heads() -> None:
     import torch
 
     from clef_local.formats.head_config import HeadConfig, head_tensor_shapes
-    from clef_local.runtime.head import JointSchemaHead
+    from clef_local.heads.torch_head import JointSchemaHead
 
     config = HeadConfig(hidden_size=40, width=24, routing_layers=2, layers=3, heads=4, feedforward=48)
     with torch.device("meta"):

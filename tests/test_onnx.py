@@ -108,9 +108,9 @@ def test_numpy_head_loads_strictly(tiny_llama: Path, tmp_path: Path) -> None:
 
     from safetensors.numpy import load_file, save_file
 
-    from clef_local.backends.numpy_head import NumpyHead
     from clef_local.errors import ReleaseError
     from clef_local.formats.release import read_release
+    from clef_local.heads.numpy_head import NumpyHead
 
     copy = shutil.copytree(tiny_llama, tmp_path / "release")
     state = load_file(str(copy / "joint_head.safetensors"))
@@ -125,9 +125,9 @@ def test_numpy_head_matches_torch_head(tiny_llama: Path) -> None:
     import torch
 
     import clef_local
-    from clef_local.backends.numpy_head import NumpyHead
     from clef_local.backends.torch_backend import collate
     from clef_local.data.probes import probe_requests
+    from clef_local.heads.numpy_head import NumpyHead
     from clef_local.runtime.layout import build_layout
 
     model = clef_local.load(tiny_llama, backend="torch", dtype="float32")

@@ -45,7 +45,7 @@ def test_every_package_directory_is_a_package():
 def test_wheel_contains_every_subpackage(wheel: Path):
     names = set(zipfile.ZipFile(wheel).namelist())
     for module in ("clef_local/export/__init__.py", "clef_local/quant/__init__.py", "clef_local/app/__init__.py",
-                   "clef_local/runtime/head.py", "clef_local/backends/torch_backend.py",
+                   "clef_local/heads/torch_head.py", "clef_local/backends/torch_backend.py",
                    "clef_local/demo/examples/triage.json", *PACKAGED_DATA):
         assert module in names, f"{module} missing from {wheel.name}"
     folds = {n for n in names if n.startswith("clef_local/data/nlupp/banking/fold") and n.endswith(".json")}

@@ -173,10 +173,10 @@ def test_the_planner_and_the_loaders_choice_need_no_torch(tiny_qwen: Path) -> No
 
     code = ("import sys; sys.modules['torch'] = None\n"
             "from clef_local.planning.hardware import named_device\n"
-            "from clef_local.planning.choice import decide\n"
+            "from clef_local.planning.choice import plan_load\n"
             "from clef_local.planning.planner import footprint_from_release\n"
             f"fp = footprint_from_release({str(tiny_qwen)!r})\n"
-            "d = decide(named_device('mac-36'), 'bf16', fp, context=512, installed={'torch': 'no', 'mlx': None, "
+            "d = plan_load(named_device('mac-36'), 'bf16', fp, context=512, installed={'torch': 'no', 'mlx': None, "
             "'onnx': 'no'})\n"
             "assert d.backend == 'mlx' and d.need_bytes > fp.censuses['bf16'].backbone, d\n"
             "print(sorted(fp.censuses))")

@@ -11,8 +11,8 @@ from path_checks import assert_forward_logits, cache_backbone
 from safetensors.torch import load_file
 
 from clef_local.data.datasets import banking77_examples, banking77_intents, banking77_request
+from clef_local.heads.torch_head import HeadConfig, JointSchemaHead
 from clef_local.runtime.encoding import encode_request
-from clef_local.runtime.head import HeadConfig, JointSchemaHead
 from clef_local.runtime.layout import build_layout
 from clef_local.runtime.tokenizer import ReleaseTokenizer
 from clef_local.training.common import encode_examples

@@ -17,7 +17,7 @@ from clef_local.backends.placement import check_stages, move
 from clef_local.errors import ApiUsageError, InsufficientMemoryError
 from clef_local.planning import planner
 from clef_local.planning.caps import cap_for, parse_max_memory, parse_size, resolve_devices, with_cap
-from clef_local.planning.choice import decide, decide_split
+from clef_local.planning.choice import plan_load, plan_split
 from clef_local.planning.hardware import GiB, Hardware, named_device, resolve_device
 from clef_local.planning.split import cut, render_split, split_plan
 
@@ -116,15 +116,15 @@ def test_the_loaders_split_decision(clef) -> None:
     cards = [CARD_24, replace(CARD_24, device="cuda:1")]
     # the loader counts the vision tower on the card (torch loads it): 31.8 GiB where plan says 30.9
     with pytest.raises(InsufficientMemoryError, match=r"int8 on torch needs 31\.8 GiB .* try --bits 4"):
-        decide(CARD_24, "int8", clef, context=16_384, installed=TORCH)
-    d = decide_split(cards, "int8", clef, context=16_384, installed=TORCH)
+        plan_load(CARD_24, "int8", clef, context=16_384, installed=TORCH)
+    d = plan_split(cards, "int8", clef, context=16_384, installed=TORCH)
     assert (d.device, d.kernel, d.split) == ("cuda:0,cuda:1", "bnb_int8", (("cuda:0", 0, 32), ("cuda:1", 32, 64)))
     small = [with_cap(c, 16 * GiB) for c in cards]
     with pytest.raises(InsufficientMemoryError, match=r"int8 split over cuda:0, cuda:1 needs \d+\.\d \+ \d+\.\d GiB at "
                                                       r"16,384 tokens, 16\.0 \+ 16\.0 GiB free; try --bits 4"):
-        decide_split(small, "int8", clef, context=16_384, installed=TORCH)
+        plan_split(small, "int8", clef, context=16_384, installed=TORCH)
     with pytest.raises(ApiUsageError, match="torch backend"):
-        decide_split(cards, "int8", clef, context=16_384, installed={**TORCH, "onnx": None}, backend="onnx")
+        plan_split(cards, "int8", clef, context=16_384, installed={**TORCH, "onnx": None}, backend="onnx")
 
 
 def test_move_keeps_structure_and_moves_each_tensor_once() -> None:

@@ -16,7 +16,7 @@ import pytest
 import clef_local
 from clef_local.data.datasets import Example
 from clef_local.errors import ApiUsageError, InsufficientMemoryError
-from clef_local.planning.choice import STATE_CACHE_BACKENDS, UNPLANNED_STATE_CACHE, decide
+from clef_local.planning.choice import STATE_CACHE_BACKENDS, UNPLANNED_STATE_CACHE, plan_load
 from clef_local.planning.estimate import STATE_CACHE_CAP, ModelDims, plan, state_entry_bytes
 from clef_local.planning.hardware import GiB, named_device
 from clef_local.planning.planner import footprint_from_config, packaged_config
@@ -61,7 +61,7 @@ def test_the_server_counts_hits_misses_and_bytes(tiny_llama: Path) -> None:
     assert samples['clef_state_cache_bytes{model="m",memory="device"}'] == model.state_cache.stats().bytes > 0
     assert samples['clef_state_cache_budget_bytes{model="m",memory="device"}'] == 16 << 20
     assert samples['clef_state_cache_evictions_total{model="m"}'] == 0
-    expected = [json.loads(json.dumps(round_floats(cold.decide(r)))) for r in requests]
+    expected = [json.loads(json.dumps(round_floats(cold.plan_load(r)))) for r in requests]
     assert answers == expected  # the wire's 4 decimals: a hit answers exactly what a cold pass does
 
 
@@ -104,7 +104,7 @@ def test_the_ui_reruns_only_the_schema(tiny_qwen: Path) -> None:
     assert ["only the schema ran" in output[1] for output in outputs] == [False, True, True]  # the status line
     for output, request in zip(outputs, _requests([STATE]), strict=True):
         raw = json.loads(output[4])  # the raw response panel
-        want = cold.decide(request)
+        want = cold.plan_load(request)
         for qid, answer in raw["answers"].items():
             for key in ("noul", "score"):
                 if key in answer:
@@ -137,28 +137,28 @@ def test_the_planner_counts_the_budget() -> None:
     assert dims.linear_layers and dims.linear_conv_kernel == 4
     assert entry == 16384 * 2 * (dims.hidden + (dims.layers - dims.linear_layers) * 2 * dims.kv_heads
                                  * dims.head_dim) + state_entry_bytes(dims, 0, "bfloat16")
-    auto = decide(card, "bf16", footprint, context=16384, installed=ALL, dtype="bfloat16")
+    auto = plan_load(card, "bf16", footprint, context=16384, installed=ALL, dtype="bfloat16")
     assert 0 < auto.state_cache_bytes <= STATE_CACHE_CAP
     assert auto.need_bytes is not None and auto.available_bytes is not None
     assert auto.need_bytes <= auto.available_bytes
-    asked = decide(card, "bf16", footprint, context=16384, installed=ALL, dtype="bfloat16", state_cache=GiB)
-    off = decide(card, "bf16", footprint, context=16384, installed=ALL, dtype="bfloat16", state_cache=0)
+    asked = plan_load(card, "bf16", footprint, context=16384, installed=ALL, dtype="bfloat16", state_cache=GiB)
+    off = plan_load(card, "bf16", footprint, context=16384, installed=ALL, dtype="bfloat16", state_cache=0)
     assert asked.state_cache_bytes == GiB and off.state_cache_bytes == 0
     assert asked.need_bytes is not None and off.need_bytes is not None
     assert asked.need_bytes - off.need_bytes == GiB + entry
     with pytest.raises(InsufficientMemoryError, match=r"state cache of 20\.00 GiB.*ask for at most .* GiB"):
-        decide(card, "bf16", footprint, context=16384, installed=ALL, dtype="bfloat16", state_cache=20 * GiB)
+        plan_load(card, "bf16", footprint, context=16384, installed=ALL, dtype="bfloat16", state_cache=20 * GiB)
     mac = named_device("mac-36")
-    assert decide(mac, "int4", footprint, context=16384, installed=ALL, backend="mlx",
+    assert plan_load(mac, "int4", footprint, context=16384, installed=ALL, backend="mlx",
                   state_cache=GiB).state_cache_bytes == 0  # torch only
     assert STATE_CACHE_BACKENDS == ("torch",)
-    unplanned = decide(card, "bf16", None, context=16384, installed=ALL, check_memory=False)
+    unplanned = plan_load(card, "bf16", None, context=16384, installed=ALL, check_memory=False)
     assert unplanned.state_cache_bytes == UNPLANNED_STATE_CACHE
 
 
 def test_the_planners_entry_matches_a_real_entry(tiny_qwen: Path) -> None:
     model = clef_local.load(tiny_qwen, dtype="float32", state_cache="16MiB")
-    model.decide(_requests([STATE])[0])
+    model.plan_load(_requests([STATE])[0])
     (size,) = model.state_cache.sizes().values()
     tokens = model.encode(_requests([STATE])[0])[1]
     dims = ModelDims.from_config(model.release.config)

@@ -13,7 +13,7 @@ from path_checks import assert_forward_logits, cache_backbone
 from safetensors.torch import load_file
 
 from clef_local.data.datasets import banking77_examples, banking77_intents
-from clef_local.runtime.head import HeadConfig, JointSchemaHead
+from clef_local.heads.torch_head import HeadConfig, JointSchemaHead
 from clef_local.runtime.head_reach import head_reads_question_spans_only
 from clef_local.runtime.layout import build_layout
 from clef_local.runtime.schema import TYPE_IDS

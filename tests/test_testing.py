@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from clef_local.runtime.head import HeadConfig, JointSchemaHead
+from clef_local.heads.torch_head import HeadConfig, JointSchemaHead
 from clef_local.testing import ADDED_TOKENS, SPECIAL_TOKENS, build_tiny_release
 
 BACKBONES = ("qwen3_5", "llama")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import clef_local
-from clef_local.runtime.head import HeadConfig, JointSchemaHead
+from clef_local.heads.torch_head import HeadConfig, JointSchemaHead
 from clef_local.runtime.tokenizer import ReleaseTokenizer
 from clef_local.training.common import encode_examples
 from clef_local.training.demo_data import intent_neighbours, training_examples, twin_records
@@ -279,7 +279,7 @@ def test_train_head_refuses_options_it_cannot_honour(tmp_path: Path, capsys, arg
 
 
 def test_autocast_is_bf16_on_accelerators_and_never_for_span_means_or_gradients(tiny_llama: Path):
-    from clef_local.runtime.head import _span_mean
+    from clef_local.heads.torch_head import _span_mean
     from clef_local.training.train_head import autocast_dtype
 
     assert autocast_dtype("off", "cuda") is None and autocast_dtype("bf16", "cpu") == torch.bfloat16

@@ -389,7 +389,7 @@ def test_int4_load_peak_memory_stays_below_the_bf16_size(tmp_path):
 
     def build(path: Path, hidden: int, layers: int) -> Path:
         """A tiny llama release (tokenizer, head files) whose backbone is replaced by a bigger one."""
-        from clef_local.runtime.head import HeadConfig, JointSchemaHead
+        from clef_local.heads.torch_head import HeadConfig, JointSchemaHead
         from clef_local.testing import build_tiny_release
 
         build_tiny_release(path, backbone="llama", seed=0)

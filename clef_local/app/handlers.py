@@ -76,12 +76,11 @@ def request_text(request: Any) -> str:
 def sent_images(request: Any) -> list[tuple[Any, str]]:
     """The decoded images of a request with their markers (``<image N>``: their order after the prefix)."""
     from clef_local.runtime.media import resolve_media
-    from clef_local.runtime.schema import request_to_record, validate_request
+    from clef_local.runtime.schema import validate_request
 
     if not isinstance(request, dict) or not any(request.get(k) for k in ("images", "assets")):
         return []
-    validated = validate_request(request)
-    media = resolve_media(request_to_record(validated), validated.assets)
+    media = resolve_media(validate_request(request))
     return [(image, f"<image {i}>") for i, image in enumerate(media.images, start=1)]
 
 

@@ -19,11 +19,11 @@ from clef_local.planning.caps import cap_for, parse_max_memory, resolve_devices,
 from clef_local.planning.choice import (
     BACKENDS,
     LoadDecision,
-    decide,
-    decide_split,
     importable,
     installed_backends,
     onnx_cuda,
+    plan_load,
+    plan_split,
 )
 from clef_local.planning.hardware import GiB, Hardware
 
@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 def build_backend(release: Release, *, backend: str = "auto", device: str = "auto", dtype: Any = None,
                   context: int | None = None, check_memory: bool = True,
                   max_memory: str | dict[str, Any] | None = None, state_cache: int | None = None) -> Backend:
-    """The backend for ``release``: chosen by :func:`clef_local.planning.choice.decide` for this machine
+    """The backend for ``release``: chosen by :func:`clef_local.planning.choice.plan_load` for this machine
     (``device`` ``auto``, ``cpu``, ``cuda[:N]``, ``mps``, or several for a pipeline split of the layers:
     ``cuda:0,cuda:1``), checked against the planner at ``context`` tokens (default: the model's context, at most
     16,384) under the ``max_memory`` caps (``{"cuda:0": "24GiB"}`` or ``"cuda:0=24GiB"``,
@@ -61,17 +61,17 @@ def build_backend(release: Release, *, backend: str = "auto", device: str = "aut
                                   bitsandbytes=importable("bitsandbytes"), check_memory=check_memory,
                                   source=str(release.path))
     if split:
-        decision = decide_split(devices, scheme, footprint, context=context, **kwargs)
+        decision = plan_split(devices, scheme, footprint, context=context, **kwargs)
     else:
         try:
-            decision = decide(hardware, scheme, footprint, context=context, onnx_export=onnx_export,
+            decision = plan_load(hardware, scheme, footprint, context=context, onnx_export=onnx_export,
                               onnx_cuda=hardware.kind == "cuda" and (backend == "onnx" or onnx_export) and onnx_cuda(),
                               state_cache=state_cache, **kwargs)
         except InsufficientMemoryError:
             cards = _other_cards(hardware, caps) if device == "auto" and backend in ("auto", "torch") else []
             if not cards:
                 raise
-            decision = decide_split([hardware, *cards], scheme, footprint, context=context, **kwargs)
+            decision = plan_split([hardware, *cards], scheme, footprint, context=context, **kwargs)
             log.info("the model does not fit on %s alone: split over %d cards", hardware.device, len(cards) + 1)
     _log_decision(decision)
     if state_cache is not None and state_cache > 0 and decision.state_cache_bytes == 0:

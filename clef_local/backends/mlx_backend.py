@@ -26,22 +26,23 @@ import copy
 import importlib
 import logging
 import platform
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from clef_local.backends.mlx_head import MLXJointSchemaHead
 from clef_local.backends.mlx_weights import QuantizedLayer, Stored, load_backbone_tensors, variant_scheme
 from clef_local.errors import ReleaseError
-from clef_local.formats.release import HEAD_WEIGHTS, Release
-from clef_local.runtime.layout import HeadLayout
+from clef_local.formats.release import Release
+from clef_local.heads.mlx_head import load_head
+from clef_local.runtime.layout import HeadLayout, pad_batch
 
 if TYPE_CHECKING:
     from clef_local.planning.choice import LoadDecision
     from clef_local.runtime.encoding import EncodedRecord
+    from clef_local.runtime.state_cache import StateCache
 
 log = logging.getLogger(__name__)
 
@@ -295,7 +296,8 @@ class MLXBackend:
     """Runs the backbone (mlx-lm) and the head (MLX, float32) for a padded batch of encoded records."""
 
     name = "mlx"
-    accepts_media = False  # no vision tower here: ClefModel refuses media naming --backend torch
+    accepts_media = False  # no vision tower here: a media request is refused, naming --backend torch
+    state_cache_blocker = "the MLX backend runs every state in full (the state cache is torch's)"
     load_decision: LoadDecision | None = None  # set by clef_local.backends.loader
 
     def __init__(self, release: Release, *, device: str = "auto", dtype: str | None = None) -> None:
@@ -303,27 +305,21 @@ class MLXBackend:
         self.device = resolve_device(device)
         with mx.stream(self.device):
             self.backbone = MLXBackbone(release, resolve_dtype(dtype, release), default_kernel(self.device))
-            self.head = MLXJointSchemaHead.from_file(release.path / HEAD_WEIGHTS, release.head_config)
+            self.head = load_head(release)
         log.info("MLX %s backbone on %s in %s%s, rope_theta %s", self.backbone.kind, _name(self.device),
                  _name(self.backbone.dtype), f" ({self.backbone.scheme}, {self.backbone.kernel})"
                  if self.backbone.scheme else "", self.backbone.rope_theta)
 
-    def logits(self, records: list[EncodedRecord], layout: HeadLayout, pad_token_id: int,
-               reach: int | None = None) -> np.ndarray:
-        """Option logits ``[questions, max_options]`` (float32, ``-inf`` padding) for right-padded ``records``;
-        ``reach`` as in :meth:`clef_local.backends.torch_backend.TorchBackend.logits`."""
-        lengths = np.array([len(r.input_ids) for r in records], dtype=np.int64)
-        seq_len = int(lengths.max())
-        ids = np.full((len(records), seq_len), pad_token_id, dtype=np.int32)
-        for i, record in enumerate(records):
-            ids[i, : lengths[i]] = record.input_ids
-        cut = seq_len if reach is None else min(reach, seq_len)
+    def logits(self, records: Sequence[EncodedRecord], layout: HeadLayout, pad_token_id: int,
+               cache: StateCache | None = None) -> np.ndarray:
+        """Option logits ``[questions, max_options]`` (float32, ``-inf`` padding) for right-padded ``records``."""
+        if cache is not None:
+            raise ValueError(self.state_cache_blocker)
+        ids, mask = pad_batch(records, pad_token_id)
         with mx.stream(self.device):
-            hidden = self.backbone.hidden_states(mx.array(ids[:, :cut]))
-            if cut < seq_len:
-                hidden = mx.pad(hidden, [(0, 0), (0, seq_len - cut), (0, 0)])
+            hidden = self.backbone.hidden_states(mx.array(ids.astype(np.int32)))
             lexical = self.backbone.output_embedding[mx.array(layout.option_token_ids.astype(np.int32))]
-            logits = self.head(hidden, lengths, lexical, layout)
+            logits = self.head(hidden, mask, lexical, layout)
             mx.eval(logits)
         return np.array(logits.astype(mx.float32), copy=True)
 

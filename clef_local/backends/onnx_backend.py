@@ -19,15 +19,16 @@ forwards; ONNX Runtime's own default, one thread per physical core, oversubscrib
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from clef_local.backends.numpy_head import NumpyHead
 from clef_local.errors import ClefError, ReleaseError
 from clef_local.formats.release import Release, read_json
 from clef_local.formats.safetensors import bf16_to_float32
+from clef_local.heads.numpy_head import load_head
 from clef_local.planning.hardware import ThreadPlan, thread_plan
 from clef_local.runtime.layout import pad_batch
 
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from clef_local.planning.choice import LoadDecision
     from clef_local.runtime.encoding import EncodedRecord
     from clef_local.runtime.layout import HeadLayout
+    from clef_local.runtime.state_cache import StateCache
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +92,8 @@ class OnnxBackend:
     """Runs ``onnx/model.onnx`` through ONNX Runtime and the head in numpy float32."""
 
     name = "onnx"
-    accepts_media = False  # the export holds the text model only: ClefModel refuses media naming --backend torch
+    accepts_media = False  # the export holds the text model only: a media request is refused, naming --backend torch
+    state_cache_blocker = "the ONNX Runtime backend runs every state in full (the state cache is torch's)"
     load_decision: LoadDecision | None = None  # set by clef_local.backends.loader
 
     def __init__(self, release: Release, *, device: str = "cpu", dtype: str | None = None) -> None:
@@ -119,7 +122,7 @@ class OnnxBackend:
         embedding = self.config["output_embedding"]
         self.embedding = np.load(directory / embedding["file"], mmap_mode="r")
         self.embedding_dtype = embedding["dtype"]
-        self.head = NumpyHead.from_release(release)
+        self.head = load_head(release)
         log.info("onnx backend: %s (%s) on %s; %s", directory / self.config["model"], self.format,
                  ", ".join(self.session.get_providers()), self.thread_plan.describe())
 
@@ -133,16 +136,14 @@ class OnnxBackend:
         rows = np.asarray(self.embedding[token_ids])
         return bf16_to_float32(rows) if self.embedding_dtype == "bfloat16" else rows.astype(np.float32)
 
-    def logits(self, records: list[EncodedRecord], layout: HeadLayout, pad_token_id: int,
-               reach: int | None = None) -> np.ndarray:
-        """Option logits ``[questions, max_options]`` (float32, ``-inf`` padding) for right-padded ``records``;
-        ``reach`` as in :meth:`clef_local.backends.torch_backend.TorchBackend.logits`."""
+    def logits(self, records: Sequence[EncodedRecord], layout: HeadLayout, pad_token_id: int,
+               cache: StateCache | None = None) -> np.ndarray:
+        """Option logits ``[questions, max_options]`` (float32, ``-inf`` padding) for right-padded ``records``."""
+        if cache is not None:
+            raise ValueError(self.state_cache_blocker)
         input_ids, attention_mask = pad_batch(records, pad_token_id)
-        cut = input_ids.shape[1] if reach is None else min(reach, input_ids.shape[1])
-        hidden = self.hidden_states(np.ascontiguousarray(input_ids[:, :cut]),
-                                    np.ascontiguousarray(attention_mask[:, :cut]))
-        hidden = np.pad(hidden, ((0, 0), (0, input_ids.shape[1] - cut), (0, 0)))
-        return self.head.logits(hidden, attention_mask, self.lexical_rows(layout.option_token_ids), layout)
+        hidden = self.hidden_states(input_ids, attention_mask)
+        return self.head(hidden, attention_mask, self.lexical_rows(layout.option_token_ids), layout)
 
     def describe(self) -> dict[str, Any]:
         return {"backend": self.name, "device": self.device, "providers": self.session.get_providers(),

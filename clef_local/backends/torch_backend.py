@@ -23,11 +23,11 @@ from clef_local.backends.linear_attention import log_linear_attention_paths
 from clef_local.backends.placement import Stage, place_pipeline, to_device_except
 from clef_local.backends.quantized import kernel_counts, prepare_quantized, quantized_prefixes, swap_linears
 from clef_local.backends.torch_cache import cache_blocker, cached_hidden_states, is_out_of_memory
-from clef_local.errors import ReleaseError
-from clef_local.formats.release import QWEN3_5, SINGLE_WEIGHTS, WEIGHTS_INDEX, Release, find_weight_files, one_line
+from clef_local.errors import ReleaseError, one_line
+from clef_local.formats.release import QWEN3_5, SINGLE_WEIGHTS, WEIGHTS_INDEX, Release, find_weight_files
 from clef_local.formats.safetensors import DTYPES as SAFETENSORS_DTYPES
 from clef_local.formats.safetensors import read_header
-from clef_local.runtime.head import load_head
+from clef_local.heads.torch_head import load_head
 from clef_local.runtime.hf_bars import hf_progress_bars
 from clef_local.runtime.layout import HeadLayout, pad_batch
 from clef_local.runtime.state_cache import StateCache, format_size, model_identity
@@ -87,6 +87,8 @@ class TorchBackbone:
         qwen3_5 = config.get("model_type") == "qwen3_5" or QWEN3_5 in (config.get("architectures") or [])
         cls = transformers.Qwen3_5ForConditionalGeneration if qwen3_5 else transformers.AutoModelForCausalLM
         self.scheme = variant_scheme(config)
+        self.vision_pad_ids = frozenset(v for k in ("image_token_id", "video_token_id")
+                                        if isinstance(v := config.get(k), int))
         self.split = tuple(split)
         self.device = torch.device(self.split[-1][0] if self.split else device)
         self.input_device = torch.device(self.split[0][0]) if self.split else self.device  # where the layers start
@@ -142,15 +144,33 @@ class TorchBackbone:
         self.state_cache_blocker = (cache_blocker(self.text_model.config) if not self.split
                                     else "the layers are split over several devices")
 
-    @torch.inference_mode()
-    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                      media: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-        """The final (normed) hidden states, ``[B, T, hidden]``: of the text model, or with ``media``
-        (:func:`collate_media`) of the whole multimodal model (``model.model``: the vision tower's features in
-        place of the pad tokens, rope positions from Qwen's multimodal rotary embedding; docs/format.md §7)."""
-        if media:
-            return self._multimodal(input_ids, attention_mask, media)
-        return self.forward(input_ids, attention_mask)
+    def hidden_states(self, records: Sequence[EncodedRecord], input_ids: torch.Tensor,
+                      attention_mask: torch.Tensor) -> torch.Tensor:
+        """The final (normed) hidden states ``[B, T, hidden]`` of a right-padded batch of ``records``: the text
+        model's (docs/format.md §3), or for records with media the whole multimodal model's (``model.model``: the
+        vision tower's features in place of the pad tokens, Qwen's multimodal rope; docs/format.md §7).
+
+        A text-only record holding a vision pad token as text would be taken for a placeholder by the multimodal
+        model, so such records run through the text model on their own (the same numbers: a text-only record's
+        multimodal positions are its text positions).
+        """
+        if not any(r.media is not None for r in records):
+            return self.forward(input_ids, attention_mask)
+        with torch.inference_mode():
+            alone = [i for i, r in enumerate(records)
+                     if r.media is None and not self.vision_pad_ids.isdisjoint(r.input_ids)]
+            if not alone:
+                return self._multimodal(input_ids, attention_mask, collate_media(records, input_ids.shape[1],
+                                                                                 self.device))
+            rest = [i for i in range(len(records)) if i not in alone]
+            index = torch.tensor(rest, device=self.device)
+            media = collate_media([records[i] for i in rest], input_ids.shape[1], self.device)
+            with_media = self._multimodal(input_ids[index], attention_mask[index], media)
+            hidden = with_media.new_zeros((*input_ids.shape, with_media.shape[-1]))
+            hidden[index] = with_media
+            index = torch.tensor(alone, device=self.device)
+            hidden[index] = self.forward(input_ids[index], attention_mask[index])
+            return hidden
 
     @torch.inference_mode()
     def media_state(self, record: EncodedRecord, end: int, cache: Any) -> tuple[torch.Tensor, int]:
@@ -195,7 +215,6 @@ class TorchBackbone:
             out = base(input_ids=input_ids.to(self.device), **kwargs)
         return out.last_hidden_state
 
-    @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, cache: Any = None,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The text model's final hidden states of ``input_ids``; with ``cache`` (a ``transformers`` cache, filled or
@@ -207,11 +226,12 @@ class TorchBackbone:
             kwargs[self._cache_argument] = cache
         if position_ids is not None:
             kwargs["position_ids"] = position_ids.to(self.input_device)
-        if self.host_embeddings:  # gather on the host, ship only [B, T, hidden] to the device
-            embeds = self.text_model.get_input_embeddings()(input_ids.cpu()).to(self.input_device)
-            out = self.text_model(inputs_embeds=embeds, **kwargs)
-        else:
-            out = self.text_model(input_ids=input_ids.to(self.input_device), **kwargs)
+        with torch.inference_mode():
+            if self.host_embeddings:  # gather on the host, ship only [B, T, hidden] to the device
+                embeds = self.text_model.get_input_embeddings()(input_ids.cpu()).to(self.input_device)
+                out = self.text_model(inputs_embeds=embeds, **kwargs)
+            else:
+                out = self.text_model(input_ids=input_ids.to(self.input_device), **kwargs)
         return out.last_hidden_state
 
     def lexical_rows(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -224,7 +244,7 @@ class TorchBackend:
     """Runs the backbone and the head for a padded batch of encoded records."""
 
     name = "torch"
-    accepts_media = True  # runs the vision tower (docs/format.md §7)
+    accepts_media = True
     load_decision: LoadDecision | None = None  # set by clef_local.backends.loader
 
     def __init__(self, release: Release, *, device: str = "cpu", dtype: str | torch.dtype | None = None,
@@ -242,38 +262,28 @@ class TorchBackend:
                                              device=str(self.device), dtype=str(self.backbone.dtype))
 
     @property
-    def output_embedding(self) -> torch.Tensor:
-        return self.backbone.output_embedding
-
-    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        return self.backbone.hidden_states(input_ids, attention_mask)
-
-    @property
     def state_cache_blocker(self) -> str | None:
         """Why this backbone cannot use a state cache (None: it can; :func:`torch_cache.cache_blocker`)."""
         return self.backbone.state_cache_blocker
 
-    @torch.inference_mode()
-    def logits(self, records: list[EncodedRecord], layout: HeadLayout, pad_token_id: int,
-               reach: int | None = None) -> np.ndarray:
-        """Option logits ``[questions, max_options]`` (float32, ``-inf`` padding) for right-padded ``records``.
+    def logits(self, records: Sequence[EncodedRecord], layout: HeadLayout, pad_token_id: int,
+               cache: StateCache | None = None) -> np.ndarray:
+        """Option logits ``[questions, max_options]`` (float32, ``-inf`` padding) for right-padded ``records``;
+        with ``cache``, each record's state from it and only its schema tokens run (:mod:`.torch_cache`)."""
+        with torch.inference_mode():
+            input_ids, attention_mask = collate(records, pad_token_id, self.device)
+            hidden = None if cache is None else self._cached(records, cache, pad_token_id)
+            if hidden is None:
+                hidden = self.backbone.hidden_states(records, input_ids, attention_mask)
+            device_layout = layout.map(lambda a: torch.from_numpy(a).to(self.device))
+            lexical = self.backbone.lexical_rows(device_layout.option_token_ids)
+            return self.head(hidden, attention_mask, lexical, device_layout).float().cpu().numpy()
 
-        ``reach``: run the backbone over the first ``reach`` positions only and leave the later hidden states zero,
-        for a head that reads no further (:mod:`clef_local.runtime.head_reach`).
-        """
-        return self._logits(records, layout, pad_token_id, reach, None)
-
-    @torch.inference_mode()
-    def cached_logits(self, records: list[EncodedRecord], layout: HeadLayout, pad_token_id: int,
-                      cache: StateCache, reach: int | None = None) -> np.ndarray:
-        """:meth:`logits`, each record's state taken from ``cache`` (run and stored on a miss) and only its schema
-        tokens run (:mod:`clef_local.backends.torch_cache`).
-
-        A pass that runs out of memory empties the cache (its entries are what can be given back), then runs the
-        batch again without it; a second failure is raised.
-        """
+    def _cached(self, records: Sequence[EncodedRecord], cache: StateCache, pad_token_id: int) -> torch.Tensor | None:
+        """The batch's hidden states through ``cache``; None after running out of memory, once the cache (what can
+        be given back) is emptied, so that the caller runs the batch cold."""
         try:
-            return self._logits(records, layout, pad_token_id, reach, cache)
+            return cached_hidden_states(self.backbone, records, cache, self.state_identity, pad_token_id)
         except RuntimeError as exc:
             if not is_out_of_memory(exc):
                 raise
@@ -282,48 +292,7 @@ class TorchBackend:
                 torch.cuda.empty_cache()
             log.warning("out of memory with %s of cached states (%s); cleared the state cache, running the batch of "
                         "%d again without it", format_size(freed), str(exc).splitlines()[0][:200], len(records))
-        return self._logits(records, layout, pad_token_id, reach, None)
-
-    def _logits(self, records: list[EncodedRecord], layout: HeadLayout, pad_token_id: int, reach: int | None,
-                cache: StateCache | None) -> np.ndarray:
-        input_ids, attention_mask = collate(records, pad_token_id, self.device)
-        cut = input_ids.shape[1] if reach is None else min(reach, input_ids.shape[1])
-        if cache is None:
-            hidden = self._hidden(records, input_ids[:, :cut], attention_mask[:, :cut])
-        else:
-            hidden = cached_hidden_states(self.backbone, records, cut, cache, self.state_identity, pad_token_id)
-        hidden = torch.nn.functional.pad(hidden, (0, 0, 0, input_ids.shape[1] - cut))
-        device_layout = layout.map(lambda a: torch.from_numpy(a).to(self.device))
-        lexical = self.backbone.lexical_rows(device_layout.option_token_ids)
-        logits = self.head(hidden, attention_mask, lexical, device_layout)
-        return logits.float().cpu().numpy()
-
-    def _hidden(self, records: list[EncodedRecord], input_ids: torch.Tensor,
-                attention_mask: torch.Tensor) -> torch.Tensor:
-        """Hidden states of a batch; records with media run through the multimodal model with the rest.
-
-        A text-only record holding a vision pad token as text would be taken for a placeholder by the multimodal
-        model, so such records run through the text model on their own (the same numbers: a text-only record's
-        multimodal positions are its text positions).
-        """
-        if not any(r.media is not None for r in records):
-            return self.backbone.hidden_states(input_ids, attention_mask)
-        pads = {self.release.config.get(k) for k in ("image_token_id", "video_token_id")}
-        alone = [i for i, r in enumerate(records) if r.media is None and not pads.isdisjoint(r.input_ids)]
-        if not alone:
-            media = collate_media(records, input_ids.shape[1], self.device)
-            return self.backbone.hidden_states(input_ids, attention_mask, media)
-        rest = [i for i in range(len(records)) if i not in alone]
-        parts = []
-        for rows, with_media in ((rest, True), (alone, False)):
-            index = torch.tensor(rows, device=self.device)
-            rows_media = collate_media([records[i] for i in rows], input_ids.shape[1], self.device) if with_media \
-                else None
-            parts.append((index, self.backbone.hidden_states(input_ids[index], attention_mask[index], rows_media)))
-        hidden = parts[0][1].new_zeros((*input_ids.shape, parts[0][1].shape[-1]))
-        for index, part in parts:
-            hidden[index] = part
-        return hidden
+            return None
 
     def describe(self) -> dict[str, Any]:
         params = sum(p.numel() for p in self.backbone.model.parameters())

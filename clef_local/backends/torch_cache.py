@@ -280,11 +280,12 @@ def continuation(backbone: Backbone, state: TorchState, tails: Sequence[Sequence
     return backbone.forward(ids.to(device), mask.to(device), cache=cache, position_ids=positions)
 
 
-def cached_hidden_states(backbone: Backbone, records: Sequence[EncodedRecord], cut: int, cache: StateCache,
+def cached_hidden_states(backbone: Backbone, records: Sequence[EncodedRecord], cache: StateCache,
                          identity: str, pad_token_id: int) -> torch.Tensor:
-    """The hidden states ``[records, cut, hidden]`` of a right-padded batch, each record's state from ``cache``
-    (run and stored on a miss) and only its schema tokens (up to ``cut``) run; positions past a record's end are
-    zero. Records that share a state run as one continuation batch; each distinct state is one lookup."""
+    """The hidden states ``[records, longest, hidden]`` of a right-padded batch, each record's state from ``cache``
+    (run and stored on a miss) and only its schema tokens run; positions past a record's end are zero. Records
+    that share a state run as one continuation batch; each distinct state is one lookup."""
+    longest = max(len(r.input_ids) for r in records)
     groups: dict[str, list[int]] = {}
     for row, record in enumerate(records):
         groups.setdefault(record_state_key(identity, record), []).append(row)
@@ -297,10 +298,10 @@ def cached_hidden_states(backbone: Backbone, records: Sequence[EncodedRecord], c
         if not isinstance(state, TorchState):
             raise TypeError(f"the state cache holds a {type(state).__name__}, not a TorchState")
         start = state.tokens
-        tails = [records[row].input_ids[start : min(cut, len(records[row].input_ids))] for row in rows]
+        tails = [records[row].input_ids[start:] for row in rows]
         hidden = continuation(backbone, state, tails, pad_token_id)
         if out is None:
-            out = hidden.new_zeros((len(records), cut, hidden.shape[-1]))
+            out = hidden.new_zeros((len(records), longest, hidden.shape[-1]))
         for j, (row, tail) in enumerate(zip(rows, tails, strict=True)):
             out[row, :start] = state.hidden
             out[row, start : start + len(tail)] = hidden[j, : len(tail)]

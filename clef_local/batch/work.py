@@ -1,8 +1,8 @@
 """Deciding one chunk of rows: the same code in the local job and in every Ray replica, so both write the same bytes.
 
-Each row is validated and tokenized on its own (:meth:`ClefModel.encode`): a row the server would answer with a 4xx
-(a schema error, a state too long) becomes a line of the errors file and the other rows go on. The rows that encode
-are decided together (:meth:`ClefModel.predict_encoded`: length-bucketed batches, the server's rules in
+Each row is encoded on its own (:meth:`ClefModel.encode`): a row the server would answer with a 4xx (a schema
+error, a state too long) becomes a line of the errors file and the other rows go on. The rows that encode are
+decided together (:meth:`ClefModel.run`: length-bucketed batches, the server's rules in
 :mod:`clef_local.runtime.batching`), and each answer becomes one JSONL line ``{"id": …, **response}``. Batches are
 cut inside a chunk only, so a chunk's bytes do not depend on which chunks ran before it (a resumed job's output
 equals an uninterrupted one's).
@@ -53,7 +53,7 @@ class EncodedChunk:
 
     chunk: int
     rows: list[Row]
-    encoded: list[tuple[Row, dict[str, Any], EncodedRecord]]
+    encoded: list[tuple[Row, EncodedRecord]]
     errors: dict[int, RowError]  # row position → why it has no answer
 
 
@@ -74,13 +74,13 @@ def encode_chunk(model: ClefModel, chunk: int, rows: Sequence[Row], settings: Ch
             errors[row.position] = row.error or RowError(422, "validation_error", "no request")
             continue
         try:
-            record, enc = model.encode(row.request, truncate_state=settings.truncate_state)
+            record = model.encode(row.request, truncate_state=settings.truncate_state)
         except ClefError as exc:
             if not 400 <= exc.status_code < 500:
                 raise  # a broken release or a full device is the job's problem, not the row's
             errors[row.position] = row_error(exc)
             continue
-        encoded.append((row, record, enc))
+        encoded.append((row, record))
     return EncodedChunk(chunk, list(rows), encoded, errors)
 
 
@@ -91,18 +91,14 @@ def decide_encoded(model: ClefModel, encoded: EncodedChunk, settings: ChunkSetti
     ``progress(rows)`` is called after each batch with the number of rows it finished.
     """
     started = time.perf_counter()
-    done = 0
-
-    def step(finished: int, _total: int) -> None:
-        nonlocal done
-        if progress is not None:
-            progress(finished - done)
-        done = finished
-
-    predictions = model.predict_encoded([(record, enc) for _, record, enc in encoded.encoded],
-                                        batch_size=settings.batch_size, progress=step)
     mode = settings.confidence or model.confidence
-    answers = {row.position: p.response(mode) for (row, _, _), p in zip(encoded.encoded, predictions, strict=True)}
+    answers: dict[int, dict[str, Any]] = {}
+    records = [record for _, record in encoded.encoded]
+    for chunk, predictions in model.run(records, batch_size=settings.batch_size):
+        for i, prediction in zip(chunk, predictions, strict=True):
+            answers[encoded.encoded[i][0].position] = prediction.response(mode)
+        if progress is not None:
+            progress(len(chunk))
     out, err = [], []
     for row in encoded.rows:
         if row.position in answers:

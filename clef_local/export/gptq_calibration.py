@@ -230,7 +230,7 @@ def gptq_tensors(source: Path, scheme: str, group_size: int | None, options: dic
     if not isinstance(layers, torch.nn.ModuleList) or not len(layers):
         raise ExportError(f"{source}: the text model has no decoder layers list (.layers); cannot calibrate")
     device_ = backbone.device
-    input_ids = [torch.tensor([model.encode(r)[1].input_ids], device=device_) for r in batch]
+    input_ids = [torch.tensor([model.encode(r).input_ids], device=device_) for r in batch]
     tokens = sum(ids.shape[1] for ids in input_ids)
     log.info("calibrating %s on %d requests (%d tokens)", scheme, len(batch), tokens)
     hidden, calls = _record_layer_calls(backbone.text_model, layers, input_ids)

@@ -36,11 +36,6 @@ TOKENIZER_CLASSES = ("Qwen2Tokenizer", "Qwen2TokenizerFast", "Qwen3_5Tokenizer",
 REMOTE_CODE_KEYS = ("auto_map",)
 
 
-def one_line(exc: BaseException | str) -> str:
-    """An exception's message on one line (transformers' messages span several): the CLI prints one line per error."""
-    return " ".join(str(exc).split())
-
-
 def read_json(path: Path) -> dict[str, Any]:
     """A JSON object from ``path``; a missing or malformed file is a :class:`ReleaseError` naming it."""
     if not path.is_file():

@@ -272,7 +272,7 @@ def head_float32_bytes(head_config_path: Path) -> int:
     import torch
 
     from clef_local.formats.release import read_head_config
-    from clef_local.runtime.head import JointSchemaHead
+    from clef_local.heads.torch_head import JointSchemaHead
 
     with torch.device("meta"):
         head = JointSchemaHead(read_head_config(head_config_path))

@@ -62,7 +62,7 @@ KERNELS: dict[tuple[str, str], dict[str, str]] = {
 KERNELS[("mlx", "cpu")] = {**KERNELS[("mlx", "apple")], "int4": "mlx_dequantize_matmul",
                            "int8": "mlx_dequantize_matmul"}
 KERNELS[("torch", "apple")] = KERNELS[("torch", "cpu")]
-# the backends that can continue a pass from a cached state (StateCachingBackend); the others run every state
+# the backends that can continue a pass from a cached state (Backend.state_cache_blocker); the others run every state
 STATE_CACHE_BACKENDS = ("torch",)
 # the state cache when no plan was made (check_memory=False): a fixed, small budget
 UNPLANNED_STATE_CACHE = 256 << 20
@@ -217,10 +217,10 @@ def resident_census(census: WeightCensus, backend: str) -> WeightCensus:
     return census
 
 
-def decide(hardware: Hardware, scheme: str, footprint: Any, *, context: int, backend: str = "auto",
-           dtype: Any = None, installed: Mapping[str, str | None], onnx_export: bool = False,
-           bitsandbytes: bool = True, check_memory: bool = True, source: str = "DIR",
-           onnx_cuda: bool = False, state_cache: int | None = None) -> LoadDecision:
+def plan_load(hardware: Hardware, scheme: str, footprint: Any, *, context: int, backend: str = "auto",
+              dtype: Any = None, installed: Mapping[str, str | None], onnx_export: bool = False,
+              bitsandbytes: bool = True, check_memory: bool = True, source: str = "DIR",
+              onnx_cuda: bool = False, state_cache: int | None = None) -> LoadDecision:
     """:func:`choose`, then the planner's check: raises :class:`InsufficientMemoryError` (with a suggestion) when
     the stored format does not fit at ``context`` tokens. ``footprint`` is a
     :class:`clef_local.planning.planner.Footprint` (``censuses`` per format, ``dims``); ``source`` names the
@@ -264,7 +264,7 @@ def resident_plan(census: WeightCensus, footprint: Any, hardware: Hardware, deci
                 state_cache=state_cache)
 
 
-def decide_split(devices: list[Hardware], scheme: str, footprint: Any, *, context: int, backend: str = "auto",
+def plan_split(devices: list[Hardware], scheme: str, footprint: Any, *, context: int, backend: str = "auto",
                  dtype: Any = None, installed: Mapping[str, str | None], bitsandbytes: bool = True,
                  check_memory: bool = True, source: str = "DIR") -> LoadDecision:
     """:func:`choose` for the first device, then the pipeline split of the stored format over ``devices``

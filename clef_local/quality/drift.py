@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from clef_local.errors import short
 from clef_local.quality.metrics import labelled_report
 from clef_local.quality.results import DriftResult, Progress, QuestionDrift, QuestionRow, gold_index
 from clef_local.runtime.schema import QUESTION_TYPES
@@ -117,11 +118,10 @@ def summarize(drifts: Sequence[QuestionDrift]) -> dict[str, Any]:
     }
 
 
-def _state_snippet(record: Mapping[str, Any], limit: int = 160) -> str:
+def _state_snippet(state: Any, limit: int = 160) -> str:
     from clef_local.runtime.encoding import render
 
-    text = render(record.get("state", ""))
-    return text if len(text) <= limit else text[: limit - 1] + "…"
+    return short(render(state), limit)
 
 
 def labelled_metrics(rows: Sequence[QuestionRow]) -> dict[str, dict[str, Any]]:
@@ -151,7 +151,7 @@ def drift_from_predictions(ref_preds: Sequence[Prediction], cand_preds: Sequence
     rows = []
     index = 0
     for n, (r, c) in enumerate(zip(ref_preds, cand_preds, strict=True)):
-        snippet = _state_snippet(r.record)
+        snippet = _state_snippet(r.request.state)
         for question, p, q in zip(r.encoded.questions, r.probabilities, c.probabilities, strict=True):
             k = len(question.option_ids)
             label = labels[n].get(question.question_id) if labels is not None else None

@@ -14,6 +14,7 @@ from typing import Any, Literal
 import numpy as np
 
 from clef_local.runtime.encoding import EncodedRecord
+from clef_local.runtime.schema import Question
 
 Confidence = Literal["jev", "reference"]
 CONFIDENCE_MODES: tuple[str, ...] = ("jev", "reference")
@@ -48,42 +49,45 @@ def score_confidence(probs: Sequence[float], mode: Confidence = "jev") -> float:
     return max(0.0, 1.0 - spread / uniform_spread)
 
 
-def build_answer(question: dict[str, Any], option_ids: Sequence[str], probs: Sequence[float],
+def build_answer(question: Question, option_ids: Sequence[str], probs: Sequence[float],
                  confidence: Confidence = "jev") -> dict[str, Any]:
     """One question's answer from its probabilities (``option_ids``/``probs`` in model order)."""
     p = dict(zip(option_ids, (float(x) for x in probs), strict=True))
-    kind = question["type"]
+    kind, criteria = question.type, question.criteria or {}
     if kind == "noul":
         return {"type": "noul", "noul": p["true"]}
     if kind == "choice":
-        order = [str(label) for label in question["criteria"]]  # request key order
+        order = [str(label) for label in criteria]  # request key order
         ordered = [p[label] for label in order]
         choice = order[ordered.index(max(ordered))]  # ties: first in request order
         return {"type": "choice", "choice": choice, "confidence": choice_confidence(ordered, confidence),
                 "probabilities": dict(zip(order, ordered, strict=True))}
-    levels = [str(i) for i in range(len(question["criteria"]))]
+    levels = [str(i) for i in range(len(criteria))]
     ordered = [p[level] for level in levels]
     return {
         "type": "score",
         "score": sum(i * x for i, x in enumerate(ordered)),
         "confidence": score_confidence(ordered, confidence),
-        "legend": dict(zip(levels, question["criteria"], strict=True)),
+        "legend": dict(zip(levels, criteria, strict=True)),
         "probabilities": dict(zip(levels, ordered, strict=True)),
     }
 
 
-def build_response(record: dict[str, Any], encoded: EncodedRecord, probs: Sequence[np.ndarray],
+def build_response(encoded: EncodedRecord, probs: Sequence[np.ndarray],
                    confidence: Confidence = "jev") -> dict[str, Any]:
-    """The ``/v1/systemone`` response for one request; ``probs`` holds one vector per question (model order;
-    entries past the question's options, e.g. padding, are ignored)."""
+    """The ``/v1/systemone`` response for one encoded request; ``probs`` holds one vector per question (model
+    order; entries past the question's options, e.g. padding, are ignored)."""
+    request = encoded.request
+    if request is None:
+        raise ValueError("build_response needs the EncodedRecord of encode_request (it carries the request)")
     answers = {}
     for row, question in zip(probs, encoded.questions, strict=True):
         k = len(question.option_ids)
         answers[question.question_id] = build_answer(
-            record["questions"][question.question_id], question.option_ids, row[:k].tolist(), confidence
+            request.questions[question.question_id], question.option_ids, row[:k].tolist(), confidence
         )
     return {
-        "model": record["model"],
+        "model": request.model,
         "answers": answers,
         "usage": {"input_tokens": len(encoded.input_ids), "output_tokens": 0},
     }

@@ -18,13 +18,13 @@ Nothing is decoded here: :mod:`clef_local.runtime.media` decodes what :func:`map
 
 from __future__ import annotations
 
-import copy
 import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from clef_local.errors import RequestValidationError
+from clef_local.runtime.schema import SystemOneRequest
 
 ASSET_FORMATS = ("png", "jpg", "jpeg")  # Jev's wire enum; the bytes' own format is what is decoded
 SDK_REFERENCE = re.compile(r"<image:[0-9a-f]{32}>")  # what typesafe-sdk's Image serializes as
@@ -51,9 +51,9 @@ class AssetImage:
 
 @dataclass(frozen=True)
 class MappedAssets:
-    """The record with placeholders replaced, and the assets in image order."""
+    """The request with placeholders replaced (no ``assets`` left), and the assets in image order."""
 
-    record: dict[str, Any]
+    request: SystemOneRequest
     images: list[AssetImage]
 
 
@@ -135,28 +135,24 @@ def _rewrite(value: Any, rewrite: Callable[[str], str]) -> Any:
     return value
 
 
-def _prompt_texts(record: dict[str, Any]) -> Iterator[tuple[tuple[str, ...], Any]]:
+def _prompt_texts(request: SystemOneRequest) -> Iterator[tuple[tuple[str, ...], Any]]:
     """``(path, value)`` of every place a placeholder may appear, in the order the prompt shows them."""
-    from clef_local.runtime.encoding import question_options
-
-    yield ("state",), record["state"]
-    for qid, question in record["questions"].items():
-        yield ("questions", qid, "instructions"), question.get("instructions")
-        criteria = question.get("criteria")
-        if question["type"] == "score" and isinstance(criteria, list):
+    yield ("state",), request.state
+    for qid, question in request.questions.items():
+        yield ("questions", qid, "instructions"), question.instructions
+        criteria = question.criteria
+        if question.type == "score" and isinstance(criteria, list):
             for level in range(len(criteria)):
                 yield ("questions", qid, "criteria", str(level)), criteria[level]
         elif isinstance(criteria, dict):
-            order = [option for option, _ in question_options(question)]
-            for option in order:
-                if option in criteria:
-                    yield ("questions", qid, "criteria", option), criteria[option]
+            for option in sorted(criteria):  # model order (docs/format.md §2)
+                yield ("questions", qid, "criteria", option), criteria[option]
 
 
-def check_references(record: dict[str, Any]) -> None:
+def check_references(request: SystemOneRequest) -> None:
     """A request without assets must not name typesafe-sdk images (``<image:…>``): the SDK sends an ``Image`` it
     was not given (not attached, not in ``assets``, not placed in the content) as its reference text only."""
-    for _, value in _prompt_texts(record):
+    for _, value in _prompt_texts(request):
         for text in _strings(value):
             if "<image:" in text and (found := SDK_REFERENCE.search(text)):
                 raise invalid(["assets"], f"the request refers to {found.group()!r}, which no asset provides; pass "
@@ -164,9 +160,9 @@ def check_references(record: dict[str, Any]) -> None:
                                           "itself)", "asset_missing")
 
 
-def map_assets(record: dict[str, Any], assets: Any, *, first_number: int = 1,
+def map_assets(request: SystemOneRequest, assets: Any, *, first_number: int = 1,
                parts: Mapping[str, bytes] | None = None) -> MappedAssets:
-    """Replace the placeholders of ``assets`` in ``record`` (a validated request's plain data) by image markers.
+    """Replace the placeholders of ``assets`` in ``request`` by image markers.
 
     ``first_number`` is the marker number of the first asset image (1 + the count of reference-form images).
     ``parts`` are a multipart body's parts by name (``None``: the body was JSON). The input is not modified.
@@ -191,7 +187,7 @@ def map_assets(record: dict[str, Any], assets: Any, *, first_number: int = 1,
                 order.append(match.group())
         strays.extend(r for r in SDK_REFERENCE.findall(text) if r not in assets and r not in strays)
 
-    for _, value in _prompt_texts(record):
+    for _, value in _prompt_texts(request):
         for text in _strings(value):
             visit(text)
     if strays:
@@ -209,12 +205,10 @@ def map_assets(record: dict[str, Any], assets: Any, *, first_number: int = 1,
     def rewrite(text: str) -> str:
         return pattern.sub(lambda m: marker(numbers[m.group()]), text)
 
-    out = copy.deepcopy(record)
-    out["state"] = _rewrite(out["state"], rewrite)
-    for question in out["questions"].values():
-        if "instructions" in question:
-            question["instructions"] = _rewrite(question["instructions"], rewrite)
-        if question.get("criteria") is not None:
-            question["criteria"] = _rewrite(question["criteria"], rewrite)
+    questions = {qid: q.model_copy(update={"instructions": _rewrite(q.instructions, rewrite),
+                                           "criteria": _rewrite(q.criteria, rewrite)})
+                 for qid, q in request.questions.items()}
+    out = request.model_copy(update={"state": _rewrite(request.state, rewrite), "questions": questions,
+                                     "assets": None})
     images = [AssetImage(name, ("assets", name), data[name]) for name in order]
     return MappedAssets(out, images)

@@ -16,7 +16,7 @@ from functools import cached_property
 from typing import Any, Protocol
 
 from clef_local.errors import ApiUsageError, MaxTokensExceededError
-from clef_local.runtime.schema import TYPE_IDS
+from clef_local.runtime.schema import TYPE_IDS, Question, SystemOneRequest
 
 SYSTEM_PROMPT = (
     "Read the complete state and schema. Decide every field jointly. "
@@ -91,12 +91,16 @@ class MediaInputs:
 
 @dataclass(frozen=True)
 class EncodedRecord:
+    """One request as the backbone and the head read it: token ids and spans, with the validated request it came
+    from (its media resolved: docs/format.md §7), which the answers are built from."""
+
     input_ids: tuple[int, ...]
     questions: tuple[EncodedQuestion, ...]
     state_tokens: int  # state tokens kept
     truncated_tokens: int = 0  # state tokens dropped (only with truncate_state=True)
     state_start: int = 0  # position of the first state token (after the prefix and any media ids)
     media: MediaInputs | None = field(default=None, compare=False)  # images / videos, their ids after the prefix
+    request: SystemOneRequest | None = field(default=None, compare=False, repr=False)
 
 
 def render(value: Any) -> str:
@@ -106,17 +110,16 @@ def render(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
 
 
-def question_options(question: dict[str, Any]) -> list[tuple[str, Any]]:
+def question_options(question: Question) -> list[tuple[str, Any]]:
     """The allowed options of a question as ``(option_id, description)`` in model order."""
-    kind = question["type"]
-    criteria = question.get("criteria")
+    kind, criteria = question.type, question.criteria
     if kind == "noul":
         overrides = criteria or {}
         return [(key, overrides[key] if key in overrides else NOUL_DEFAULTS[key]) for key in ("true", "false")]
-    if kind == "choice":
-        return sorted((str(key), value) for key, value in (criteria or {}).items())
-    if kind == "score":
-        return [(str(level), text) for level, text in enumerate(criteria or ())]
+    if kind == "choice" and isinstance(criteria, dict):
+        return sorted((str(key), value) for key, value in criteria.items())
+    if kind == "score" and isinstance(criteria, list):
+        return [(str(level), text) for level, text in enumerate(criteria)]
     raise ApiUsageError(f"unknown question type {kind!r}; expected noul, choice or score")
 
 
@@ -147,13 +150,13 @@ class _Pieces:
 
 def encode_request(
     tokenizer: PieceTokenizer,
-    record: dict[str, Any],
+    request: SystemOneRequest,
     *,
     max_length: int = REFERENCE_MAX_LENGTH,
     truncate_state: bool = False,
     media: MediaInputs | None = None,
 ) -> EncodedRecord:
-    """Token ids and spans of one request (``state`` + ``questions`` as plain JSON values).
+    """Token ids and spans of one validated request (its ``state`` and ``questions``).
 
     ``media`` holds the processor's ids for the image/video placeholders, inserted right after the prefix (its
     visual tokens count against ``max_length``); the record carries it with its ``token_offset`` set.
@@ -161,12 +164,12 @@ def encode_request(
     which keeps the state's first tokens as the reference does.
     """
     pieces = _Pieces()
-    prefix, state, header = pieces.add(PREFIX), pieces.add(render(record["state"])), pieces.add(SCHEMA_HEADER)
+    prefix, state, header = pieces.add(PREFIX), pieces.add(render(request.state)), pieces.add(SCHEMA_HEADER)
     # (question piece, [option pieces]) per question, by position in pieces.sequence
     layout: list[tuple[str, int, int, list[tuple[str, int]]]] = []
-    for number, (question_id, question) in enumerate(record["questions"].items(), start=1):
-        pieces.add(f"\nFIELD {number}\nID: {question_id}\nTYPE: {question['type']}\nINSTRUCTION: ")
-        instructions = question.get("instructions")
+    for number, (question_id, question) in enumerate(request.questions.items(), start=1):
+        pieces.add(f"\nFIELD {number}\nID: {question_id}\nTYPE: {question.type}\nINSTRUCTION: ")
+        instructions = question.instructions
         if instructions is None or instructions == "":
             instructions = str(question_id)
         question_piece = pieces.add(render(instructions))
@@ -177,7 +180,7 @@ def encode_request(
             options.append((option_id, pieces.add(option_semantics(option_id, description))))
             pieces.add("\n")
         pieces.add("END FIELD\n")
-        layout.append((str(question_id), TYPE_IDS[question["type"]], question_piece, options))
+        layout.append((str(question_id), TYPE_IDS[question.type], question_piece, options))
     suffix = pieces.add(SUFFIX)
 
     ids_of = tokenizer.encode_pieces(pieces.order)
@@ -232,7 +235,7 @@ def encode_request(
         for qid, qtype, qpiece, options in layout
     )
     return EncodedRecord(tuple(input_ids), questions, state_tokens=len(state_ids), truncated_tokens=truncated,
-                         state_start=len(prefix_ids), media=media)
+                         state_start=len(prefix_ids), media=media, request=request)
 
 
 def media_placeholder(images: int, videos: int) -> str:

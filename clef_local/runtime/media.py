@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from clef_local.errors import ClefError, RequestValidationError
 from clef_local.runtime.assets import invalid, map_assets
-from clef_local.runtime.schema import LimitValidationError
+from clef_local.runtime.schema import LimitValidationError, SystemOneRequest
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -80,10 +80,10 @@ DEFAULT_MEDIA_LIMITS = MediaLimits()
 
 @dataclass
 class RequestMedia:
-    """A request's media after :func:`resolve_media`: the record (placeholders replaced, no media fields), the
+    """A request's media after :func:`resolve_media`: the request (placeholders replaced, no media fields), the
     decoded images in order after the prefix, and each video's frames."""
 
-    record: dict[str, Any]
+    request: SystemOneRequest
     images: list[Any] = field(default_factory=list)  # PIL images
     videos: list[list[Any]] = field(default_factory=list)  # frames (PIL images) per video
 
@@ -254,20 +254,20 @@ def _size(image: Any) -> tuple[int, int]:
     return int(image.shape[1]), int(image.shape[0])
 
 
-def resolve_media(record: dict[str, Any], assets: Any = None, *, limits: MediaLimits = DEFAULT_MEDIA_LIMITS,
+def resolve_media(request: SystemOneRequest, *, limits: MediaLimits = DEFAULT_MEDIA_LIMITS,
                   parts: Mapping[str, bytes] | None = None) -> RequestMedia:
-    """A record's media, decoded and checked: ``images`` first, then the ``assets`` in order of first appearance
+    """A request's media, decoded and checked: ``images`` first, then the ``assets`` in order of first appearance
     (their placeholders replaced by ``<image N>``, :mod:`clef_local.runtime.assets`), and ``videos``.
 
-    ``record`` is a validated request's plain data (``request_to_record``); ``parts`` a multipart body's parts.
+    ``parts`` are a multipart body's parts by name (``None``: the body was JSON).
     """
-    images_in: Sequence[Any] = record.get("images") or []
-    videos_in: Sequence[Any] = record.get("videos") or []
-    base = {k: v for k, v in record.items() if k not in ("images", "videos")}
+    images_in: Sequence[Any] = request.images or []
+    videos_in: Sequence[Any] = request.videos or []
+    base = request.model_copy(update={"images": None, "videos": None})
     mapped = None
-    if assets is not None or parts:
-        mapped = map_assets(base, assets, first_number=len(images_in) + 1, parts=parts)
-        base = mapped.record
+    if request.assets is not None or parts:
+        mapped = map_assets(base, request.assets, first_number=len(images_in) + 1, parts=parts)
+        base = mapped.request
     count = len(images_in) + (len(mapped.images) if mapped else 0)
     if count > limits.max_images:
         raise _limit(("images",), f"the request carries {count} images, more than the limit of "

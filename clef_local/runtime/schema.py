@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
-from clef_local.errors import LimitExceededError, RequestValidationError
+from clef_local.errors import LimitExceededError, RequestValidationError, short
 
 
 @dataclass(frozen=True)
@@ -84,11 +84,6 @@ def _over(what: str, name: str, limits: Limits) -> PydanticCustomError:
                              f"configure Limits({name}=...) to allow more", limit=name)
 
 
-def _short(text: str, limit: int = 40) -> str:
-    """``text`` cut for a message (an error must not echo a megabyte back)."""
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
 def _utf8_size(text: str) -> int:
     return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
 
@@ -149,7 +144,7 @@ def _check_noul(value: Any) -> None:
     if not isinstance(value, dict):
         raise _fail("noul_criteria", "noul criteria must be an object with optional 'true' and 'false' "
                                      f"keys, or null; got {_json_type(value)}")
-    unknown = [_short(k) for k in value if k not in ("true", "false")]
+    unknown = [short(k) for k in value if k not in ("true", "false")]
     if unknown:
         raise _fail("noul_criteria", f"noul criteria allow only the keys 'true' and 'false'; got {unknown[:5]!r}")
     for key, description in value.items():
@@ -169,7 +164,7 @@ def _check_choice(value: Any, limits: Limits) -> None:
         raise _over(f"choice criteria have {n} labels", "max_choice_options", limits)
     for label in value:
         if _utf8_size(label) > limits.max_label_bytes:
-            raise _over(f"the choice label {_short(label)!r} is {_utf8_size(label):,} bytes", "max_label_bytes",
+            raise _over(f"the choice label {short(label)!r} is {_utf8_size(label):,} bytes", "max_label_bytes",
                         limits)
     for label, description in value.items():
         _check_text(description, f"choice criteria {label!r}", nullable=True)
@@ -227,7 +222,7 @@ class SystemOneRequest(BaseModel):
             raise _fail("question_id", f"question ids must be non-empty strings; got {bad[0]!r}")
         for key in value:
             if _utf8_size(key) > limits.max_question_id_bytes:
-                raise _over(f"the question id {_short(key)!r} is {_utf8_size(key):,} bytes", "max_question_id_bytes",
+                raise _over(f"the question id {short(key)!r} is {_utf8_size(key):,} bytes", "max_question_id_bytes",
                             limits)
         return value
 
@@ -285,12 +280,6 @@ def validate_request(data: Any, limits: Limits = DEFAULT_LIMITS) -> SystemOneReq
         return SystemOneRequest.model_validate(data, context={"limits": limits})
     except ValidationError as exc:
         raise _convert(exc) from None
-
-
-def request_to_record(req: SystemOneRequest) -> dict[str, Any]:
-    """The plain-data record the encoder consumes (docs/format.md §2), criteria in request order."""
-    # A deep, plain copy: the encoder may not mutate the validated request, and dict order is request order.
-    return req.model_dump(include={"model", "state", "questions", "images", "videos"})
 
 
 # ---------------------------------------------------------------- responses

@@ -19,8 +19,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from clef_local.errors import ReleaseError
-from clef_local.formats.release import TOKENIZER_CONFIG, check_tokenizer_config, one_line
+from clef_local.errors import ReleaseError, one_line
+from clef_local.formats.release import TOKENIZER_CONFIG, check_tokenizer_config
 
 # What AutoTokenizer builds from an allowed tokenizer_class in transformers 5 (the Qwen classes; the plain
 # tokenizers-backed class, of which PreTrainedTokenizerFast is an alias). transformers may substitute a class (for a

@@ -4,9 +4,9 @@ Every route handler catches what it can cause: a ``ClefError`` becomes its statu
 FastAPI-shaped list for validation, ``{"error_type", "message"}`` otherwise); anything else is a bug, logged
 with its traceback and answered 500. Bad input cannot get that far: a foreign ``Host`` or ``Origin`` is refused
 before any route runs (:mod:`.guard`); bodies must be JSON, are size-checked, decompressed with a bound, parsed,
-depth-, key- and Unicode-checked, validated, and measured against the model's context without tokenizing
-(``ClefModel.check_size``) before they are queued (:mod:`.body`); and the inference thread answers each request's
-own errors separately (:mod:`.scheduler`).
+depth-, key- and Unicode-checked (:mod:`.body`), then encoded once (``ClefModel.encode``: validated, measured
+against the context before tokenizing, media decoded) on the encode thread, off the event loop, before they are
+queued; and the inference thread answers each request's own errors separately (:mod:`.scheduler`).
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ import asyncio
 import hmac
 import logging
 from collections.abc import AsyncIterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError as FastAPIValidationError
@@ -36,18 +37,21 @@ from clef_local.runtime.schema import (
     SystemOneResponse,
     validate_request,
 )
-from clef_local.server.assets import is_multipart, resolve_request_media, split_multipart
+from clef_local.server.assets import is_multipart, split_multipart
 from clef_local.server.body import BodyTooLargeError, check_content_type, decode_content, parse_json
 from clef_local.server.config import ModelTable, ServerConfig
 from clef_local.server.guard import HostGuard
 from clef_local.server.metrics import CONTENT_TYPE, MetricsMiddleware, ServerMetrics
-from clef_local.server.scheduler import BatchScheduler, QueueFullError
+from clef_local.server.scheduler import BatchScheduler, QueueFullError, ShuttingDownError
+
+if TYPE_CHECKING:
+    from clef_local.model import ClefModel
+    from clef_local.runtime.encoding import EncodedRecord
 
 log = logging.getLogger(__name__)
 
 SYSTEMONE_PATH = "/v1/systemone"
 CLOUDFLARE_PATH = "/accounts/{account}/ai/run/@cf/cloudflare/{model}"
-OFFLOAD_BYTES = 256 * 1024  # bodies above this are decoded and validated off the event loop
 KNOWN_ENCODINGS = frozenset({"identity", "zstd", "gzip", "x-gzip", "deflate"})
 DRAIN_FACTOR = 4  # an oversized body up to this many limits is read (and dropped) so the client sees the 413
 
@@ -108,9 +112,11 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 class ServerState:
     """What the routes share: the model table, the scheduler, metrics and settings."""
 
-    def __init__(self, models: Mapping[str, Any], config: ServerConfig) -> None:
+    def __init__(self, models: Mapping[str, ClefModel], config: ServerConfig) -> None:
         self.config = config
         self.table = ModelTable(models, config.aliases)
+        # bodies are decoded, validated, tokenized and their images decoded here, one at a time, never on the loop
+        self.encoder: ThreadPoolExecutor | None = None
         self.scheduler = BatchScheduler(models, max_batch=config.max_batch, max_wait_ms=config.max_wait_ms,
                                         max_queue=config.max_queue, confidence=config.confidence,
                                         threads=config.threads)
@@ -153,9 +159,9 @@ class ServerState:
         return b"".join(chunks)
 
     def prepare(self, raw: bytes, encoding: str | None, path_model: str | None,
-                content_type: str | None = None) -> tuple[str, dict[str, Any], int]:
-        """Decode, parse and validate a body (JSON, or multipart with image parts); return the served model's name,
-        the request (its images decoded, :mod:`.assets`) and its JSON size."""
+                content_type: str | None = None) -> tuple[str, EncodedRecord]:
+        """Decode, parse, validate and encode a body (JSON, or multipart with image parts): the served model's name
+        and the encoded request (on the encode thread)."""
         decoded = decode_content(raw, encoding, self.config.max_body_bytes)
         parts = None
         if is_multipart(content_type):
@@ -171,11 +177,10 @@ class ServerState:
             except ApiUsageError:
                 known = None
         model = self.table.get(known or self.table.default)
-        validate_request(data, getattr(model, "limits", DEFAULT_LIMITS))  # 422 before the model name's 400
-        served = self.table.resolve(asked)  # type: ignore[arg-type]  # validated: a string
-        self.table.get(served).check_size(data)  # 413 for text that cannot fit, before the queue and the tokenizer
-        request = resolve_request_media(self.table.get(served), {**data, "model": served}, parts)
-        return served, request, len(decoded)
+        request = validate_request(data, getattr(model, "limits", DEFAULT_LIMITS))  # 422 before the name's 400
+        served = self.table.resolve(request.model)
+        model = self.table.get(served)
+        return served, model.encode(request.model_copy(update={"model": served}), parts=parts)
 
     def error(self, exc: ClefError, envelope: bool) -> JSONResponse:
         """The HTTP response of a ``ClefError``."""
@@ -207,12 +212,12 @@ class ServerState:
             encoding = request.headers.get("content-encoding")
             label = (encoding or "identity").strip().lower()
             self.metrics.bodies.inc(label if label in KNOWN_ENCODINGS else "other")
-            # images are decoded in prepare: off the event loop, like large or compressed bodies
-            if len(raw) > OFFLOAD_BYTES or encoding or is_multipart(content_type):
-                served, data, size = await asyncio.to_thread(self.prepare, raw, encoding, path_model, content_type)
-            else:
-                served, data, size = self.prepare(raw, encoding, path_model, content_type)
-            response = round_floats(await self.scheduler.submit(served, data, size), 4)
+            if self.encoder is None:
+                raise ShuttingDownError("the server is not running; retry on another instance")
+            loop = asyncio.get_running_loop()
+            served, record = await loop.run_in_executor(self.encoder, self.prepare, raw, encoding, path_model,
+                                                        content_type)
+            response = round_floats(await self.scheduler.submit(served, record), 4)
         except ClefError as exc:
             return self.error(exc, envelope)
         except ClientDisconnect:
@@ -234,13 +239,14 @@ def internal_error(envelope: bool = False) -> JSONResponse:
     return JSONResponse({"detail": {"error_type": "internal_error", "message": message}}, status_code=500)
 
 
-def create_app(models: Mapping[str, Any], config: ServerConfig | None = None) -> FastAPI:
+def create_app(models: Mapping[str, ClefModel], config: ServerConfig | None = None) -> FastAPI:
     """The ASGI app serving ``models`` (``{name: ClefModel}``; the first is the default and the alias target)."""
     config = config or ServerConfig()
     state = ServerState(models, config)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        state.encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="clef-encode")
         await state.scheduler.start()
         log.info("serving %s (aliases: %s), max batch %d, max wait %g ms, max queue %d", ", ".join(models),
                  ", ".join(config.aliases) or "none", config.max_batch, config.max_wait_ms, config.max_queue)
@@ -248,6 +254,8 @@ def create_app(models: Mapping[str, Any], config: ServerConfig | None = None) ->
             yield
         finally:
             await state.scheduler.stop(config.graceful_timeout_s)
+            state.encoder.shutdown(wait=True)
+            state.encoder = None
 
     app = FastAPI(title="clef-local", version=clef_local.__version__, lifespan=lifespan, redirect_slashes=False,
                   description="Clef decision models served locally: the SystemOne API (`POST /v1/systemone`) "

@@ -1,22 +1,17 @@
-"""Media in ``POST /v1/systemone`` bodies: ``multipart/form-data`` (what typesafe-sdk sends for its ``Image``
-assets) and the decoding of a request's images before it is queued (docs/serving.md, Media).
+"""``multipart/form-data`` bodies of ``POST /v1/systemone`` (what typesafe-sdk sends for its ``Image`` assets;
+docs/serving.md, Media).
 
 A multipart body (RFC 7578) holds the request JSON as the part named ``request`` and each image's bytes as a part
 that one asset names (``"assets": {"<placeholder>": {"type": "image", "part": "asset-0"}}``). The body is read and
-decompressed under the same 13 MiB limit as a JSON body, then split here; a malformed body is a 422 naming the
-problem. :func:`resolve_request_media` then decodes every image of the request (reference form or assets) with the
-served model's :class:`~clef_local.runtime.media.MediaLimits`, so that bad media is refused with a 4xx before the
-request reaches the inference thread, and the queued request carries decoded images only.
+decompressed under the same 13 MiB limit as a JSON body, then split here (a malformed body is a 422 naming the
+problem); ``ClefModel.encode`` decodes the images with the served model's limits before the request is queued.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
 
-from clef_local.errors import ApiUsageError, RequestValidationError
-from clef_local.runtime.media import resolve_media
-from clef_local.runtime.schema import request_to_record, validate_request
+from clef_local.errors import RequestValidationError
 
 MULTIPART = "multipart/form-data"
 REQUEST_PART = "request"  # typesafe-sdk's name for the JSON part
@@ -88,24 +83,3 @@ def _part_name(head: bytes) -> str:
     if not name:
         raise _invalid("a multipart part has no name")
     return name
-
-
-def has_media(data: Any) -> bool:
-    """Whether a request carries media, as ``ClefModel.encode`` decides it (empty lists do not count)."""
-    return isinstance(data, dict) and (bool(data.get("images")) or bool(data.get("videos"))
-                                       or data.get("assets") is not None)
-
-
-def resolve_request_media(model: Any, data: dict[str, Any], parts: dict[str, bytes] | None) -> dict[str, Any]:
-    """``data`` (a validated request) with its images and videos decoded by ``model``'s limits and Jev assets mapped
-    onto the reference form (docs/format.md §7); a request without media comes back unchanged."""
-    if parts is None and not has_media(data):
-        return data
-    processor = getattr(model, "media_processor", None)
-    if processor is None:
-        raise ApiUsageError("this server's model does not take images or videos")
-    processor()  # 400 when the model has no vision tower or runs on a backend without one
-    validated = validate_request(data, model.limits)
-    media = resolve_media(request_to_record(validated), validated.assets, limits=model.media_limits, parts=parts)
-    return {"model": data["model"], "state": media.record["state"], "questions": media.record["questions"],
-            "images": media.images, "videos": media.videos}

@@ -1,25 +1,20 @@
-"""Dynamic batching: concurrent requests become one padded ``decide_batch`` on a single inference thread.
+"""Dynamic batching: concurrent requests become padded batches of one model's ``run`` on a single inference thread.
 
-The event loop never runs a model. ``submit`` puts a validated request on a queue and awaits its answer; one
-collector task takes the first waiting request, keeps collecting until ``max_batch`` requests are in hand or
-``max_wait_ms`` have passed since the first, groups them by model and hands each group to ONE worker thread
-(torch is not safe for concurrent forwards on one model) as one padded ``decide_batch``. A group of very
-different lengths is first split on estimated lengths so that padding never costs more than
-:data:`clef_local.runtime.batching.PAD_WASTE` times the real work (one 8K-token request would otherwise pad seven short
-ones to 8K); ``decide_batch`` then splits again on exact token counts with its device's budget (tighter on a
-CPU). While that thread computes, new requests queue up and form the next batch. A full queue raises
-:class:`QueueFullError` (HTTP 429 with ``Retry-After``).
+The event loop never runs a model. ``submit`` puts an encoded request (``ClefModel.encode`` ran on the server's
+encode thread) on a queue and awaits its answer; one collector task takes the first waiting request, keeps
+collecting until ``max_batch`` are in hand or ``max_wait_ms`` have passed since the first, groups them by model and
+hands each group to ONE worker thread (torch is not safe for concurrent forwards on one model), where
+``ClefModel.run`` cuts it into batches of similar lengths by the device's padding budget. While that thread
+computes, new requests queue up and form the next batch. A full queue raises :class:`QueueFullError` (HTTP 429
+with ``Retry-After``).
 
 Threads: the inference thread's forwards use :func:`clef_local.planning.hardware.thread_plan` intra-op threads
 (physical cores minus one for the event loop, ``threads=`` or ``$CLEF_LOCAL_THREADS`` to override) and one inter-op
 thread, set when the scheduler starts and restored when it stops: torch's default of one thread per core
-oversubscribes a server whose event loop needs a core too, and on a loaded machine every forward then waits for its
-slowest thread (docs/benchmarks.md#threads).
+oversubscribes a server whose event loop needs a core too (docs/serving.md).
 
-Errors stay with the request that caused them: requests are validated before they are queued, and if a batch
-still fails (a state too long for the context, images, anything the model refuses), its requests are re-run
-one by one, so each gets its own answer or its own error. The numbers are those of ``decide_batch``, which are
-those of one-by-one ``decide`` (padding-independent, within float noise).
+Errors stay with the request that caused them: if a batch fails (out of memory, anything the model refuses), its
+requests are re-run one by one, so each gets its own answer or its own error.
 """
 
 from __future__ import annotations
@@ -34,12 +29,14 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from clef_local.errors import ClefError
 from clef_local.planning.hardware import ThreadPlan, thread_plan
-from clef_local.runtime.batching import split_by_length
 from clef_local.server.metrics import ServerMetrics
+
+if TYPE_CHECKING:
+    from clef_local.runtime.encoding import EncodedRecord
 
 log = logging.getLogger(__name__)
 
@@ -62,26 +59,11 @@ class ShuttingDownError(ClefError):
     error_type = "unavailable"
 
 
-def estimate_cost(request: Mapping[str, Any], body_bytes: int) -> float:
-    """Roughly proportional to a request's prompt tokens: its JSON size plus the prompt's per-question and
-    per-option template text (docs/format.md §2); only used to keep similar lengths together in a padded batch."""
-    questions = request.get("questions")
-    options = 0
-    if isinstance(questions, Mapping):
-        for question in questions.values():
-            criteria = question.get("criteria") if isinstance(question, Mapping) else None
-            kind = question.get("type") if isinstance(question, Mapping) else None
-            options += 2 if kind == "noul" else len(criteria) if isinstance(criteria, Mapping | list) else 0
-    count = len(questions) if isinstance(questions, Mapping) else 0
-    return 300.0 + body_bytes + 60.0 * count + 40.0 * options
-
-
 @dataclass
 class _Job:
     model: str
-    request: dict[str, Any]
+    record: EncodedRecord
     future: asyncio.Future[dict[str, Any]]
-    cost: float = 0.0
     enqueued: float = field(default_factory=time.perf_counter)
 
 
@@ -180,17 +162,14 @@ class BatchScheduler:
             self._threads_before = None
 
     # ------------------------------------------------------------------ requests
-    async def submit(self, model: str, request: dict[str, Any], body_bytes: int = 0) -> dict[str, Any]:
-        """Queue one validated request for ``model`` and wait for its response (full-precision floats).
-
-        ``body_bytes`` (the decoded JSON body's size) feeds the length estimate that keeps padded batches tight.
-        """
+    async def submit(self, model: str, record: EncodedRecord) -> dict[str, Any]:
+        """Queue one encoded request for ``model`` and wait for its response (full-precision floats)."""
         if self._closing or self._task is None or self._wakeup is None:
             raise ShuttingDownError("the server is shutting down; retry on another instance")
         if len(self._queue) >= self.max_queue:
             raise QueueFullError(f"the request queue is full ({self.max_queue} waiting); retry later",
                                  self.retry_after())
-        job = _Job(model, request, asyncio.get_running_loop().create_future(), estimate_cost(request, body_bytes))
+        job = _Job(model, record, asyncio.get_running_loop().create_future())
         self._queue.append(job)
         self._wakeup.set()
         return await job.future
@@ -223,21 +202,22 @@ class BatchScheduler:
             for job in batch:
                 groups.setdefault(job.model, []).append(job)
             for model, jobs in groups.items():
-                for bucket in split_by_length([job.cost for job in jobs]):
-                    await self._run_group(loop, model, [jobs[i] for i in bucket])
+                await self._run_group(loop, model, jobs)
             self._taken = []
 
     async def _run_group(self, loop: asyncio.AbstractEventLoop, model: str, jobs: list[_Job]) -> None:
         self._running = len(jobs)
         started = time.perf_counter()
         try:  # a cancellation here (stop() gave up waiting) leaves the jobs to stop(), which fails them
-            results = await loop.run_in_executor(self._executor, self._compute, model, [j.request for j in jobs])
+            results, sizes = await loop.run_in_executor(self._executor, self._compute, model,
+                                                        [j.record for j in jobs])
         finally:
             self._running = 0
         elapsed = time.perf_counter() - started
         self._batch_seconds = 0.8 * self._batch_seconds + 0.2 * elapsed
         if self.metrics is not None:
-            self.metrics.batch_size.observe(len(jobs))
+            for size in sizes:
+                self.metrics.batch_size.observe(size)
             self.metrics.inference.observe(elapsed)
         self._finish(jobs, results)
 
@@ -251,24 +231,33 @@ class BatchScheduler:
             else:
                 job.future.set_result(result)
 
-    def _compute(self, model_name: str, requests: list[dict[str, Any]]) -> list[Any]:
-        """On the inference thread: one padded batch; on failure, each request alone (errors stay per request)."""
+    def _compute(self, model_name: str, records: list[EncodedRecord]) -> tuple[list[Any], list[int]]:
+        """On the inference thread: the group through ``run`` (its batches' sizes too); when that fails, each
+        record alone, so that errors stay per request."""
         model = self.models[model_name]
         try:
-            return list(model.decide_batch(requests, confidence=self.confidence, batch_size=len(requests)))
+            return self._answers(model, records, len(records))
         except Exception as exc:
-            if len(requests) == 1:
+            if len(records) == 1:
                 if not isinstance(exc, ClefError):
                     log.exception("inference failed on model %s", model_name)
-                return [exc]
-            log.debug("a batch of %d failed (%s); answering its requests one by one", len(requests), exc)
+                return [exc], [1]
+            log.debug("a batch of %d failed (%s); answering its requests one by one", len(records), exc)
         results: list[Any] = []
-        for request in requests:
+        for record in records:
             try:
-                results.append(model.decide_batch([request], confidence=self.confidence, batch_size=1)[0])
-            except ClefError as exc:
-                results.append(exc)
+                results += self._answers(model, [record], 1)[0]
             except Exception as exc:
-                log.exception("inference failed on model %s", model_name)
+                if not isinstance(exc, ClefError):
+                    log.exception("inference failed on model %s", model_name)
                 results.append(exc)
-        return results
+        return results, [1] * len(records)
+
+    def _answers(self, model: Any, records: list[EncodedRecord], batch_size: int) -> tuple[list[Any], list[int]]:
+        answers: list[Any] = [None] * len(records)
+        sizes = []
+        for chunk, predictions in model.run(records, batch_size=batch_size):
+            sizes.append(len(chunk))
+            for i, prediction in zip(chunk, predictions, strict=True):
+                answers[i] = prediction.response(self.confidence)
+        return answers, sizes

@@ -39,8 +39,8 @@ import torch.nn.functional as F
 
 from clef_local.data.datasets import Example, Twin
 from clef_local.demo.adapter import ADAPTER_FILE, save_adapter
+from clef_local.heads.torch_head import JointSchemaHead
 from clef_local.runtime.encoding import EncodedRecord
-from clef_local.runtime.head import JointSchemaHead
 from clef_local.runtime.head_reach import question_reach
 from clef_local.runtime.tokenizer import ReleaseTokenizer
 from clef_local.training.common import (

@@ -24,9 +24,9 @@ from safetensors.torch import load_file, save_file
 from clef_local.data.datasets import Example, Twin
 from clef_local.errors import ReleaseError
 from clef_local.formats.release import read_head_config, read_json
+from clef_local.heads.torch_head import HeadConfig, JointSchemaHead
 from clef_local.quality.metrics import ece
 from clef_local.runtime.encoding import EncodedRecord, encode_request
-from clef_local.runtime.head import HeadConfig, JointSchemaHead
 from clef_local.runtime.schema import request_to_record, validate_request
 from clef_local.runtime.tokenizer import ReleaseTokenizer
 from clef_local.training.head_losses import question_loss

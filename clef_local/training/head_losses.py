@@ -13,8 +13,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from clef_local.heads.torch_head import JointSchemaHead
 from clef_local.runtime.encoding import EncodedRecord
-from clef_local.runtime.head import JointSchemaHead
 
 
 def question_loss(logits: torch.Tensor, gold: torch.Tensor, smoothing: float, brier_weight: float,

@@ -38,8 +38,8 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from clef_local.formats.release import read_json
+from clef_local.heads.torch_head import JointSchemaHead, padded_logits
 from clef_local.runtime.encoding import EncodedRecord
-from clef_local.runtime.head import JointSchemaHead, padded_logits
 from clef_local.runtime.head_reach import question_reach
 from clef_local.training.hidden_cache import cache_dtype, token_batches
 

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
+from clef_local.heads.torch_head import EvidenceRoutingLayer, JointSchemaHead, padded_logits
 from clef_local.runtime.encoding import EncodedRecord
-from clef_local.runtime.head import EvidenceRoutingLayer, JointSchemaHead, padded_logits
 from clef_local.runtime.schema import TYPE_IDS
 from clef_local.runtime.tokenizer import ReleaseTokenizer
 from clef_local.training.hidden_cache import cache_hidden_states

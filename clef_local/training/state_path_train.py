@@ -23,8 +23,8 @@ from tqdm import tqdm
 
 from clef_local.data.datasets import Example, Twin
 from clef_local.formats.release import read_json
+from clef_local.heads.torch_head import JointSchemaHead
 from clef_local.runtime.encoding import render
-from clef_local.runtime.head import JointSchemaHead
 from clef_local.runtime.schema import TYPE_IDS
 from clef_local.runtime.tokenizer import ReleaseTokenizer
 from clef_local.training.common import (

@@ -4,7 +4,8 @@ Two resumable stages under a work directory:
 
 1. **Cache** the backbone's final hidden states of every training request (BF16, chunks of similar-length
    requests written atomically), so epochs cost only the head. An interrupted run skips finished chunks.
-2. **Train** a :class:`~clef_local.runtime.head.JointSchemaHead` with label-smoothed cross-entropy (0.05) + Brier per
+2. **Train** a :class:`~clef_local.heads.torch_head.JointSchemaHead`
+   with label-smoothed cross-entropy (0.05) + Brier per
    question, as Clef was trained; a checkpoint after every epoch lets a run resume where it stopped.
 
 The output is the head part of a release: ``joint_head.safetensors`` (float32), ``joint_head_config.json`` and
@@ -30,7 +31,7 @@ from tqdm import tqdm
 
 from clef_local.data.datasets import Example, Twin
 from clef_local.formats.release import read_json
-from clef_local.runtime.head import JointSchemaHead
+from clef_local.heads.torch_head import JointSchemaHead
 from clef_local.runtime.layout import HeadLayout, build_layout
 from clef_local.runtime.tokenizer import ReleaseTokenizer
 from clef_local.training.common import (

@@ -15,11 +15,11 @@ The output directory is a release in our layout (docs/format.md §6): every file
 functions (:func:`clef_local.export.quantize.quantize_release`, no drift validation: run ``clef-local quantize`` for
 that), so the ONNX numbers are the variant's. On an int4/int8 variant the format is the variant's scheme.
 
-Why the joint schema head runs in numpy (:mod:`clef_local.backends.numpy_head`) and not as a second ONNX graph: the
+Why the joint schema head runs in numpy (:mod:`clef_local.heads.numpy_head`) and not as a second ONNX graph: the
 head's batched form indexes by a per-request layout (span means over ragged spans, scatters into padded option and
 question tensors); as a graph that is a dozen index inputs whose shapes change with every request, traced through
 sparse CSR matmuls the exporter does not take, for a computation that costs well under a millisecond per question. In
-numpy it is 200 lines that mirror :mod:`clef_local.runtime.head` line by line and are tested against it within
+numpy it is 200 lines that mirror :mod:`clef_local.heads.torch_head` line by line and are tested against it within
 float32 noise.
 
 Why the backbone's weight files stay in the directory: the head needs ``lm_head`` (kept as ``output_embedding.npy``),

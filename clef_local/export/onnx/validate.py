@@ -59,7 +59,7 @@ def run_parity(directory: Path, requests: list[dict[str, Any]], batch_size: int 
     torch_backend, onnx_backend = ref_model.backend, onnx_model.backend
     if not isinstance(torch_backend, TorchBackend) or not isinstance(onnx_backend, OnnxBackend):
         raise TypeError(f"expected the torch and onnx backends, got {torch_backend.name} and {onnx_backend.name}")
-    encoded = [ref_model.encode(r, truncate_state=True)[1] for r in requests]
+    encoded = [ref_model.encode(r, truncate_state=True) for r in requests]
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i].input_ids))
     pad = ref_model.tokenizer.pad_token_id
     hidden_diff = hidden_scale = 0.0
@@ -71,7 +71,7 @@ def run_parity(directory: Path, requests: list[dict[str, Any]], batch_size: int 
             layout = build_layout(records, max(len(r.input_ids) for r in records))
             ids, mask = _collate(records, pad)
             with torch.inference_mode():
-                ref_h = torch_backend.hidden_states(torch.from_numpy(ids), torch.from_numpy(mask)).numpy()
+                ref_h = torch_backend.backbone.forward(torch.from_numpy(ids), torch.from_numpy(mask)).numpy()
                 ref_logits = torch_backend.logits(records, layout, pad)
             var_h = onnx_backend.hidden_states(ids, mask)
             diff, scale = _masked_rel(ref_h, var_h, mask)

@@ -1,18 +1,17 @@
-"""The joint schema head (docs/format.md §4), batched over records, questions and options.
+"""The joint schema head (docs/format.md §4) in torch: the torch backend's head and the one training trains.
 
-The released head is a small transformer that reads the backbone's final hidden states and scores every allowed
-option of every question at once. Cloudflare's reference loops over records, questions and options in Python; this
-module computes the same numbers with span means as one sparse matmul, padded option tensors and masked softmaxes, so
-64 questions × 255 options cost little more than one question.
-
-The module names below are the release's state-dict names: ``JointSchemaHead(config).state_dict()`` has exactly
-the keys of ``joint_head.safetensors`` and loads it strictly.
+Cloudflare's reference loops over records, questions and options in Python; this computes the same numbers batched
+(span means as one sparse matmul, padded option tensors, masked softmaxes), so 64 questions × 255 options cost little
+more than one question. Module names are the release's state-dict names: ``JointSchemaHead(config).state_dict()``
+has exactly the keys of ``joint_head.safetensors``. :mod:`.mlx_head` and :mod:`.numpy_head` are the same steps under
+the same names on the other engines.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +22,7 @@ from clef_local.formats.head_config import HeadConfig
 from clef_local.formats.release import HEAD_WEIGHTS, Release, check_head_tensors
 from clef_local.runtime.layout import HeadLayout
 
-__all__ = ["HeadConfig", "JointSchemaHead", "padded_logits"]
+__all__ = ["HeadConfig", "HeadInputs", "JointSchemaHead", "load_head", "padded_logits"]
 
 # Span means use a CSR matmul (8-14x faster than index_add_ on CPU); torch's "beta" notice about it is noise here.
 # It is filtered around the op only, never in the process's filters; torch gives it once per process, so after the
@@ -33,6 +32,18 @@ _csr_noticed = False
 
 # exp(scale) is clamped at 100 in the release math (docs/format.md §4, step 7).
 _MAX_LOG_SCALE = math.log(100.0)
+
+
+@dataclass(frozen=True)
+class HeadInputs:
+    """What the head reads of a batch's backbone pass (docs/format.md §4, steps 1-2), after ``hidden_norm``."""
+
+    hidden: torch.Tensor  # [B, T, hidden]
+    memory_pad: torch.Tensor | None  # [B, T], True on padding; None when nothing is padded
+    question: torch.Tensor  # [Q, hidden] question-span means
+    option_context: torch.Tensor  # [O, hidden] option-span means
+    option_lexical: torch.Tensor  # [O, hidden] the option spans' mean output-embedding rows
+    last: torch.Tensor  # [B, hidden] each record's last real token
 
 
 class EvidenceRoutingLayer(nn.Module):
@@ -54,11 +65,16 @@ class EvidenceRoutingLayer(nn.Module):
             nn.Dropout(dropout),
         )
 
-    def forward(self, queries: torch.Tensor, memory: torch.Tensor, memory_pad: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, queries: torch.Tensor, memory: torch.Tensor, memory_pad: torch.Tensor | None,
+                attention: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """``attention``, when given, receives this layer's head-averaged attention weights ``[B, K, T]``."""
         normed_memory = self.memory_norm(memory)
-        if self.training:
-            routed, _ = self.attention(self.query_norm(queries), normed_memory, normed_memory,
-                                       key_padding_mask=memory_pad, need_weights=False)
+        if self.training or attention is not None:
+            routed, weights = self.attention(self.query_norm(queries), normed_memory, normed_memory,
+                                             key_padding_mask=memory_pad, need_weights=attention is not None,
+                                             average_attn_weights=True)
+            if attention is not None:
+                attention.append(weights)
         else:
             routed = _attend(self.attention, self.query_norm(queries), normed_memory, memory_pad)
         queries = queries + self.attention_dropout(routed)
@@ -108,47 +124,53 @@ class JointSchemaHead(nn.Module):
         self.joint_logit_scale = nn.Parameter(torch.zeros(()))
         self.residual_gate = nn.Parameter(torch.zeros(()))
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor,
-        lexical_rows: torch.Tensor,
-        layout: HeadLayout,
-    ) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor, lexical_rows: torch.Tensor,
+                layout: HeadLayout) -> torch.Tensor:
         """Logits of every option, shape ``[questions, max_options]`` (padding is ``-inf``).
 
         ``hidden_states``: ``[B, T, hidden]`` final hidden states (right-padded); ``attention_mask``: ``[B, T]``;
         ``lexical_rows``: ``[N, hidden]``, the output-embedding rows of ``layout.option_token_ids`` (gathered by
         the caller, so the full ``lm_head`` matrix can stay wherever it lives).
         """
+        return self.logits(self.read(hidden_states, attention_mask, lexical_rows, layout), layout)
+
+    def read(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor, lexical_rows: torch.Tensor,
+             layout: HeadLayout) -> HeadInputs:
+        """What the head reads of the backbone pass (docs/format.md §4, steps 1-2): the normed hidden states and
+        the span means. Training builds :class:`HeadInputs` from cached span means instead."""
         dtype = self.hidden_norm.weight.dtype
         hidden = self.hidden_norm(hidden_states.to(dtype))
-        batch, seq_len, _ = hidden.shape
-        flat = hidden.reshape(batch * seq_len, -1)
-        memory = self.memory_projection(hidden)
-        # No mask at all when nothing is padded: attention then takes its fastest kernel.
-        memory_pad = None if bool(attention_mask.all()) else attention_mask == 0
-
-        question_vec = _span_mean(flat, layout.question_token_index, layout.question_token_offsets)
-        option_ctx = _span_mean(flat, layout.option_token_index, layout.option_token_offsets)
+        flat = hidden.reshape(-1, hidden.shape[-1])
         lexical_index = torch.arange(lexical_rows.shape[0], device=lexical_rows.device)
-        option_lex = _span_mean(lexical_rows.to(dtype), lexical_index, layout.option_token_offsets)
-        global_vec = flat[layout.record_last_index]  # [B, h]
+        return HeadInputs(
+            hidden=hidden,
+            # no mask at all when nothing is padded: attention then takes its fastest kernel
+            memory_pad=None if bool(attention_mask.all()) else attention_mask == 0,
+            question=_span_mean(flat, layout.question_token_index, layout.question_token_offsets),
+            option_context=_span_mean(flat, layout.option_token_index, layout.option_token_offsets),
+            option_lexical=_span_mean(lexical_rows.to(dtype), lexical_index, layout.option_token_offsets),
+            last=flat[layout.record_last_index])
 
-        # Option queries, padded per record for cross-attention to that record's memory.
+    def logits(self, x: HeadInputs, layout: HeadLayout, *,
+               routing_attention: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """docs/format.md §4, steps 3-7: option queries routed over the memory, the option summary, the field
+        transformer, the prior and the joint score; ``[questions, max_options]`` logits (``-inf`` padding).
+        ``routing_attention`` receives each routing layer's attention weights ``[B, K, T]`` (training)."""
+        batch = x.hidden.shape[0]
+        memory = self.memory_projection(x.hidden)
         queries = (
-            self.option_context_projection(option_ctx)
-            + self.option_lexical_projection(option_lex)
-            + self.option_question_projection(question_vec)[layout.option_question]
+            self.option_context_projection(x.option_context)
+            + self.option_lexical_projection(x.option_lexical)
+            + self.option_question_projection(x.question)[layout.option_question]
         )
         routed = _scatter_padded(queries, layout.option_record, layout.option_record_slot, batch,
                                  layout.max_options_per_record)
         for layer in self.evidence_layers:
-            routed = layer(routed, memory, memory_pad)
+            routed = layer(routed, memory, x.memory_pad, routing_attention)
         routed = routed[layout.option_record, layout.option_record_slot]  # [O, w]
 
         # Option summary per question: softmax over its options of u·f/√w.
-        base_fields = self.question_projection(question_vec)  # [Q, w]
+        base_fields = self.question_projection(x.question)  # [Q, w]
         scores = (routed * base_fields[layout.option_question]).sum(-1) / math.sqrt(routed.shape[-1])
         weights = _padded_softmax(scores, layout)  # [Q, K]
         per_question = _scatter_padded(routed, layout.option_question, layout.option_slot,
@@ -157,7 +179,7 @@ class JointSchemaHead(nn.Module):
         fields_ = (
             base_fields
             + self.option_summary_norm(summary)
-            + self.global_projection(global_vec)[layout.question_record]
+            + self.global_projection(x.last)[layout.question_record]
             + self.type_embedding(layout.question_type)
         )
 
@@ -170,15 +192,15 @@ class JointSchemaHead(nn.Module):
             field_pad = None
         for layer in self.layers:
             if self.training:
-                seq = layer(seq, memory, tgt_key_padding_mask=field_pad, memory_key_padding_mask=memory_pad)
+                seq = layer(seq, memory, tgt_key_padding_mask=field_pad, memory_key_padding_mask=x.memory_pad)
             else:
-                seq = _decoder_layer(layer, seq, memory, field_pad, memory_pad)
+                seq = _decoder_layer(layer, seq, memory, field_pad, x.memory_pad)
         fields_ = self.field_norm(seq[layout.question_record, layout.question_slot])  # [Q, w]
 
         # Option logits.
-        anchor = F.normalize(question_vec + global_vec[layout.question_record], dim=-1)
+        anchor = F.normalize(x.question + x.last[layout.question_record], dim=-1)
         prior_scale = self.prior_logit_scale.clamp(max=_MAX_LOG_SCALE).exp()
-        prior = prior_scale * (F.normalize(option_lex, dim=-1) * anchor[layout.option_question]).sum(-1)
+        prior = prior_scale * (F.normalize(x.option_lexical, dim=-1) * anchor[layout.option_question]).sum(-1)
         options = self.option_norm(routed)
         logits = prior + self.score_options(fields_[layout.option_question], options)  # [O]
         return _to_padded(logits, layout)
@@ -189,8 +211,7 @@ class JointSchemaHead(nn.Module):
             sigmoid(residual_gate) · (exp(joint_logit_scale) · cos(F, o) + residual_scorer([F, o, F·o, |F−o|]))
 
         ``field_of_option``: ``[O, w]``, each option's question field (after ``field_norm``); ``options``: ``[O, w]``,
-        the option vectors (after ``option_norm``). ``forward`` adds the prior; the question and state paths of
-        training, whose prior is off, use this alone.
+        the option vectors (after ``option_norm``); :meth:`logits` adds the prior.
         """
         cosine = F.cosine_similarity(field_of_option, options, dim=-1)
         features = torch.cat(

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from clef_local.runtime.answers import build_answer, choice_confidence, round_floats, score_confidence, softmax_rows
+from clef_local.runtime.schema import Question
 
 
 def test_choice_confidence_jev_and_reference():
@@ -28,7 +29,7 @@ def test_score_confidence_jev():
 
 
 def test_choice_answer_uses_request_order_and_first_tie():
-    question = {"type": "choice", "criteria": {"zeta": None, "alpha": "a", "mid": "m"}}
+    question = Question(type="choice", criteria={"zeta": None, "alpha": "a", "mid": "m"})
     # model order is sorted: alpha, mid, zeta
     answer = build_answer(question, ("alpha", "mid", "zeta"), [0.4, 0.2, 0.4])
     assert list(answer["probabilities"]) == ["zeta", "alpha", "mid"]
@@ -37,11 +38,11 @@ def test_choice_answer_uses_request_order_and_first_tie():
 
 
 def test_score_and_noul_answers():
-    score = build_answer({"type": "score", "criteria": ["low", "mid", "high"]}, ("0", "1", "2"), [0.2, 0.3, 0.5])
+    score = build_answer(Question(type="score", criteria=["low", "mid", "high"]), ("0", "1", "2"), [0.2, 0.3, 0.5])
     assert score["score"] == pytest.approx(0.3 + 1.0)
     assert score["legend"] == {"0": "low", "1": "mid", "2": "high"}
     assert list(score["probabilities"]) == ["0", "1", "2"]
-    noul = build_answer({"type": "noul"}, ("true", "false"), [0.7, 0.3])
+    noul = build_answer(Question(type="noul"), ("true", "false"), [0.7, 0.3])
     assert noul == {"type": "noul", "noul": pytest.approx(0.7)}
 
 

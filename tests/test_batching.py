@@ -42,19 +42,19 @@ def test_devices_get_their_budget() -> None:
     assert device_pad_waste("Device(gpu, 0)") == PAD_WASTE
 
 
-def test_predict_batches_follow_the_device_budget(tiny_qwen, monkeypatch) -> None:
+def test_batches_follow_the_device_budget(tiny_qwen, monkeypatch) -> None:
     model = clef_local.load(tiny_qwen)
     assert model.pad_waste == CPU_PAD_WASTE  # these tests run on the CPU backend
     short = {"model": "m", "state": "short", "questions": {"ok": {"type": "noul"}}}
     long = {"model": "m", "state": "a longer state " * 10, "questions": {"ok": {"type": "noul"}}}
     sizes: list[list[int]] = []
-    original = model._probabilities
+    original = model.backend.logits
 
-    def spy(records):
+    def spy(records, *args):
         sizes.append([len(r.input_ids) for r in records])
-        return original(records)
+        return original(records, *args)
 
-    monkeypatch.setattr(model, "_probabilities", spy)
+    monkeypatch.setattr(model.backend, "logits", spy)
     out = model.predict([short, long, short, long, short], batch_size=8)
     assert sorted(map(sorted, sizes)) == sorted([[len(out[0].encoded.input_ids)] * 3,
                                                  [len(out[1].encoded.input_ids)] * 2])
@@ -64,25 +64,28 @@ def test_predict_batches_follow_the_device_budget(tiny_qwen, monkeypatch) -> Non
     assert [len(s) for s in sizes] == [2, 2, 1]
 
 
-def test_predict_batches_and_progress(tiny_qwen) -> None:
+def test_run_batches_and_progress(tiny_qwen) -> None:
     """Each request lands in exactly one batch, results come back in request order, progress counts requests, and a
     bad request raises before any batch runs (so eval/drift never spend time on a set they cannot finish)."""
     from clef_local.errors import RequestValidationError
 
     model = clef_local.load(tiny_qwen)
     requests = [{"model": "m", "state": "x" * n, "questions": {"q": {"type": "noul"}}} for n in (3, 40, 3, 9, 40)]
-    batches = list(model.predict_batches(requests, batch_size=2))
+    batches = list(model.run([model.encode(r) for r in requests], batch_size=2))
     assert sorted(i for chunk, _ in batches for i in chunk) == list(range(5))
     assert all(len(chunk) <= 2 for chunk, _ in batches)
     seen: list[tuple[int, int]] = []
     out = model.predict(requests, batch_size=2, progress=lambda done, total: seen.append((done, total)))
-    assert [p.record["state"] for p in out] == [r["state"] for r in requests]
+    assert [p.request.state for p in out] == [r["state"] for r in requests]
     assert seen[-1] == (5, 5) and [d for d, _ in seen] == sorted(d for d, _ in seen) and len(seen) == len(batches)
     for chunk, predictions in batches:
         for i, prediction in zip(chunk, predictions, strict=True):
-            assert prediction.record["state"] == requests[i]["state"]
+            assert prediction.request.state == requests[i]["state"]
             assert all((p == q).all() for p, q in zip(prediction.probabilities, out[i].probabilities, strict=True))
+    calls = []
+    model.backend.logits = lambda *a: calls.append(a)  # type: ignore[method-assign]
     with pytest.raises(RequestValidationError):
-        model.predict_batches([*requests, {"model": "m", "state": "s", "questions": {}}])
+        model.predict([*requests, {"model": "m", "state": "s", "questions": {}}])
+    assert not calls  # no batch ran
     with pytest.raises(ValueError, match="batch_size"):
-        model.predict_batches(requests, batch_size=0)
+        next(model.run([model.encode(requests[0])], batch_size=0))

@@ -108,12 +108,12 @@ def test_recorded_layer_calls_replay_the_forward_pass(backbone: str, tiny_llama:
     """Replaying the decoder layers one by one on the recorded calls gives the backbone's own final states."""
     model = clef_local.load(tiny_llama if backbone == "llama" else tiny_qwen, backend="torch", dtype="float32")
     bb = model.backend.backbone
-    ids = [torch.tensor([model.encode(r)[1].input_ids]) for r in calibration_requests(3)]
+    ids = [torch.tensor([model.encode(r).input_ids]) for r in calibration_requests(3)]
     hidden, calls = _record_layer_calls(bb.text_model, bb.text_model.layers, ids)
     for index, layer in enumerate(bb.text_model.layers):
         hidden = _run_layer(layer, hidden, [c[index] for c in calls])
     for states, x in zip(hidden, ids, strict=True):
-        expected = bb.hidden_states(x, torch.ones_like(x))
+        expected = bb.forward(x, torch.ones_like(x))
         torch.testing.assert_close(bb.text_model.norm(states), expected, rtol=1e-5, atol=1e-5)
 
 

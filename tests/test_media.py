@@ -16,7 +16,7 @@ from clef_local.errors import RequestValidationError
 from clef_local.runtime.assets import map_assets
 from clef_local.runtime.media import MediaLimits, decode_image, decode_video, resolve_media
 from clef_local.runtime.processor import ImageGeometry
-from clef_local.runtime.schema import LimitValidationError, request_to_record, validate_request
+from clef_local.runtime.schema import LimitValidationError, SystemOneRequest, validate_request
 
 PNG = image(40, 30, seed=1)
 
@@ -149,8 +149,8 @@ def test_videos_are_lists_of_equal_frames() -> None:
 # ---------------------------------------------------------------- Jev assets
 
 
-def _record(request: dict) -> dict:
-    return request_to_record(validate_request({"model": "m", **request}))
+def _record(request: dict) -> SystemOneRequest:
+    return validate_request({"model": "m", **request})
 
 
 def _asset(data: bytes = PNG, fmt: str = "png") -> dict:
@@ -168,19 +168,19 @@ def test_assets_follow_the_prompt_order_and_become_markers() -> None:
     assets = {f"ph-{i}": _asset() for i in range(1, 10)}
     mapped = map_assets(record, assets, first_number=3)
     assert [a.name for a in mapped.images] == ["ph-2", "ph-1", "ph-3", "ph-5", "ph-4", "ph-6", "ph-7", "ph-9", "ph-8"]
-    out = mapped.record
+    out = mapped.request.model_dump()
     assert out["state"] == {"z": "last <image 4>", "a": ["<image 3> first", {"k": "<image 3> twice"}]}
     assert out["questions"]["q"]["instructions"] == "compare <image 5> with <image 4>"
     assert out["questions"]["q"]["criteria"] == {"b": "<image 7> here", "a": "<image 6> here (a sorts first)"}
     assert out["questions"]["s"]["criteria"] == ["<image 8>", {"level": "<image 9>"}]
     assert out["questions"]["n"]["criteria"] == {"false": "<image 11>", "true": "<image 10> (true comes first)"}
-    assert record["state"]["z"] == "last ph-1"  # the input is not modified
+    assert record.state["z"] == "last ph-1"  # type: ignore[index]  # the input is not modified
 
 
 def test_longest_placeholder_wins() -> None:
     record = _record({"state": "img10 then img1", "questions": {"q": {"type": "noul"}}})
     mapped = map_assets(record, {"img1": _asset(), "img10": _asset()})
-    assert mapped.record["state"] == "<image 1> then <image 2>"
+    assert mapped.request.state == "<image 1> then <image 2>"
     assert [a.name for a in mapped.images] == ["img10", "img1"]
 
 
@@ -219,12 +219,14 @@ def test_multipart_parts_are_claimed_once() -> None:
 
 def test_resolve_media_orders_images_then_assets_and_checks_counts() -> None:
     other = image(20, 20, seed=5)
-    record = _record({"state": "see ph", "images": [data_uri(other)], "questions": {"q": {"type": "noul"}}})
-    media = resolve_media(record, {"ph": _asset()})
-    assert media.record["state"] == "see <image 2>" and "images" not in media.record
+    record = _record({"state": "see ph", "images": [data_uri(other)], "questions": {"q": {"type": "noul"}},
+                      "assets": {"ph": _asset()}})
+    media = resolve_media(record)
+    assert media.request.state == "see <image 2>"
+    assert (media.request.images, media.request.videos, media.request.assets) == (None, None, None)
     assert [im.size for im in media.images] == [(20, 20), (40, 30)]
     with pytest.raises(LimitValidationError, match="2 images, more than the limit of 1"):
-        resolve_media(record, {"ph": _asset()}, limits=MediaLimits(max_images=1))
+        resolve_media(record, limits=MediaLimits(max_images=1))
     with pytest.raises(LimitValidationError, match="max_videos"):
         resolve_media(_record({"state": "s", "videos": [[PNG]] * 3, "questions": {"q": {"type": "noul"}}}))
 

@@ -18,7 +18,7 @@ import clef_local
 from clef_local.errors import MaxTokensExceededError
 from clef_local.runtime.answers import round_floats
 from clef_local.runtime.encoding import encode_request
-from clef_local.runtime.schema import request_to_record, validate_request
+from clef_local.runtime.schema import validate_request
 from clef_local.runtime.tokenizer import ReleaseTokenizer
 
 REQUESTS = varied_requests(40, seed=0)
@@ -58,7 +58,7 @@ def test_encoding_matches_reference(oracle, reference_qwen, tiny_qwen, index):
     request = REQUESTS[index]
     _, processor = reference_qwen
     expected = oracle.encode_record(processor.tokenizer, copy.deepcopy(request))
-    record = request_to_record(validate_request(request))
+    record = validate_request(request)
     ours = encode_request(ReleaseTokenizer(tiny_qwen), record)
     assert ours.input_ids == expected.input_ids
     assert len(ours.questions) == len(expected.questions)
@@ -99,7 +99,7 @@ def test_llama_backbone_matches_reference(oracle, tiny_llama):
 def test_truncate_state_matches_reference(oracle, reference_qwen, tiny_qwen):
     _, processor = reference_qwen
     request = {"model": "m", "state": "word " * 400, "questions": {"q": {"type": "noul"}}}
-    record = request_to_record(validate_request(request))
+    record = validate_request(request)
     tokenizer = ReleaseTokenizer(tiny_qwen)
     with pytest.raises(MaxTokensExceededError, match="exceed the context of 200") as info:
         encode_request(tokenizer, record, max_length=200)
@@ -113,7 +113,7 @@ def test_truncate_state_matches_reference(oracle, reference_qwen, tiny_qwen):
 
 def test_schema_alone_too_long_is_refused(tiny_qwen):
     request = {"model": "m", "state": "s", "questions": {f"q{i}": {"type": "noul"} for i in range(10)}}
-    record = request_to_record(validate_request(request))
+    record = validate_request(request)
     with pytest.raises(MaxTokensExceededError, match="schema alone needs"):
         encode_request(ReleaseTokenizer(tiny_qwen), record, max_length=50, truncate_state=True)
 

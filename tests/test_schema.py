@@ -17,7 +17,6 @@ from clef_local.runtime.schema import (
     Question,
     SystemOneRequest,
     SystemOneResponse,
-    request_to_record,
     validate_request,
 )
 
@@ -347,7 +346,7 @@ def test_any_non_empty_question_id(qid: str) -> None:
 def test_unknown_top_level_fields_ignored() -> None:
     req = validate_request(body(x_trace_id="abc", seed=7, temperature=0.2))
     assert "x_trace_id" not in req.model_dump()
-    assert "seed" not in request_to_record(req)
+    assert "seed" not in req.model_dump()
 
 
 def test_unknown_question_fields_ignored() -> None:
@@ -359,40 +358,25 @@ def test_media_and_assets_kept() -> None:
     assert req.images == ["data:image/png;base64,AA"] and req.videos == [] and req.assets == {"k": 1}
 
 
-# ---------------------------------------------------------------- record
+# ---------------------------------------------------------------- the validated request
 
 
-def test_request_to_record_shape_and_choice_order() -> None:
+def test_the_validated_request_keeps_request_order() -> None:
+    """Question and choice-label order is request order (the encoder sorts options itself; answers list labels in
+    request order), and structured criteria stay structured."""
     labels = ["Zulu", "alpha", "Mike", "Échec", "10", "2", "Bravo"]
     criteria = {label: (None if i % 2 else f"about {label}") for i, label in enumerate(labels)}
     req = validate_request(
         body({"z": {"type": "choice", "criteria": criteria}, "a": SCORE, "m": NOUL}, images=["img"], extra=1)
     )
-    record = request_to_record(req)
-    assert set(record) == {"model", "state", "questions", "images", "videos"}
-    assert record["model"] == "clef" and record["state"] == "I was charged twice."
-    assert record["images"] == ["img"] and record["videos"] is None
-    assert list(record["questions"]) == ["z", "a", "m"]
-    assert list(record["questions"]["z"]["criteria"]) == labels
-    assert record["questions"]["z"]["criteria"] == criteria
-    assert record["questions"]["a"] == {
-        "type": "score",
-        "instructions": SCORE["instructions"],
-        "criteria": SCORE["criteria"],
-    }
-    assert record["questions"]["m"] == {
-        "type": "noul",
-        "instructions": NOUL["instructions"],
-        "criteria": None,
-    }
-    assert type(record["questions"]["z"]["criteria"]) is dict
-    json.dumps(record)
-
-
-def test_record_is_a_copy() -> None:
-    req = validate_request(body({"c": CHOICE}))
-    request_to_record(req)["questions"]["c"]["criteria"]["New"] = None
-    assert "New" not in req.questions["c"].criteria  # type: ignore[operator]
+    assert req.model == "clef" and req.state == "I was charged twice."
+    assert req.images == ["img"] and req.videos is None
+    assert list(req.questions) == ["z", "a", "m"]
+    assert list(req.questions["z"].criteria) == labels  # type: ignore[arg-type]
+    assert req.questions["z"].criteria == criteria
+    assert (req.questions["a"].type, req.questions["a"].instructions, req.questions["a"].criteria) == (
+        "score", SCORE["instructions"], SCORE["criteria"])
+    assert (req.questions["m"].type, req.questions["m"].criteria) == ("noul", None)
 
 
 # ---------------------------------------------------------------- limits

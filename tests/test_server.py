@@ -17,11 +17,10 @@ import httpx
 import pytest
 
 import clef_local
-from clef_local.errors import MaxTokensExceededError
+from clef_local.errors import ApiUsageError, MaxTokensExceededError
 from clef_local.runtime.answers import round_floats
 from clef_local.server import ServerConfig, ThreadedServer, create_app
 from clef_local.server.config import bind_warning, is_loopback, parse_model_specs
-from clef_local.server.scheduler import estimate_cost
 
 try:
     from compression import zstd  # type: ignore[import-not-found]  # Python 3.14+
@@ -39,8 +38,12 @@ REQUEST: dict[str, Any] = {
 }
 
 
+POISON = "a state this model's backend fails on"
+
+
 class GatedModel:
-    """A real model whose ``decide_batch`` waits for ``gate`` (to hold a batch in flight) and records sizes."""
+    """A real model whose ``run`` waits for ``gate`` (to hold a batch in flight), records the records it is given
+    and fails any batch holding the :data:`POISON` state (as a backend error would)."""
 
     def __init__(self, model: Any) -> None:
         self.model = model
@@ -48,12 +51,14 @@ class GatedModel:
         self.entered = threading.Event()
         self.sizes: list[int] = []
 
-    def decide_batch(self, requests: list[Any], **kwargs: Any) -> list[dict[str, Any]]:
-        self.sizes.append(len(requests))
+    def run(self, records: list[Any], **kwargs: Any) -> Iterator[Any]:
+        self.sizes.append(len(records))
         self.entered.set()
         if not self.gate.wait(timeout=30):
             raise TimeoutError("gate never opened")
-        return self.model.decide_batch(requests, **kwargs)
+        if any(r.request.state == POISON for r in records):
+            raise ApiUsageError("this record cannot be run")
+        return self.model.run(records, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.model, name)
@@ -317,6 +322,8 @@ def test_queue_full_gets_429_with_retry_after(model: Any) -> None:
 
 
 def test_errors_stay_with_their_request_in_a_batch(tiny_llama: Path) -> None:
+    """A request over the context is refused before the queue (413); a batch that fails in the model is re-run one
+    by one, so only the request that causes the failure gets an error."""
     short = clef_local.load(tiny_llama, dtype="float32", max_length=450)
     too_long = {**REQUEST, "state": "word " * 60}  # about as long as the others, but over 450 tokens
     with pytest.raises(MaxTokensExceededError):
@@ -329,17 +336,18 @@ def test_errors_stay_with_their_request_in_a_batch(tiny_llama: Path) -> None:
         results: list[Any] = []
         threads = [post_in_thread(url, REQUEST, results)]
         assert gated.entered.wait(10)
-        batch = [REQUEST, too_long, {**REQUEST, "state": "another state"}]
+        batch = [REQUEST, too_long, {**REQUEST, "state": POISON}, {**REQUEST, "state": "another state"}]
         outcomes: list[list[Any]] = [[] for _ in batch]
         threads += [post_in_thread(url, body, out) for body, out in zip(batch, outcomes, strict=True)]
-        wait_until(lambda: scheduler.queue_depth == 3)
+        wait_until(lambda: all(outcomes[1]) and scheduler.queue_depth == 3)
         gated.gate.set()
         for thread in threads:
             thread.join(30)
     assert results[0].status_code == 200
-    assert [out[0].status_code for out in outcomes] == [200, 413, 200]
+    assert [out[0].status_code for out in outcomes] == [200, 413, 400, 200]
     assert outcomes[1][0].json()["detail"]["error_type"] == "max_tokens_exceeded"
-    assert outcomes[2][0].json() == round_floats(short.decide({**REQUEST, "state": "another state"}), 4)
+    assert outcomes[2][0].json()["detail"]["message"] == "this record cannot be run"
+    assert outcomes[3][0].json() == round_floats(short.decide({**REQUEST, "state": "another state"}), 4)
     assert gated.sizes[:2] == [1, 3]  # the three queued requests went as one batch, then one by one
 
 
@@ -358,14 +366,6 @@ def test_graceful_shutdown_finishes_in_flight(model: Any) -> None:
     stopper.join(30)
     assert results and not isinstance(results[0], Exception) and results[0].status_code == 200
     assert not running.thread.is_alive()
-
-
-def test_cost_estimate_orders_requests_by_size() -> None:
-    small = estimate_cost(REQUEST, 300)
-    many = estimate_cost({"questions": {"q": {"type": "choice", "criteria": {f"o{i}": None for i in range(255)}}}},
-                         3000)
-    assert many > 5 * small
-    assert estimate_cost({"questions": "not a dict"}, 10) > 0
 
 
 # ---------------------------------------------------------------- metrics

@@ -55,14 +55,16 @@ def client(server: ThreadedServer) -> Iterator[httpx.Client]:
 
 def test_token_bound_is_a_lower_bound(model: Any, tiny_qwen: Path) -> None:
     """``check_size`` never refuses what fits: its count is at most the real token count, on every varied request."""
-    assert model.max_token_bytes == 48  # the tiny tokenizer's longest token (16 bytes) × NFC's shrink (3)
+    from clef_local.runtime.schema import validate_request
+
+    assert model.encoder.max_token_bytes == 48  # the tiny tokenizer's longest token (16 bytes) × NFC's shrink (3)
     qwen = clef_local.load(tiny_qwen)
     checked = 0
     for candidate in (model, qwen):
         for request in varied_requests(40, seed=11):
             try:
-                bound = candidate.check_size(request)
-                tokens = len(candidate.encode(request)[1].input_ids)
+                bound = candidate.encoder.check_size(validate_request(request))
+                tokens = len(candidate.encode(request).input_ids)
             except MaxTokensExceededError:
                 continue
             assert 0 < bound <= tokens
@@ -102,9 +104,11 @@ def test_many_small_fields_over_the_context(model: Any) -> None:
     assert time.perf_counter() - started < 1.0
     # with the state truncated, a long state is left out of the bound (and truncated to fit)
     long_state = {**REQUEST, "state": "word " * 100_000}  # 500 kB: over 8,192 × 48 bytes
+    from clef_local.runtime.schema import validate_request
+
     with pytest.raises(MaxTokensExceededError, match="the state"):
-        model.check_size(long_state)
-    assert model.check_size(long_state, truncate_state=True) < 200
+        model.encoder.check_size(validate_request(long_state))
+    assert model.encoder.check_size(validate_request(long_state), truncate_state=True) < 200
     assert model.decide(long_state, truncate_state=True)["usage"]["input_tokens"] == 8192
 
 

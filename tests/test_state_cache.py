@@ -101,13 +101,13 @@ def test_truncated_states_key_on_the_ids_they_keep(release: Path) -> None:
                 "questions": {qid: {"type": "noul", "instructions": "Is it urgent?"}, **extra}}
 
     def dropped(request: dict[str, Any]) -> int:
-        return model.encode(request, truncate_state=True)[1].truncated_tokens
+        return model.encode(request, truncate_state=True).truncated_tokens
 
     # two schemas of one token count truncate the state alike (the first other id that tokenizes like "a");
     # a longer schema keeps less of it
     twin = next(qid for qid in "bcdefghijklmnopqrstuvwxyz" if dropped(ask(qid)) == dropped(ask("a")))
     requests = [ask("a"), ask(twin), ask("a", b={"type": "score", "criteria": ["low", "mid", "high"]})]
-    encoded = [model.encode(r, truncate_state=True)[1] for r in requests]
+    encoded = [model.encode(r, truncate_state=True) for r in requests]
     assert encoded[0].input_ids != encoded[1].input_ids
     assert encoded[0].truncated_tokens == encoded[1].truncated_tokens > 0
     assert encoded[2].truncated_tokens > encoded[0].truncated_tokens
@@ -252,7 +252,7 @@ def test_continuation_pads_rows_to_the_longest_tail(tiny_qwen: Path) -> None:
     (key,) = model.state_cache.sizes()
     state = model.state_cache.get(key)
     assert isinstance(state, TorchState)
-    tails = [model.encode(r)[1].input_ids[state.tokens:] for r in REQUESTS[0:3]]
+    tails = [model.encode(r).input_ids[state.tokens:] for r in REQUESTS[0:3]]
     assert len({len(t) for t in tails}) > 1
     together = continuation(model.backend.backbone, state, tails, model.tokenizer.pad_token_id)
     for row, tail in enumerate(tails):

@@ -120,7 +120,7 @@ def test_the_same_text_with_another_image_is_a_miss(tiny_vision: Path, cold: cle
              "questions": {"damaged": {"type": "noul"},
                            "kind": {"type": "choice", "criteria": {"box": None, "bag": None}}}}
     other = {**first, "images": [data_uri(image(120, 80, seed=2))]}  # same size: same ids, other pixels
-    mine, theirs = model.encode(first)[1], model.encode(other)[1]
+    mine, theirs = model.encode(first), model.encode(other)
     assert mine.input_ids == theirs.input_ids and mine.media.digest != theirs.media.digest
     identity = model.backend.state_identity
     assert record_state_key(identity, mine) != record_state_key(identity, theirs)
@@ -148,7 +148,7 @@ def test_the_continuation_needs_the_rope_offset(tiny_vision: Path) -> None:
     (key,) = model.state_cache.sizes()
     state = model.state_cache.get(key)
     assert isinstance(state, TorchState) and state.position_offset < 0
-    tail = model.encode(REQUESTS[1])[1].input_ids[state.tokens:]
+    tail = model.encode(REQUESTS[1]).input_ids[state.tokens:]
     backbone, pad = model.backend.backbone, model.tokenizer.pad_token_id
     right = continuation(backbone, state, [tail], pad)
     wrong = continuation(backbone, replace(state, position_offset=0), [tail], pad)
@@ -165,7 +165,7 @@ def test_text_with_a_vision_token_keys_and_runs_as_text(tiny_vision: Path, cold:
     batch = [REQUESTS[3], odd, REQUESTS[4], odd2]
     got = model.predict(batch, batch_size=4)
     assert model.state_cache.stats().misses == 2 and model.state_cache.stats().hits == 2
-    encoded = model.encode(odd)[1]
+    encoded = model.encode(odd)
     assert encoded.media is None and model.tokenizer.token_to_id("<|image_pad|>") in encoded.input_ids
     key = state_key(model.backend.state_identity, encoded.input_ids[: encoded.state_start + encoded.state_tokens])
     entry = model.state_cache.get(key)

@@ -61,7 +61,7 @@ def test_the_server_counts_hits_misses_and_bytes(tiny_llama: Path) -> None:
     assert samples['clef_state_cache_bytes{model="m",memory="device"}'] == model.state_cache.stats().bytes > 0
     assert samples['clef_state_cache_budget_bytes{model="m",memory="device"}'] == 16 << 20
     assert samples['clef_state_cache_evictions_total{model="m"}'] == 0
-    expected = [json.loads(json.dumps(round_floats(cold.plan_load(r)))) for r in requests]
+    expected = [json.loads(json.dumps(round_floats(cold.decide(r)))) for r in requests]
     assert answers == expected  # the wire's 4 decimals: a hit answers exactly what a cold pass does
 
 
@@ -104,7 +104,7 @@ def test_the_ui_reruns_only_the_schema(tiny_qwen: Path) -> None:
     assert ["only the schema ran" in output[1] for output in outputs] == [False, True, True]  # the status line
     for output, request in zip(outputs, _requests([STATE]), strict=True):
         raw = json.loads(output[4])  # the raw response panel
-        want = cold.plan_load(request)
+        want = cold.decide(request)
         for qid, answer in raw["answers"].items():
             for key in ("noul", "score"):
                 if key in answer:
@@ -158,9 +158,9 @@ def test_the_planner_counts_the_budget() -> None:
 
 def test_the_planners_entry_matches_a_real_entry(tiny_qwen: Path) -> None:
     model = clef_local.load(tiny_qwen, dtype="float32", state_cache="16MiB")
-    model.plan_load(_requests([STATE])[0])
+    model.decide(_requests([STATE])[0])
     (size,) = model.state_cache.sizes().values()
-    tokens = model.encode(_requests([STATE])[0])[1]
+    tokens = model.encode(_requests([STATE])[0])
     dims = ModelDims.from_config(model.release.config)
     assert size == state_entry_bytes(dims, tokens.state_start + tokens.state_tokens, "float32")
     assert model.describe()["state_cache"] == {"budget_bytes": 16 << 20, "spill_bytes": 0}
@@ -176,16 +176,20 @@ def test_doctor_says_torch_only() -> None:
 
 
 class _NoCacheBackend:
-    """A backend without ``cached_logits`` (as MLX and ONNX Runtime): wraps a torch one's ``logits``."""
+    """A backend that cannot continue a pass (as MLX and ONNX Runtime): wraps a torch one's ``logits``."""
+
+    accepts_media = False
+    state_cache_blocker = "the ONNX Runtime backend runs every state in full (the state cache is torch's)"
 
     def __init__(self, inner: Any) -> None:
         self.name, self.release, self.device, self.load_decision = "onnx", inner.release, inner.device, None
         self.inner = inner
         self.calls = 0
 
-    def logits(self, *args: Any, **kwargs: Any) -> Any:
+    def logits(self, records: Any, layout: Any, pad_token_id: int, cache: Any = None) -> Any:
+        assert cache is None, "a cache was passed to a backend that cannot use one"
         self.calls += 1
-        return self.inner.logits(*args, **kwargs)
+        return self.inner.logits(records, layout, pad_token_id)
 
     def describe(self) -> dict[str, Any]:
         return self.inner.describe()
@@ -196,7 +200,8 @@ def test_backends_without_a_cache_run_every_state(tiny_llama: Path, caplog: pyte
     backend = _NoCacheBackend(loaded.backend)
     with caplog.at_level(logging.INFO, logger="clef_local.model"):
         model = clef_local.ClefModel(loaded.release, backend, loaded.tokenizer, state_cache=1 << 20)  # type: ignore[arg-type]
-    assert "state cache: torch only" in caplog.text and not model.state_cache.enabled
+    assert "state cache off: the ONNX Runtime backend runs every state" in caplog.text
+    assert not model.state_cache.enabled
     model.predict(_requests([STATE]))
     stats = model.state_cache.stats()
     assert backend.calls > 0 and stats.misses == stats.hits == 0

@@ -41,9 +41,10 @@ def test_tiny_vision_release(tiny_vision: Path, tiny_qwen: Path, tmp_path: Path)
         build_tiny_release(tmp_path / "x", backbone="llama", vision=True)
     model = clef_local.load(tiny_vision, dtype="float32")
     model.decide({"model": "m", "state": "text only", "questions": {"q": {"type": "noul"}}})
-    assert model.media is not None and not model.media.loaded  # text needs only the tokenizer
+    processor = model.encoder.media.processor
+    assert processor is not None and not processor.loaded  # text needs only the tokenizer
     model.decide({"model": "m", "state": "s", "images": [data_uri(PHOTO)], "questions": {"q": {"type": "noul"}}})
-    assert model.media.loaded
+    assert processor.loaded
 
 
 def test_decide_with_image_files(tiny_vision: Path, vision_model: Any, tmp_path: Path, capsys) -> None:
@@ -129,7 +130,7 @@ def test_plan_counts_visual_tokens_like_the_processor(tiny_vision: Path, vision_
     assert plan_main(["--model", str(tiny_vision), "--image-size", "1024x768", "--images", "2", "--json",
                       "--device", "cpu-8"]) in (0, 1)
     info = json.loads(capsys.readouterr().out)
-    _, encoded = vision_model.encode({"model": "m", "state": "s", "questions": {"q": {"type": "noul"}},
+    encoded = vision_model.encode({"model": "m", "state": "s", "questions": {"q": {"type": "noul"}},
                                       "images": [data_uri(image(1024, 768, seed=s)) for s in (1, 2)]})
     assert info["images"]["visual_tokens"] == encoded.media.visual_tokens == 2 * 768
     assert all(p["visual_tokens"] == 1536 and p["vision_activation_bytes"] > 0 for p in info["plans"])

@@ -50,7 +50,7 @@ def test_media_encoding_matches_reference(oracle, reference, vision_model, index
     _, processor = reference
     request = REQUESTS[index]
     expected = _reference_encoded(oracle, processor, request)
-    _, ours = vision_model.encode(request)
+    ours = vision_model.encode(request)
     assert ours.input_ids == expected.input_ids
     assert [(q.question_span, q.option_spans, q.option_ids) for q in ours.questions] == [
         (q.question_span, q.option_spans, q.option_ids) for q in expected.questions]
@@ -130,11 +130,11 @@ def test_assets_form_equals_the_reference_form(oracle, reference, vision_model) 
         "state": {"photo": "see <image 1> and <image 2>", "caption": "<image 1> again"},
         "questions": {"same": {"type": "noul", "instructions": "Is <image 2> the same object as <image 1>?"},
                       "which": {"type": "choice", "criteria": {"left": "like <image 2>", "right": None}}}}
-    from clef_local.runtime.schema import request_to_record, validate_request
+    from clef_local.runtime.schema import validate_request
 
-    record, ours = vision_model.encode(jev)
-    normal = request_to_record(validate_request(reference_form))
-    assert record["state"] == normal["state"] and record["questions"] == normal["questions"]
+    ours = vision_model.encode(jev)
+    normal = validate_request(reference_form)
+    assert ours.request.state == normal.state and ours.request.questions == normal.questions
     expected = _reference_encoded(oracle, processor, reference_form)
     assert ours.input_ids == expected.input_ids
     np.testing.assert_array_equal(ours.media.pixel_values, expected.media["pixel_values"].numpy())
@@ -162,7 +162,7 @@ def test_max_pixels_matches_the_reference_with_the_same_size(oracle, reference, 
     ref_model, processor = reference
     small = clef_local.load(tiny_vision, dtype="float32", media_limits=MediaLimits(max_pixels=100_000))
     request = {**REQUESTS[5], "images": [data_uri(image(1024, 768, seed=9))]}
-    _, ours = small.encode(request)
+    ours = small.encode(request)
     size = {"shortest_edge": 65536, "longest_edge": 100_000}
     expected = _reference_encoded(oracle, processor, {**request, "media_kwargs": {"size": size}})
     assert ours.input_ids == expected.input_ids
@@ -213,7 +213,7 @@ def test_video_frames_match_reference(oracle, vision_model, tiny_vision) -> None
         # the reference takes the frames as images (its processor does not decode base64 video frames)
         ref_request = {**request, "videos": [decode_video(v, ("videos", 0)) for v in request["videos"]]}
         expected = _reference_encoded(oracle, processor, ref_request)
-        _, ours = vision_model.encode(request)
+        ours = vision_model.encode(request)
         assert ours.input_ids == expected.input_ids
         assert list(ours.media.mm_token_type_ids) == expected.media["mm_token_type_ids"]
         np.testing.assert_array_equal(ours.media.pixel_values_videos, expected.media["pixel_values_videos"].numpy())

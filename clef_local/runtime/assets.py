@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from clef_local.errors import RequestValidationError
+from clef_local.runtime.encoding import question_options
 from clef_local.runtime.schema import SystemOneRequest
 
 ASSET_FORMATS = ("png", "jpg", "jpeg")  # Jev's wire enum; the bytes' own format is what is decoded
@@ -145,8 +146,9 @@ def _prompt_texts(request: SystemOneRequest) -> Iterator[tuple[tuple[str, ...], 
             for level in range(len(criteria)):
                 yield ("questions", qid, "criteria", str(level)), criteria[level]
         elif isinstance(criteria, dict):
-            for option in sorted(criteria):  # model order (docs/format.md §2)
-                yield ("questions", qid, "criteria", option), criteria[option]
+            for option, _ in question_options(question):  # model order (docs/format.md §2)
+                if option in criteria:
+                    yield ("questions", qid, "criteria", option), criteria[option]
 
 
 def check_references(request: SystemOneRequest) -> None:

@@ -45,7 +45,7 @@ def ensure_variants(reference: Path, directory: Path, schemes: list[str]) -> lis
 
 
 def screenshot(report: Path, png: Path, width: int = 1400) -> None:
-    """The top of ``report`` as a PNG, through Debian's chromium driven headless by Playwright (as ui_load.py)."""
+    """The top of ``report`` as a PNG, through Debian's chromium run headless by Playwright (as scripts/ui_load.py)."""
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:

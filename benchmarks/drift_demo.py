@@ -8,6 +8,7 @@ Data: BANKING77 test rows 0…N (one 77-way choice each) and NLU++ banking folds
 question, 8 per request) as labelled JSONL, through ``clef-local drift`` with ``--floor`` (the reference in the
 other compute dtype). Variants are made with ``clef-local quantize`` into ``--variants`` when missing. Prints the
 drift table and the labelled-metrics table (the report's Markdown); writes report.html/.md/.json under ``--out``.
+Tables in docs/benchmarks.md#drift-recalibration-eval.
 """
 
 from __future__ import annotations

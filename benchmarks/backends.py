@@ -8,6 +8,7 @@ Each row runs in its own subprocess (load, one warm-up decide); the timed decide
 gets Debian's OpenBLAS preloaded (``LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0``,
 docs/hardware.md, known traps: the mlx-cpu wheel's own BLAS is ~120× slower). Also prints each row's max |Δp| against
 torch float32. Prints one table.
+Table in docs/benchmarks.md#backends.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ One JSONL of BANKING77 test rows (``clef-local data convert``'s requests: one 77
 model is loaded once for the loop of ``ClefModel.decide`` and the local batch job (load time excluded from both);
 the Ray runs start a local cluster (``--ray local``) and include its start and each replica's model load, as a
 user's job does. Prints one table and the ratios, with the core count and torch threads.
+Table in docs/benchmarks.md#batch.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ Two sets of 8 requests from the built-in examples: "equal" (8 × the triage requ
 "mixed" (triage, moderation, routing round-robin: 294–444 tokens on the demo model, a padded batch of them is
 22% padding). Each set runs one request at a time, as ONE padded batch (no length bound), and as
 ``model.predict`` splits it with its device's padding budget (:mod:`clef_local.runtime.batching`). Times are per set.
+Table in docs/benchmarks.md#serving (padded batches on a CPU).
 """
 
 from __future__ import annotations

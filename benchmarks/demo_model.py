@@ -14,6 +14,7 @@
   BANKING77 test): mean and max |p + p_neg - 1|.
 - speed: a 3-question request with a one-sentence state (median of 20) and the 77-option request.
 - generation: the same backbone answering the same 3 questions by generating JSON (greedy) vs one decide pass.
+Tables in docs/benchmarks.md#the-demo-models-heads and clef_local/demo/head/MODEL_CARD.md.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ Data: BANKING77 test rows 0…N (one 77-way choice each) and NLU++ banking folds
 question, 8 per request) as labelled JSONL, through ``clef-local drift`` with ``--floor`` (the reference in the
 other compute dtype). Variants are made with ``clef-local quantize`` into ``--variants`` when missing. Prints the
 drift table and the labelled-metrics table (the report's Markdown); writes report.html/.md/.json under ``--out``.
+Tables in docs/benchmarks.md#drift-recalibration-eval.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def ensure_variants(reference: Path, directory: Path, schemes: list[str]) -> lis
 
 
 def screenshot(report: Path, png: Path, width: int = 1400) -> None:
-    """The top of ``report`` as a PNG, through Debian's chromium driven headless by Playwright (as ui_load.py)."""
+    """The top of ``report`` as a PNG, through Debian's chromium run headless by Playwright (as scripts/ui_load.py)."""
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:

@@ -6,6 +6,7 @@
 Both go through :func:`clef_local.quality.evaluate.evaluate` on one loaded model (one warm-up request first),
 alternating ``--rounds`` times (the faster run of each counts); prints
 one table: batch size, requests, seconds, requests/s, tokens/s, and the batched/one-at-a-time ratio.
+Table in docs/benchmarks.md#drift-recalibration-eval (``eval`` throughput).
 """
 
 from __future__ import annotations

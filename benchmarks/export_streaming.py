@@ -7,6 +7,7 @@ Builds a llama backbone (hidden 512, intermediate 2048, ``--layers`` layers, the
 matching random head) saved once in ``--shards`` files and once in one file, exports each in a fresh subprocess
 that imports everything and warms up first, and reads the subprocess's peak RSS (``VmHWM``) minus its RSS after
 the warm-up. Exit status 1 when the sharded export's peak exceeds ``--limit`` (40%) of the model's size.
+Numbers in docs/benchmarks.md#export-size-and-memory.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ releases are built once (a release is complete when its manifest exists, which i
 no pending step needs them (the H200 has 64 GiB of disk). ``--budget-s`` stops starting steps when time is short.
 Prints one table and writes it to ``OUT/flagship.md`` (the kernel table to ``OUT/kernels.md``). Anything not
 measured says "not run" and why; nothing is estimated in its place.
+Table in docs/benchmarks.md#flagship-desks-full-size-shapes-two-cards-caps.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ Both heads get identical weights (ours saved, the reference loaded strictly from
 random hidden states and output embeddings; the prompt spans come from real encodings of choice requests. Times
 are medians of ``--repeats`` runs after one warm-up; "max |Δp|" checks that the numbers agree. A second table puts
 the head's share of a whole ``decide`` on a tiny release.
+Tables in docs/benchmarks.md#head-speed.
 """
 
 from __future__ import annotations

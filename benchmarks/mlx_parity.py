@@ -9,6 +9,7 @@ Debian's OpenBLAS preloaded (docs/hardware.md, known traps: the Linux ``mlx-cpu`
 for fp32 matmuls; ``--no-openblas`` turns that off). Per release: max |Δp| over all questions of the probe set
 (``clef_local.data.probes.probe_requests``), decision flips (argmax changes), mean KL(torch‖mlx), and the median latency
 of ``repeats`` decides of a 3-question request after one warm-up, as ms and as the MLX/torch ratio.
+Tables in docs/benchmarks.md#parity-with-the-reference and docs/benchmarks.md#backends.
 """
 
 from __future__ import annotations

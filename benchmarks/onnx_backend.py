@@ -14,6 +14,7 @@
    closure of what a decision imports: ``onnxruntime`` + ``transformers`` + ``tokenizers`` + ``numpy`` for ONNX,
    ``torch`` + ``transformers`` + ``tokenizers`` + ``numpy`` + ``safetensors`` for torch (clef-local's other
    dependencies are common to both and left out).
+Tables in docs/benchmarks.md#parity-with-the-reference and docs/benchmarks.md#backends.
 """
 
 from __future__ import annotations

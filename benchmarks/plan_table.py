@@ -6,6 +6,7 @@
 Estimates only (clef_local.planning.planner; no tensor is loaded): the memory each format needs (cards: embed_tokens and
 lm_head in host memory, docs/hardware.md; Macs: one pool, MLX dequantizes nf4/fp8 at load so they count as BF16), then
 the best-precision format that fits each device. Prints two Markdown tables.
+Tables in docs/benchmarks.md#memory-planning.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ requests or stops after ``--seconds``, whichever comes first (bounded, loopback 
 ``model.decide`` in this process on the same requests, one at a time: the difference at concurrency 1 is the
 HTTP overhead (JSON, the event loop, the scheduler's hand-off to its thread and, with batching on, up to
 ``--max-wait-ms`` of waiting for company). Mean batch sizes come from the server's ``/metrics``.
+Tables in docs/benchmarks.md#serving and docs/benchmarks.md#threads.
 """
 
 from __future__ import annotations

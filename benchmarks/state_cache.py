@@ -20,6 +20,7 @@
   kind: tiny Llama, tiny Qwen3.5 and the demo model (Llama), batched by 8 on the hit side; and the tiny vision
   release (Qwen3.5 with its vision tower) with 1–3 images of varied sizes in each of the 12 states
   (``--releases vision`` runs that row alone).
+Tables in docs/benchmarks.md#state-cache.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ the weight bytes three ways, per role: the files' tensor bytes (each file's size
 header), ``clef-local plan --model OUT`` (the census from the headers) and ``clef-local plan --config`` on the same
 (reduced) config (the planner's formulas over the architecture built on the meta device). ``--json`` writes the
 numbers; ``--delete`` removes the release afterwards (they are large). Exit 1 when the three disagree.
+Table in docs/benchmarks.md#flagship-desks-full-size-shapes-two-cards-caps.
 """
 
 from __future__ import annotations

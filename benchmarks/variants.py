@@ -10,6 +10,7 @@ and ECE (15 bins) of both; the same drift on ``quantize``'s 64 validation probes
 median latency (of 10) and the peak RSS of a fresh process that loads the model and answers it. One table.
 Targets (issue 4): int8/fp8 mean KL ≤ 0.002 and flips ≤ 1%;
 int4/nf4 mean KL ≤ 0.03 and flips ≤ 5%.
+Tables in docs/benchmarks.md#quantized-variants-of-the-demo-model and docs/benchmarks.md#gptq---calibrate.
 """
 
 from __future__ import annotations

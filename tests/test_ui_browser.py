@@ -2,7 +2,7 @@
 
 Open the page, clear the example, add a choice question with three options by clicking and typing, run it, and
 check that three bars and their numbers appear (they sum to 1, the decision is the tallest bar, the table agrees).
-The screenshot goes to the test's tmp dir; ``python benchmarks/ui_load.py`` takes the README's into docs/ui.png.
+The screenshot goes to the test's tmp dir; ``python scripts/ui_load.py`` takes the README's into docs/ui.png.
 Skips (with the reason) where chromium or Playwright is missing; in CI (``CI`` or ``CLEF_REQUIRE_BROWSER`` set),
 where ``.ci/run`` installs chromium, a missing browser fails instead.
 """

@@ -1,13 +1,14 @@
-"""``clef-local ui`` in a real browser: page load to interactive and one run on the demo model, in seconds.
+"""A check, not a benchmark: ``clef-local ui`` in a real browser (page load, one run) and the README screenshot.
 
-    python benchmarks/ui_load.py                     # the demo model; writes the README screenshot docs/ui.png
-    python benchmarks/ui_load.py --model DIR --screenshot /tmp/ui.png --runs 5
+    python scripts/ui_load.py                     # the demo model; writes the README screenshot docs/ui.png
+    python scripts/ui_load.py --model DIR --screenshot /tmp/ui.png --runs 5
 
 The real CLI (``clef-local ui``) runs in its own process on a free loopback port; Debian's chromium, driven
 headless by Playwright, opens the page. "Interactive" is the schema builder rendered with the example's inputs
 (``#q0-id``); "model ready" is the model panel after the page's load event has loaded the model. A run is
 the click on **Run** (the ticket-triage example: noul + 4-way choice + 4-level score) until its bars are on
-the page; "decide" is the model time the page reports for it. One table is printed.
+the page; "decide" is the model time the page reports for it. One table is printed, in seconds (the last run's
+numbers: docs/benchmarks.md#ui).
 """
 
 from __future__ import annotations

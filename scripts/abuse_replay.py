@@ -1,7 +1,7 @@
-"""The abuse replay: thousands of hostile requests, interleaved with good ones, against ``clef-local serve``.
+"""A soak check, not a benchmark: thousands of hostile requests mixed with good ones against ``clef-local serve``.
 
-    python benchmarks/abuse_replay.py                               # the default model, 2,000 hostile requests
-    python benchmarks/abuse_replay.py --model DIR --hostile 4000 --every 20 --threads 1
+    python scripts/abuse_replay.py                               # the default model, 2,000 hostile requests
+    python scripts/abuse_replay.py --model DIR --hostile 4000 --every 20 --threads 1
 
 The real CLI server runs in its own process on a free loopback port (``--api-key``, so bad keys mean something;
 default limits, timeouts and allocator settings: what a user runs). A seeded generator builds ``--hostile``
@@ -19,7 +19,8 @@ headers).
 
 Prints, per kind, the requests sent and the statuses seen; the number of 5xx answers (must be 0) and of
 connections the client lost; server RSS before and after (and its peak); p50 / p99 latency of the good requests
-alone and during the replay; what became of the slow clients.
+alone and during the replay; what became of the slow clients. The last run's table:
+docs/benchmarks.md#hardening-the-abuse-replay.
 """
 
 from __future__ import annotations

@@ -2,11 +2,11 @@
 # Build and measure the demo model (clef-demo-135m) on a CUDA machine: convert the GGUF backbone, train the joint
 # schema head with the default recipe (the same command runs on CPU, slower), and evaluate it on BANKING77 and
 # NLU++. Writes the head and the metrics under $OUT. Scale knobs are for a quick dry run on CPU:
-#   NO_WHEELS=1 DEVICE=cpu BANKING77=20 NLUPP=10 TWINS=8 EPOCHS=1 LIMIT=5 bash benchmarks/gpu_demo.sh
+#   NO_WHEELS=1 DEVICE=cpu BANKING77=20 NLUPP=10 TWINS=8 EPOCHS=1 LIMIT=5 bash scripts/train_demo_gpu.sh
 # ADAPTERS=1 also trains the v2 recipe: LoRA adapters on the backbone with a question-path head
 # (train-head --adapters, clef_local/training/adapter_train.py) on RECORDS decision records, started from the head
 # in INIT (a question-path head directory; default: a fresh head), merged into a copy of the backbone and evaluated on every section:
-#   ADAPTERS=1 RECORDS=40000 ADAPTER_SPEC=r=16,alpha=32,layers=30 bash benchmarks/gpu_demo.sh
+#   ADAPTERS=1 RECORDS=40000 ADAPTER_SPEC=r=16,alpha=32,layers=30 bash scripts/train_demo_gpu.sh
 # On the lent H200 (no network, 64 MiB carried per call): the GGUF travels in two parts. A call's carried paths
 # replace .gpu/ in the repo copy, but /tmp survives while the machine is warm (30 s), so call 1 carries
 # .gpu/gguf.part-01 and runs `mkdir -p /tmp/clef-gguf && cp .gpu/gguf.part-01 /tmp/clef-gguf/`; call 2 carries

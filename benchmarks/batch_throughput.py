@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     source = folder / "b77.jsonl"
     source.write_text("".join(json.dumps({"id": e.id, **e.request}) + "\n" for e in examples), encoding="utf-8")
     model = clef_local.load(model_dir, dtype=args.dtype)
-    tokens = sum(len(model.encode(r)[1].input_ids) for r in requests)
+    tokens = sum(len(model.encode(r).input_ids) for r in requests)
     model.decide(requests[0])  # warm-up
     rows: list[tuple[str, float]] = []
 

@@ -50,7 +50,7 @@ def main() -> None:
     print("| set | tokens | one at a time | one padded batch | device budget | batch / one | budget / one |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for name, requests in sets.items():
-        tokens = sorted({len(model.encode(r)[1].input_ids) for r in requests})
+        tokens = sorted({len(model.encode(r).input_ids) for r in requests})
         alone = median_ms(lambda requests=requests: [model.predict([r]) for r in requests], args.repeats, sync)
         padded = median_ms(run(requests, float("inf")), args.repeats, sync)
         bounded = median_ms(run(requests, budget), args.repeats, sync)

@@ -111,7 +111,7 @@ def request_of(model: Any, tokens: int) -> tuple[dict[str, Any], int]:
                "questions": {"refund": {"type": "noul", "instructions": "Does the customer want money back?"},
                              "team": {"type": "choice", "criteria": {"cards": "Card payments", "transfers": None}}}}
     model.max_length = tokens
-    _, encoded = model.encode(request, truncate_state=True)
+    encoded = model.encode(request, truncate_state=True)
     return request, len(encoded.input_ids)
 
 

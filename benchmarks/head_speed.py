@@ -23,7 +23,7 @@ import clef_local
 from clef_local.heads.torch_head import HeadConfig, JointSchemaHead
 from clef_local.runtime.encoding import encode_request
 from clef_local.runtime.layout import build_layout
-from clef_local.runtime.schema import request_to_record, validate_request
+from clef_local.runtime.schema import validate_request
 from clef_local.runtime.tokenizer import ReleaseTokenizer
 from clef_local.testing import build_tiny_release, load_reference_oracle
 
@@ -59,8 +59,7 @@ def head_table(tokenizer: ReleaseTokenizer, name: str, config: HeadConfig, devic
     print(f"{'questions x options':>20} {'tokens':>7} {'ours ms':>9} {'reference ms':>13} {'speed-up':>9} "
           f"{'max |dp|':>9}")
     for questions, options in CASES:
-        record = request_to_record(validate_request(_request(questions, options)))
-        encoded = encode_request(tokenizer, record, max_length=1 << 20)
+        encoded = encode_request(tokenizer, validate_request(_request(questions, options)), max_length=1 << 20)
         length = len(encoded.input_ids)
         hidden = torch.randn(1, length, config.hidden_size, device=device)
         mask = torch.ones(1, length, dtype=torch.long, device=device)
@@ -92,17 +91,16 @@ def share_table(path: Path, device: str, repeats: int) -> None:
     request["questions"]["q0"] = {"type": "noul", "instructions": "Charged twice?"}
     request["questions"]["q2"] = {"type": "score", "criteria": ["low", "mid", "high"]}
     total = _median_ms(lambda: model.decide(request), repeats)
-    _, encoded = model.encode(request)
+    encoded = model.encode(request)
     length = len(encoded.input_ids)
     ids = torch.tensor([encoded.input_ids], device=device)
     mask = torch.ones_like(ids)
-    hidden = model.backend.hidden_states(ids, mask)
-    backbone = _median_ms(lambda: model.backend.hidden_states(ids, mask), repeats)
+    hidden = model.backend.backbone.forward(ids, mask)
+    backbone = _median_ms(lambda: model.backend.backbone.forward(ids, mask), repeats)
 
     def head_only() -> torch.Tensor:
         layout = build_layout([encoded], length).map(lambda a: torch.from_numpy(a).to(device))
-        return model.backend.head(hidden, mask, model.backend.output_embedding.index_select(
-            0, layout.option_token_ids), layout)
+        return model.backend.head(hidden, mask, model.backend.backbone.lexical_rows(layout.option_token_ids), layout)
 
     with torch.inference_mode():
         head = _median_ms(head_only, repeats)

@@ -137,7 +137,7 @@ def latency(models: dict[str, Path], sizes: list[int], repeats: int, dtype: str 
         warm = clef_local.load(path, dtype=dtype, state_cache="2GiB")
         context = cold.max_length
         for size in sizes:
-            empty = cold.encode(request("", 0))[1]
+            empty = cold.encode(request("", 0))
             target = min(size, context - (len(empty.input_ids) - empty.state_tokens) - 64)  # room for the schemas
             cold_ms, miss_ms, hit_ms = [], [], []
             for model in (cold, warm):  # warm-up (first-call allocations, lazy imports), then an empty cache

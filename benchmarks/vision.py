@@ -90,7 +90,7 @@ def main() -> int:
             planner = footprint.image_load(width, height, 1).visual_tokens
             decoded = decode_image(text, ("images", 0))
             inputs = processor.encode([decoded], [])
-            _, encoded = model.encode(request)
+            encoded = model.encode(request)
             ids, mask = collate([encoded], model.tokenizer.pad_token_id, backbone.device)
             media = collate_media([encoded], ids.shape[1], backbone.device)
             pixels = torch.from_numpy(inputs.pixel_values)

@@ -13,15 +13,15 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["ClefModel", "__version__", "default_model_path", "load"]
+__all__ = ["ClefModel", "Prediction", "__version__", "default_model_path", "load"]
 
 if TYPE_CHECKING:
     from clef_local.demo.default import default_model_path
-    from clef_local.model import ClefModel, load
+    from clef_local.model import ClefModel, Prediction, load
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("load", "ClefModel"):
+    if name in ("load", "ClefModel", "Prediction"):
         from clef_local import model
 
         return getattr(model, name)

@@ -92,7 +92,7 @@ def test_the_private_name_check_can_fail(tmp_path: Path) -> None:
     seeded = tmp_path / "m.py"
     seeded.write_text("from clef_local.cli import _hidden\nimport clef_local.errors as e\ne._x\n"
                       "from . import int4\nint4._check\n")
-    assert len(_private_imports(seeded, "clef_local.quant.other")) == 3
+    assert len(_private_imports(seeded, "clef_local.quant.other")) == 3  # named-paths: ignore
 
 
 def _mypy(tree: Path, cache: Path) -> subprocess.CompletedProcess:

@@ -21,7 +21,7 @@ fp8    ``dequantize`` (slow ``_scaled_mm`` on CPUs)            ``scaled_mm_rowwi
 
 Every Clef call is a prefill: a whole record, 90 to thousands of rows per matmul, never one decoded token. torch's
 int4 and int8 CPU kernels are built for decoding: their cost grows with every row, while dequantize-then-matmul pays
-a fixed cost per call and then runs the BF16 GEMM (``python benchmarks/cpu_kernels.py``, 2 cores: the int8 kernel
+a fixed cost per call and then runs the BF16 GEMM (docs/benchmarks.md, 2 cores: the int8 kernel
 wins below ~64 rows, dequantize from there, 4-10x at 256-1,024 rows; the int4 kernel wins below ~150 rows). So an
 int8 layer takes its kernel for calls of fewer than :data:`INT8_KERNEL_ROWS` rows and dequantizes the rest (the same
 buffers); int4 on a CPU dequantizes: a per-call choice would need the kernel's repacked copy *and* the stored one.

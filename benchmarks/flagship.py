@@ -264,7 +264,7 @@ def plan_split(model: Any, context: int) -> Any:
 
     decision = model.backend.load_decision
     footprint = footprint_from_release(model.path)
-    cards = resolve_devices("24GB,24GB", parse_max_memory(None), named_device)
+    cards = resolve_devices("24GiB,24GiB", parse_max_memory(None), named_device)
     return resident_split(footprint.censuses[decision.scheme], footprint, cards, decision, context)
 
 

@@ -17,8 +17,9 @@ from pathlib import Path
 from clef_local.planning.census import FORMATS
 from clef_local.planning.choice import resident_census
 from clef_local.planning.estimate import best_fit, plan
-from clef_local.planning.hardware import GiB, named_device
+from clef_local.planning.hardware import named_device
 from clef_local.planning.planner import CONFIGS_DIR, footprint_from_config
+from clef_local.units import GiB
 
 DEVICES = ("rtx4090", "l40s", "h100", "h200", "mac-36", "mac-64", "mac-128")
 LABELS = {"rtx4090": "24 GB (RTX 4090)", "l40s": "48 GB (L40S)", "h100": "80 GB (H100)", "h200": "141 GB (H200)",

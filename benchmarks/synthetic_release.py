@@ -26,10 +26,10 @@ from pathlib import Path
 
 from clef_local.formats.release import find_weight_files, read_json
 from clef_local.planning.census import WeightCensus, census_from_config, census_from_release
-from clef_local.planning.hardware import GiB
 from clef_local.planning.planner import resolve_config
 from clef_local.synthetic import SCHEMES
 from clef_local.testing import build_shaped_release
+from clef_local.units import GiB
 
 ROLES = ("quantized_linears", "text_other", "embed_tokens", "lm_head", "vision")
 

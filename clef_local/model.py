@@ -28,8 +28,9 @@ from clef_local.runtime.layout import build_layout
 from clef_local.runtime.media import DEFAULT_MEDIA_LIMITS, MediaLimits
 from clef_local.runtime.processor import MediaProcessor
 from clef_local.runtime.schema import DEFAULT_LIMITS, QUESTION_TYPES, Limits, SystemOneRequest
-from clef_local.runtime.state_cache import StateCache, format_size, parse_size
+from clef_local.runtime.state_cache import StateCache, parse_size
 from clef_local.runtime.tokenizer import ReleaseTokenizer
+from clef_local.units import format_size
 
 log = logging.getLogger(__name__)
 

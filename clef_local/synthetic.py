@@ -40,11 +40,11 @@ import numpy as np
 from clef_local.formats.head_config import HeadConfig
 from clef_local.formats.manifest import list_files, sha256, write_manifest
 from clef_local.formats.release import head_config_beside, read_head_config, read_json
+from clef_local.units import GiB
 
 log = logging.getLogger(__name__)
 
 SCHEMES = ("bf16", "int4", "int8", "nf4", "fp8")
-GiB = 1 << 30
 DEFAULT_SHARD_BYTES = 4 * GiB
 PIECE_BYTES = 8 << 20  # bytes of one generated piece (a thread's unit of work)
 INT4_GROUP_SIZES = (32, 64, 128)

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from clef_local.planning.hardware import GiB, MiB, cpu_bf16, detect, named_device, resolve_device
+from clef_local.planning.hardware import cpu_bf16, detect, named_device, resolve_device
+from clef_local.units import GiB, MiB
 
 
 def test_detect_here_is_a_cpu_with_cores_and_memory() -> None:
@@ -57,8 +58,11 @@ def test_named_cards() -> None:
     a100 = named_device("A100-80G")
     assert a100.compute_capability == (8, 0) and not a100.fp8 and a100.bf16
     assert named_device("h200").total_bytes == 143771 * MiB
-    generic = named_device("24GB")
+    generic = named_device("24GiB")
     assert generic.kind == "cuda" and generic.total_bytes == 24 * GiB and generic.compute_capability is None
+    assert named_device("24GB").total_bytes == 24 * 10**9  # one size parser: GB is decimal everywhere
+    with pytest.raises(ValueError, match="cannot read the device size '24g'"):
+        named_device("24g")
 
 
 def test_named_macs_use_metals_default_working_set() -> None:

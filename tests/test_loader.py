@@ -10,8 +10,9 @@ import pytest
 import clef_local
 from clef_local.errors import ApiUsageError, InsufficientMemoryError
 from clef_local.planning.choice import DEQUANTIZE, choose, plan_load
-from clef_local.planning.hardware import GiB, Hardware, named_device
+from clef_local.planning.hardware import Hardware, named_device
 from clef_local.planning.planner import CONFIGS_DIR
+from clef_local.units import GiB
 
 CONFIGS = CONFIGS_DIR  # the packaged Clef / Clef-flash shapes
 ALL = {"torch": None, "mlx": None, "onnx": None}

@@ -13,7 +13,7 @@ from clef_local.formats.release import read_release
 from clef_local.formats.safetensors import read_header
 from clef_local.planning.census import census_from_release
 from clef_local.planning.estimate import ModelDims, activations, best_fit, max_context, plan
-from clef_local.planning.hardware import GiB, named_device
+from clef_local.planning.hardware import named_device
 from clef_local.planning.planner import (
     CONFIGS_DIR,
     footprint_from_config,
@@ -22,6 +22,7 @@ from clef_local.planning.planner import (
     packaged_config,
     resolve_config,
 )
+from clef_local.units import GiB
 
 CONFIGS = CONFIGS_DIR  # the packaged Clef / Clef-flash shapes
 

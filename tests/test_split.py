@@ -18,11 +18,12 @@ from clef_local.errors import ApiUsageError, InsufficientMemoryError
 from clef_local.planning import planner
 from clef_local.planning.caps import cap_for, parse_max_memory, parse_size, resolve_devices, with_cap
 from clef_local.planning.choice import plan_load, plan_split
-from clef_local.planning.hardware import GiB, Hardware, named_device, resolve_device
+from clef_local.planning.hardware import Hardware, named_device, resolve_device
 from clef_local.planning.split import cut, render_split, split_plan
+from clef_local.units import GiB
 
 TORCH = {"torch": None, "mlx": "no", "onnx": "no"}
-CARD_24 = named_device("24GB")
+CARD_24 = named_device("24GiB")
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,7 @@ def test_sizes_and_caps_parse() -> None:
     assert parse_max_memory({"cuda": "24GiB", "cpu": 8 * GiB}) == {"cuda:0": 24 * GiB, "cpu": 8 * GiB}
     caps = parse_max_memory("24GiB")
     assert cap_for(caps, "cuda:3") == 24 * GiB and cap_for({}, "cpu") is None
-    for bad, message in (("cuda:0=24XB", "not a memory size: '24XB'"), ("gpu0=24GiB", "unknown device 'gpu0'"),
+    for bad, message in (("cuda:0=24XB", "cannot read the memory size '24XB'"), ("gpu0=24GiB", "unknown device 'gpu0'"),
                          ("cuda:0=1GiB,cuda:0=2GiB", "gives cuda:0 twice"), ("cpu=0", "must be positive")):
         with pytest.raises(ValueError, match=message):
             parse_max_memory(bad)
@@ -52,7 +53,7 @@ def test_a_cap_makes_a_large_card_a_small_one() -> None:
 
 
 def test_device_lists() -> None:
-    cards = resolve_devices("24GB,48GB", {}, resolve_device)
+    cards = resolve_devices("24GiB,48GiB", {}, resolve_device)
     assert [(h.device, h.free_bytes) for h in cards] == [("cuda:0", 24 * GiB), ("cuda:1", 48 * GiB)]
     capped = resolve_devices("h200,h200", parse_max_memory("cuda:1=20GiB"), resolve_device)
     assert [h.free_bytes for h in capped] == [named_device("h200").free_bytes, 20 * GiB]
@@ -60,7 +61,7 @@ def test_device_lists() -> None:
     shared = resolve_devices("cpu,cpu", {"cpu": 8 * GiB}, lambda name: box)  # one device listed twice: halves
     assert [h.free_bytes for h in shared] == [4 * GiB, 4 * GiB]
     with pytest.raises(ValueError, match="a split needs devices of one kind"):
-        resolve_devices("cpu,24GB", {}, lambda name: box if name == "cpu" else CARD_24)
+        resolve_devices("cpu,24GiB", {}, lambda name: box if name == "cpu" else CARD_24)
     with pytest.raises(ValueError, match="empty device name"):
         resolve_devices("cuda:0,", {}, resolve_device)
 
@@ -91,19 +92,19 @@ def test_clef_27b_int8_on_two_24_gib_cards_at_16k(clef, capsys: pytest.CaptureFi
     assert [round(s.need / GiB, 1) for s in split.stages] == [18.5, 19.0]
     assert all(s.need < s.available for s in split.stages)
     # a card twice as large takes about twice the layers
-    uneven = split_plan(census, clef.dims, resolve_devices("24GB,48GB", {}, resolve_device), context=16_384)
+    uneven = split_plan(census, clef.dims, resolve_devices("24GiB,48GiB", {}, resolve_device), context=16_384)
     assert uneven.ranges[0][2] < 25 and uneven.fits
 
 
 def test_plan_prints_the_split(capsys: pytest.CaptureFixture[str]) -> None:
-    code = planner.main(["--config", "clef", "--format", "int8", "--device", "24GB,24GB", "--context", "16384"])
+    code = planner.main(["--config", "clef", "--format", "int8", "--device", "24GiB,24GiB", "--context", "16384"])
     out = capsys.readouterr().out
     with capsys.disabled():
         print("\n" + out)
     assert code == 0
     assert "cuda:0 (a 24 GiB CUDA card): layers 0-31 (32)" in out and "cuda:1 (a 24 GiB CUDA card): layers 32-63" in out
     assert "need 19.0 of 24.0 → fits" in out
-    assert planner.main(["--config", "clef", "--format", "int8", "--device", "24GB,24GB", "--json"]) == 0
+    assert planner.main(["--config", "clef", "--format", "int8", "--device", "24GiB,24GiB", "--json"]) == 0
     stages = json.loads(capsys.readouterr().out)["splits"][0]["stages"]
     assert [s["layers"] for s in stages] == [[0, 32], [32, 64]]
     # an H200 capped to 20 GiB cannot hold Clef 27B int4 at 16K (it needs 20.5 GiB)
@@ -164,7 +165,7 @@ def test_a_split_over_two_cpu_stages_gives_the_same_numbers(release: str, reques
 def test_load_refuses_what_does_not_fit_under_a_cap(tiny_llama: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(InsufficientMemoryError, match=r"capped at 0\.1 GiB.*a higher --max-memory for cpu"):
         clef_local.load(tiny_llama, dtype="float32", max_memory={"cpu": "100MiB"})
-    with pytest.raises(ApiUsageError, match="not a memory size"):
+    with pytest.raises(ApiUsageError, match="cannot read the memory size .lots."):
         clef_local.load(tiny_llama, max_memory="cpu=lots")
     assert clef_local.load(tiny_llama, dtype="float32", max_memory="cpu=4GiB").backend.load_decision.available_bytes \
         <= 4 * GiB
@@ -172,3 +173,16 @@ def test_load_refuses_what_does_not_fit_under_a_cap(tiny_llama: Path, capsys: py
 
     assert cli_main(["decide", "--model", str(tiny_llama), "--example", "triage", "--max-memory", "cpu=100MiB"]) == 2
     assert "error: bf16 on torch needs" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text", ["24GiB", "24GB", "512MiB", "1.5GB"])
+def test_one_size_means_the_same_bytes_everywhere(text: str) -> None:
+    """--max-memory, --state-cache and a named device read a size the same way (GiB binary, GB decimal)."""
+    from clef_local.runtime.state_cache import parse_size as cache_size
+    from clef_local.units import parse_size as bytes_of
+
+    assert parse_size(text) == cache_size(text) == named_device(text).total_bytes == bytes_of(text)
+    for ambiguous in ("2G", "2g", "24 gigs"):
+        for parse in (parse_size, cache_size, named_device):
+            with pytest.raises(ValueError, match=f"cannot read the .* {ambiguous!r}"):
+                parse(ambiguous)

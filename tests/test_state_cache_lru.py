@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from clef_local.runtime.state_cache import StateCache, format_size, parse_size, state_key
+from clef_local.runtime.state_cache import StateCache, parse_size, state_key
+from clef_local.units import format_size
 
 MOVES: list[tuple[str, str]] = []  # (tag, "host" | "device") of every move, in order
 

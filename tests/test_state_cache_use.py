@@ -18,11 +18,12 @@ from clef_local.data.datasets import Example
 from clef_local.errors import ApiUsageError, InsufficientMemoryError
 from clef_local.planning.choice import STATE_CACHE_BACKENDS, UNPLANNED_STATE_CACHE, plan_load
 from clef_local.planning.estimate import STATE_CACHE_CAP, ModelDims, plan, state_entry_bytes
-from clef_local.planning.hardware import GiB, named_device
+from clef_local.planning.hardware import named_device
 from clef_local.planning.planner import footprint_from_config, packaged_config
 from clef_local.runtime.answers import round_floats
 from clef_local.runtime.state_cache import StateCache
 from clef_local.server import ServerConfig, ThreadedServer, create_app
+from clef_local.units import GiB
 
 STATE = {"ticket": 4711, "thread": ["My card was charged twice for one coffee.", "Still no refund after a week."]}
 SCHEMAS: list[dict[str, Any]] = [

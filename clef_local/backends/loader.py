@@ -25,7 +25,8 @@ from clef_local.planning.choice import (
     plan_load,
     plan_split,
 )
-from clef_local.planning.hardware import GiB, Hardware
+from clef_local.planning.hardware import Hardware
+from clef_local.units import GiB
 
 log = logging.getLogger(__name__)
 

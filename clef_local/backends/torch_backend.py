@@ -30,7 +30,8 @@ from clef_local.formats.safetensors import read_header
 from clef_local.heads.torch_head import load_head
 from clef_local.runtime.hf_bars import hf_progress_bars
 from clef_local.runtime.layout import HeadLayout, pad_batch
-from clef_local.runtime.state_cache import StateCache, format_size, model_identity
+from clef_local.runtime.state_cache import StateCache, model_identity
+from clef_local.units import format_size
 
 if TYPE_CHECKING:
     from clef_local.planning.choice import LoadDecision

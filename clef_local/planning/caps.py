@@ -17,23 +17,19 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 
-from clef_local.planning.hardware import GiB, Hardware
+from clef_local import units
+from clef_local.planning.hardware import Hardware
+from clef_local.units import GiB
 
 ALL = "*"  # the key of a cap that applies to every device
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
-_SIZE = re.compile(r"^\s*(?P<n>\d+(?:\.\d+)?)\s*(?P<unit>[kmgt]i?b|b)?\s*$", re.IGNORECASE)
 _DEVICE = re.compile(r"^(cpu|mps|cuda(:\d+)?)$")
 CAP_HINT = ("write sizes like 24GiB, 24000MiB or 25.7GB, and devices like cuda:0 "
             "(--max-memory cuda:0=24GiB,cuda:1=24GiB)")
 
 
 def parse_size(text: str) -> int:
-    """Bytes of ``24GiB`` / ``24 GB`` / ``512MiB`` / ``1024`` (binary units for KiB..TiB, decimal for KB..TB)."""
-    match = _SIZE.match(text)
-    if match is None:
-        raise ValueError(f"not a memory size: {text!r}; {CAP_HINT}")
-    size = int(float(match["n"]) * _UNITS[(match["unit"] or "").lower()])
+    """Bytes of a memory cap (:func:`clef_local.units.parse_size`), which must be positive."""
+    size = units.parse_size(text, what="the memory size")
     if size <= 0:
         raise ValueError(f"a memory size must be positive, not {text!r}")
     return size

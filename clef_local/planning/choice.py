@@ -33,8 +33,9 @@ from typing import Any
 from clef_local.errors import ApiUsageError, InsufficientMemoryError
 from clef_local.planning.census import WeightCensus
 from clef_local.planning.estimate import DTYPE_SIZE, Plan, auto_state_cache, best_fit, max_context, plan
-from clef_local.planning.hardware import GiB, Hardware
+from clef_local.planning.hardware import Hardware
 from clef_local.planning.split import SplitPlan, split_plan
+from clef_local.units import GiB
 
 log = logging.getLogger(__name__)
 

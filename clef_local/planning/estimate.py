@@ -41,7 +41,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from clef_local.planning.census import FORMATS, WeightCensus
-from clef_local.planning.hardware import GiB, Hardware
+from clef_local.planning.hardware import Hardware
+from clef_local.units import GiB
 
 STATE_CACHE_SHARE = 0.25  # of the memory a plan leaves free, for a state cache of unspecified size
 STATE_CACHE_CAP = 4 * GiB

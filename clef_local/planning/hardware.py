@@ -1,7 +1,7 @@
 """What this machine can run on (docs/hardware.md): a CUDA GPU, Apple silicon, or the CPU.
 
 :func:`detect` never fails on a missing package: torch and mlx are imported lazily and only to probe. Named devices
-(:func:`named_device`: ``rtx4090``, ``a100-80g``, ``h200``, ``mac-36``, ``"24GB"``, ...) describe machines that are
+(:func:`named_device`: ``rtx4090``, ``a100-80g``, ``h200``, ``mac-36``, ``"24GiB"``, ...) describe machines that are
 not this one, so the planner can answer "would it fit there?". :func:`physical_cores` and :func:`thread_plan` size
 the inference threads (the server's torch threads, ONNX Runtime sessions) so that they never oversubscribe the cores.
 """
@@ -18,12 +18,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from clef_local import units
 from clef_local.errors import ApiUsageError
+from clef_local.units import GiB, MiB
 
 log = logging.getLogger(__name__)
 
-GiB = 1 << 30
-MiB = 1 << 20
 Kind = Literal["cuda", "apple", "cpu"]
 # macOS lets Metal wire about this share of unified memory by default (raise it with
 # `sudo sysctl iogpu.wired_limit_mb=...`); MLX reports the exact value as max_recommended_working_set_size.
@@ -254,7 +254,6 @@ CUDA_CARDS: dict[str, tuple[str, int, tuple[int, int]]] = {
     "h100": ("NVIDIA H100 80GB HBM3", 81559, (9, 0)),
     "h200": ("NVIDIA H200", 143771, (9, 0)),
 }
-_SIZE = re.compile(r"^(?P<n>\d+(?:\.\d+)?)\s*(?:g|gb|gib)$", re.IGNORECASE)
 _MAC = re.compile(r"^mac-(?P<n>\d+)$", re.IGNORECASE)
 _CPU = re.compile(r"^cpu-(?P<n>\d+)g?$", re.IGNORECASE)
 
@@ -266,16 +265,17 @@ def apple_gpu_share(total_gib: float) -> float:
 
 def named_device(name: str) -> Hardware:
     """A device that need not be this machine: a card (``rtx4090``, ``l40s``, ``a100-80g``, ``h100``, ``h200``, ...),
-    ``"24GB"`` (a CUDA card of that size), ``mac-36`` (Apple silicon with 36 GiB) or ``cpu-8`` (8 GiB of RAM).
+    a size with its unit (``"24GiB"``, ``"24GB"``: a CUDA card of that many bytes, :mod:`clef_local.units`),
+    ``mac-36`` (Apple silicon with 36 GiB) or ``cpu-8`` (8 GiB of RAM).
 
     Its memory is all free; the host beside a card is assumed to hold at least the card's size again."""
     key = name.strip().lower()
     if key in CUDA_CARDS:
         label, mib, capability = CUDA_CARDS[key]
         return _card(label, mib * MiB, capability)
-    if match := _SIZE.match(key):
-        size = int(float(match["n"]) * GiB)
-        return _card(f"a {float(match['n']):g} GiB CUDA card", size, None)
+    if (match := units.SIZE.match(key)) and match["unit"]:
+        size = units.parse_size(name.strip(), what="the device size")
+        return _card(f"a {match['n']} {match['unit'].upper().replace('I', 'i')} CUDA card", size, None)
     if match := _MAC.match(key):
         total = int(match["n"]) * GiB
         usable = int(total * apple_gpu_share(int(match["n"])))
@@ -287,7 +287,7 @@ def named_device(name: str) -> Hardware:
         total = int(match["n"]) * GiB
         return Hardware(kind="cpu", name=f"CPU with {match['n']} GiB RAM", device="cpu", total_bytes=total,
                         free_bytes=total, host_total_bytes=total, host_free_bytes=total)
-    known = ", ".join([*CUDA_CARDS, "NNGB", "mac-NN", "cpu-NN"])
+    known = ", ".join([*CUDA_CARDS, "NNGiB", "mac-NN", "cpu-NN"])
     raise ValueError(f"unknown device {name!r}; use auto, cpu, cuda, mps or a named device: {known}")
 
 

@@ -34,10 +34,11 @@ from clef_local.planning.census import (
     stored_format,
 )
 from clef_local.planning.estimate import DTYPE_SIZE, ModelDims, Plan, best_fit, explain, max_context, plan
-from clef_local.planning.hardware import GiB, Hardware, resolve_device
+from clef_local.planning.hardware import Hardware, resolve_device
 from clef_local.planning.split import SplitPlan, render_split, split_plan
 from clef_local.planning.vision import ImageLoad, VisionDims, image_load, parse_image_size, vision_activation_bytes
 from clef_local.runtime.processor import ImageGeometry
+from clef_local.units import GiB
 
 DEFAULT_CONTEXT = 16_384  # the reference's max_length (docs/format.md §2)
 CONFIGS_DIR = Path(__file__).resolve().parent / "configs"  # NAME.config.json + NAME.joint_head_config.json
@@ -218,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch", type=int, default=1, help="records per prefill (default 1)")
     parser.add_argument("--device", default="auto",
                         help="auto, cpu, cuda[:N], mps, or a named device: rtx4090, l40s, a100-80g, h100, h200, "
-                             "24GB, mac-36, cpu-8, ...; several, comma-separated (cuda:0,cuda:1 or 24GB,24GB), for "
+                             "24GiB, mac-36, cpu-8, ...; several, comma-separated (cuda:0,cuda:1 or 24GiB,24GiB), for "
                              "a pipeline split of the layers")
     parser.add_argument("--max-memory", help="cap devices' memory: cuda:0=24GiB[,cuda:1=24GiB] or 24GiB for every "
                         "device (a large card planned as a smaller one)")

@@ -20,7 +20,8 @@ from typing import Any
 
 from clef_local.planning.census import WeightCensus
 from clef_local.planning.estimate import MARGIN, RUNTIME_OVERHEAD, Activations, ModelDims, activations
-from clef_local.planning.hardware import GiB, Hardware
+from clef_local.planning.hardware import Hardware
+from clef_local.units import GiB
 
 
 @dataclass(frozen=True)

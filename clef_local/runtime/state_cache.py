@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import re
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -38,43 +37,16 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from clef_local.errors import ApiUsageError
+from clef_local import units
 
 log = logging.getLogger(__name__)
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-          "t": 1000**4, "tb": 1000**4, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
-_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
-
-
 def parse_size(value: str | int | None) -> int | None:
-    """A cache size as bytes: an int, ``"512MiB"``, ``"2GiB"``, ``"1.5GB"``, ``"0"`` (off); ``None``/``"auto"``
-    is ``None`` (the planner sizes it). Binary units are KiB/MiB/GiB/TiB, decimal ones kB/MB/GB/TB. A bad value is
-    :class:`~clef_local.errors.ApiUsageError` (a ``ValueError``)."""
-    if value is None:
+    """A cache size as bytes (:func:`clef_local.units.parse_size`: ``"512MiB"``, ``"2GiB"``, ``"1.5GB"``, ``0`` for
+    off); ``None``/``"auto"`` is ``None`` (the planner sizes it)."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
         return None
-    if isinstance(value, bool):
-        raise ApiUsageError(f"a state cache size is bytes or a string like '512MiB', not {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ApiUsageError(f"a state cache size cannot be negative, got {value}; use 0 to turn the cache off")
-        return value
-    if value.strip().lower() == "auto":
-        return None
-    match = _SIZE.match(value)
-    unit = match.group(2).lower() if match else ""
-    if match is None or unit not in _UNITS:
-        raise ApiUsageError(f"cannot read the state cache size {value!r}: give bytes or a number with a unit "
-                         f"(512MiB, 2GiB, 1.5GB), 0 to turn the cache off, or auto")
-    return int(float(match.group(1)) * _UNITS[unit])
-
-
-def format_size(n: int) -> str:
-    """``536870912`` → ``"512.0 MiB"``."""
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} B"
+    return units.parse_size(value, what="the state cache size")
 
 
 def model_identity(path: Path, weight_files: Iterable[Path], *, backend: str, device: str, dtype: str) -> str:

@@ -356,8 +356,3 @@ def namespace_support(timeout: float = 20.0) -> dict[str, Any]:
     except (ValueError, IndexError):
         return {"available": False, "why_not": f"the probe failed (exit {done.returncode}): "
                                                f"{done.stderr.strip()[-300:]}"}
-
-
-def namespace_refusal() -> str | None:
-    """Why :func:`isolate_process` could not enter a namespace in this process (None: it did, or never tried)."""
-    return _namespace_refusal

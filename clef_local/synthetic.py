@@ -39,7 +39,7 @@ import numpy as np
 
 from clef_local.formats.head_config import HeadConfig
 from clef_local.formats.manifest import list_files, sha256, write_manifest
-from clef_local.formats.release import head_config_beside, read_head_config, read_json
+from clef_local.formats.release import head_config_beside, read_head_config, read_json, write_json
 from clef_local.units import GiB
 
 log = logging.getLogger(__name__)
@@ -458,7 +458,7 @@ def write_shaped_weights(config_path: str | Path, out: str | Path, *, scheme: st
         raise ValueError(f"{head_path}: hidden_size {head.hidden_size} does not match the backbone's "
                          f"{text['hidden_size']} ({config_path})")
     workers = workers or len(os.sched_getaffinity(0))
-    _dump(out / "config.json", config)  # the plain config first: the architecture is built from it
+    write_json(out / "config.json", config)  # the plain config first: the architecture is built from it
     model = _meta_model(out)
     backbone = backbone_tensors(model, config, scheme, group_size=group_size, seed=seed)
     shards = shard_plan(backbone.tensors, shard_bytes)
@@ -472,13 +472,13 @@ def write_shaped_weights(config_path: str | Path, out: str | Path, *, scheme: st
                                                           seed=seed + 1, workers=workers, hashed=hashes)
     shutil.copyfile(head_path, out / "joint_head_config.json")
     if len(shards) > 1:
-        _dump(out / "model.safetensors.index.json", {
+        write_json(out / "model.safetensors.index.json", {
             "metadata": {"total_size": sum(t.nbytes for t in backbone.tensors)},
             "weight_map": dict(sorted((t.name, f) for f, shard in zip(names, shards, strict=True) for t in shard))})
     if scheme != "bf16":
         config["quantization_config"] = _quantization_config(scheme, group_size, model, backbone)
-        _dump(out / "config.json", config)
-    _dump(out / "generation_config.json", {"eos_token_id": text.get("eos_token_id"),
+        write_json(out / "config.json", config)
+    write_json(out / "generation_config.json", {"eos_token_id": text.get("eos_token_id"),
                                            "pad_token_id": text.get("pad_token_id")})
     files: dict[str, dict[str, Any]] = {name: {"size": (out / name).stat().st_size} for name in list_files(out)}
     for name, entry in files.items():
@@ -496,5 +496,3 @@ def write_shaped_weights(config_path: str | Path, out: str | Path, *, scheme: st
     return out
 
 
-def _dump(file: Path, value: Any) -> None:
-    file.write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import torch
 
+from clef_local.formats.release import write_json
 from clef_local.heads.torch_head import HeadConfig, JointSchemaHead
 from clef_local.runtime.hf_bars import hf_progress_bars
 from clef_local.synthetic import DEFAULT_SHARD_BYTES, write_shaped_weights
@@ -233,13 +234,13 @@ def _write_tokenizer(out: Path, backbone: str) -> dict[str, int]:
     text = _tokenizer_json(_REGEX[backbone])
     data = json.loads(text)
     (out / "tokenizer.json").write_text(text, encoding="utf-8")
-    _dump(out / "vocab.json", data["model"]["vocab"])
+    write_json(out / "vocab.json", data["model"]["vocab"])
     merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
     (out / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n", encoding="utf-8")
     added = {t["id"]: t for t in data["added_tokens"]}
     ids = {t["content"]: i for i, t in added.items()}
     special_rest = [t for t in SPECIAL_TOKENS if t != "<|endoftext|>"]
-    _dump(out / "tokenizer_config.json", {
+    write_json(out / "tokenizer_config.json", {
         "add_bos_token": False, "add_prefix_space": False,
         "added_tokens_decoder": {
             str(i): {"content": t["content"], "lstrip": False, "normalized": False, "rstrip": False,
@@ -249,7 +250,7 @@ def _write_tokenizer(out: Path, backbone: str) -> dict[str, int]:
         "pad_token": "<|endoftext|>", "split_special_tokens": False, "tokenizer_class": "Qwen2Tokenizer",
         "unk_token": None,
     })
-    _dump(out / "special_tokens_map.json", {
+    write_json(out / "special_tokens_map.json", {
         "additional_special_tokens": special_rest, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
     })
     (out / "chat_template.jinja").write_text(_CHAT_TEMPLATE, encoding="utf-8")
@@ -284,7 +285,7 @@ def _write_backbone(out: Path, backbone: str, ids: dict[str, int], vocab_size: i
     if backbone == "llama":  # docs/hardware.md, known traps: older readers ignore rope_parameters; write rope_theta too
         config = json.loads((out / "config.json").read_text(encoding="utf-8"))
         config["rope_theta"] = config["rope_parameters"]["rope_theta"]
-        _dump(out / "config.json", config)
+        write_json(out / "config.json", config)
     _check_shards(out, shards)
     return int(model.config.get_text_config().hidden_size)
 
@@ -323,10 +324,10 @@ def _write_processor_configs(out: Path, vision: bool = False) -> None:
     common = {"patch_size": 16, "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
               "image_std": [0.5, 0.5, 0.5], "do_convert_rgb": True, "do_normalize": True, "do_rescale": True,
               "do_resize": True, "rescale_factor": 0.00392156862745098, "processor_class": "Qwen3VLProcessor"}
-    _dump(out / "processor_config.json", {"processor_class": "Qwen3VLProcessor"})
-    _dump(out / "preprocessor_config.json", {**common, "image_processor_type": IMAGE_PROCESSORS[vision],
+    write_json(out / "processor_config.json", {"processor_class": "Qwen3VLProcessor"})
+    write_json(out / "preprocessor_config.json", {**common, "image_processor_type": IMAGE_PROCESSORS[vision],
                                              "size": {"longest_edge": 16777216, "shortest_edge": 65536}})
-    _dump(out / "video_preprocessor_config.json", {
+    write_json(out / "video_preprocessor_config.json", {
         **common, "video_processor_type": "Qwen3VLVideoProcessor", "fps": 2, "min_frames": 4, "max_frames": 768,
         "do_sample_frames": True, "size": {"longest_edge": 25165824, "shortest_edge": 4096}})
 
@@ -362,7 +363,7 @@ def _check_shards(out: Path, shards: int) -> None:
         weight_map.update(dict.fromkeys(run, file_name))
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     params = sum(t.numel() for t in tensors.values())
-    _dump(out / "model.safetensors.index.json",
+    write_json(out / "model.safetensors.index.json",
           {"metadata": {"total_parameters": params, "total_size": total}, "weight_map": weight_map})
 
 
@@ -384,11 +385,7 @@ def _write_head(out: Path, config: HeadConfig) -> None:
     state = {k: v.detach().to(torch.float32).contiguous() for k, v in head.state_dict().items()}
     save_file(state, out / "joint_head.safetensors", metadata={"format": "pt"})
     keys = ("hidden_size", "width", "routing_layers", "layers", "heads", "feedforward")
-    _dump(out / "joint_head_config.json", {k: getattr(config, k) for k in keys})
-
-
-def _dump(file: Path, value: Any) -> None:
-    file.write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    write_json(out / "joint_head_config.json", {k: getattr(config, k) for k in keys})
 
 
 # Cloudflare's reference, shipped unmodified in the PyPI package clef-finetune (docs/format.md).

@@ -79,7 +79,13 @@ def _compare(a: list[list[np.ndarray]], b: list[list[np.ndarray]]) -> tuple[floa
 @pytest.mark.parametrize("kind", ["llama", "qwen3_5"])
 @pytest.mark.parametrize("scheme", [None, "int4", "int8"])
 def test_parity_with_torch(loaded, probes, kind: str, scheme: str | None) -> None:
-    from clef_local.backends.mlx_backend import DEQUANTIZE_MATMUL, QUANTIZED_MATMUL, set_quantized_kernel
+    from clef_local.backends.mlx_backend import DEQUANTIZE_MATMUL, QUANTIZED_MATMUL, ExactQuantizedLinear
+
+    def set_quantized_kernel(model, kernel: str) -> int:
+        layers = [m for _, m in model.named_modules() if isinstance(m, ExactQuantizedLinear)]
+        for layer in layers:
+            layer.kernel = kernel
+        return len(layers)
 
     reference = _probabilities(loaded(kind, scheme, "torch"), probes)
     model = loaded(kind, scheme, "mlx")

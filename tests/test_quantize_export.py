@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from clef_local import quant
 from clef_local.errors import ReleaseError
-from clef_local.export.quantize import DELAY_ENV, ExportError, main, quantize_release, summary_lines
+from clef_local.export.quantize import ExportError, main, quantize_release, summary_lines
 from clef_local.formats.manifest import MANIFEST, check_files, read_manifest, verify
 from clef_local.formats.manifest import main as verify_main
 from clef_local.formats.release import read_release
@@ -249,9 +249,12 @@ def test_sigkill_at_random_points_leaves_nothing_half_written(tmp_path: Path) ->
     source = build_tiny_release(tmp_path / "src", "qwen3_5", seed=6, shards=8)
     before = hashes(source)
     out = tmp_path / "variant"
-    env = {**os.environ, DELAY_ENV: "0.03"}  # 77 tensors: ~2.3 s of export after the temp directory appears
-    cmd = [sys.executable, "-m", "clef_local.cli", "quantize", "--model", str(source), "--format", "int4",
-           "--out", str(out), "--no-validate"]
+    env = dict(os.environ)
+    # 30 ms after each of 77 tensors: ~2.3 s of export after the temp directory appears
+    script = ("import sys, time; from pathlib import Path; from clef_local.export.quantize import quantize_release; "
+              "quantize_release(Path(sys.argv[1]), Path(sys.argv[2]), 'int4', validate=False, "
+              "on_tensor=lambda _: time.sleep(0.03))")
+    cmd = [sys.executable, "-c", script, str(source), str(out)]
     rng = random.Random(20261130)
     points = sorted(rng.uniform(0.0, 2.0) for _ in range(5))
     written: list[int] = []  # output shards in the temp directory at each kill

@@ -189,14 +189,6 @@ def default_kernel(device: mx.Device) -> str:
     return QUANTIZED_MATMUL if device == mx.gpu else DEQUANTIZE_MATMUL
 
 
-def set_quantized_kernel(model: nn.Module, kernel: str) -> int:
-    """Switch every :class:`ExactQuantizedLinear` of ``model`` to ``kernel``; returns how many there are."""
-    layers = [m for _, m in model.named_modules() if isinstance(m, ExactQuantizedLinear)]
-    for layer in layers:
-        layer.kernel = kernel
-    return len(layers)
-
-
 def resolve_dtype(name: str | None, release: Release) -> mx.Dtype:
     """``None``/``"auto"``: float32 without Metal (Linux CPU), else the release's stored dtype."""
     if name in (None, "auto"):

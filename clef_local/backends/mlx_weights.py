@@ -135,11 +135,6 @@ def int8_to_mlx(q: np.ndarray, scale: np.ndarray) -> QuantizedLayer:
                           row_scale=scale.reshape(-1).astype(np.float32))
 
 
-def int8_dequantize(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
-    """``float32(q) · scale`` (quant.int8's math, in numpy)."""
-    return q.astype(np.float32) * scale.astype(np.float32)
-
-
 def fp8_dequantize(q: Stored, scale: np.ndarray) -> np.ndarray:
     """``float32(e4m3fn q) · scale`` (quant.fp8's math, in numpy)."""
     return q.float32() * scale.astype(np.float32)

@@ -313,7 +313,7 @@ class TorchBackend:
         return out
 
 
-def collate(records: list[EncodedRecord], pad_token_id: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+def collate(records: Sequence[EncodedRecord], pad_token_id: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     """Right-padded ``input_ids`` and ``attention_mask`` (1 on real tokens)."""
     ids, mask = pad_batch(records, pad_token_id)
     return torch.from_numpy(ids).to(device), torch.from_numpy(mask).to(device)

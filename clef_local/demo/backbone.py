@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from clef_local.errors import ReleaseError
+from clef_local.formats.release import write_json
 from clef_local.runtime.hf_bars import hf_progress_bars
 
 log = logging.getLogger(__name__)
@@ -146,7 +147,7 @@ def convert_backbone(gguf: Path, out: Path) -> dict[str, Any]:
         (out / "model.safetensors").chmod((out / "config.json").stat().st_mode & 0o777)  # it is saved 0600
         config = json.loads((out / "config.json").read_text(encoding="utf-8"))
         config["rope_theta"] = config["rope_parameters"]["rope_theta"]  # for readers that ignore rope_parameters
-        _dump(out / "config.json", config)
+        write_json(out / "config.json", config)
         _write_tokenizer(tokenizer, out, meta)
         tick = _timed("wrote the BF16 backbone and the tokenizer", tick)
         if problems := check_config(meta, config):
@@ -165,9 +166,9 @@ def _write_tokenizer(tokenizer: Any, out: Path, meta: Mapping[str, Any]) -> None
     data = json.loads((out / "tokenizer.json").read_text(encoding="utf-8"))
     if meta.get("tokenizer.ggml.pre") == "smollm":
         data["pre_tokenizer"] = _SMOLLM_PRE_TOKENIZER
-    _dump(out / "tokenizer.json", data)
+    write_json(out / "tokenizer.json", data)
     if not (out / "vocab.json").is_file():
-        _dump(out / "vocab.json", data["model"]["vocab"])
+        write_json(out / "vocab.json", data["model"]["vocab"])
     if not (out / "merges.txt").is_file():
         merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
         (out / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n", encoding="utf-8")
@@ -177,14 +178,14 @@ def _write_tokenizer(tokenizer: Any, out: Path, meta: Mapping[str, Any]) -> None
     roles = {role: added[meta[f"tokenizer.ggml.{key}_token_id"]]["content"] for role, key in
              (("bos_token", "bos"), ("eos_token", "eos"), ("pad_token", "padding"), ("unk_token", "unknown"))}
     special = {**roles, "additional_special_tokens": list(CHATML)}
-    _dump(out / "tokenizer_config.json", {
+    write_json(out / "tokenizer_config.json", {
         "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)), "add_prefix_space": False,
         "added_tokens_decoder": {str(i): {k: t[k] for k in _ADDED_KEYS} for i, t in sorted(added.items())},
         **special, "clean_up_tokenization_spaces": False,
         "model_max_length": meta[f"{meta['general.architecture']}.context_length"],
         "tokenizer_class": "PreTrainedTokenizerFast",  # not GPT2Tokenizer: that would drop the digit split
     })
-    _dump(out / "special_tokens_map.json", special)
+    write_json(out / "special_tokens_map.json", special)
 
 
 def _verify(out: Path, meta: Mapping[str, Any]) -> dict[str, Any]:
@@ -234,5 +235,3 @@ def _timed(what: str, since: float) -> float:
     return now
 
 
-def _dump(file: Path, value: Any) -> None:
-    file.write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

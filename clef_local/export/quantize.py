@@ -24,9 +24,6 @@ is one ``ExportError`` line. The source is only read. Validation is never skippe
 export fails unless ``--no-validate`` is given (:mod:`clef_local.export.validate`).
 Memory: the source is read shard by shard with ``safe_open`` and each output shard is written before the next
 is read, so the peak is about one shard plus its quantized copy.
-
-Test hook: ``CLEF_LOCAL_EXPORT_DELAY=<seconds>`` sleeps that long after each tensor, so a test can kill an export
-in the middle (tests/test_quantize_export.py); it has no other use.
 """
 
 from __future__ import annotations
@@ -40,6 +37,7 @@ import shutil
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -54,7 +52,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-DELAY_ENV = "CLEF_LOCAL_EXPORT_DELAY"
 # Per-row schemes are quantized in row blocks of about this many elements: bit-identical to one call, the
 # scheme's float32/int64 temporaries (~28 bytes per weight for int4) stay ~7 MB whatever the tensor, and it is
 # 4-6× faster than one call on a 8192×4096 weight (cache-sized blocks).
@@ -168,8 +165,8 @@ def release_memory() -> None:
 
 
 def _quantize_shards(source: Path, tmp: Path, shards: list[str], scheme: Scheme, group: int | None,
-                     options: dict[str, Any], precomputed: dict[str, dict[str, torch.Tensor]] | None = None
-                     ) -> dict[str, Any]:
+                     options: dict[str, Any], precomputed: dict[str, dict[str, torch.Tensor]] | None = None,
+                     on_tensor: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Stream every source shard into the same-named output shard; return what was quantized and the sizes.
 
     ``precomputed`` (``--calibrate``): packed tensors per weight name, written instead of round-to-nearest; every
@@ -180,7 +177,6 @@ def _quantize_shards(source: Path, tmp: Path, shards: list[str], scheme: Scheme,
     from clef_local.quant.predicate import should_quantize
 
     pred_group = scheme.predicate_group_size(group)
-    delay = float(os.environ.get(DELAY_ENV) or 0)
     total = sum(len(safe_open(str(source / shard), framework="pt").keys()) for shard in shards)
     quantized: list[str] = []
     skipped: dict[str, str] = {}
@@ -223,8 +219,8 @@ def _quantize_shards(source: Path, tmp: Path, shards: list[str], scheme: Scheme,
                     if ok:
                         release_memory()
                     bar.update()
-                    if delay:
-                        time.sleep(delay)
+                    if on_tensor is not None:
+                        on_tensor(name)
             save_shard(out, tmp / shard, metadata)
             os.chmod(tmp / shard, _file_mode())  # safetensors writes 0600; give shards the umask's mode
             log.debug("wrote %s (%d tensors)", shard, len(out))
@@ -313,7 +309,8 @@ def _write_index(source: Path, tmp: Path, result: dict[str, Any]) -> None:
 
 def quantize_release(source: Path, out: Path, scheme: str, group_size: int | None = None, force: bool = False,
                      validate: bool = True, *, int4_grid: str | None = None, calibrate: bool = False,
-                     calibration_requests: int | None = None, log_summary: bool = True) -> dict[str, Any]:
+                     calibration_requests: int | None = None, log_summary: bool = True,
+                     on_tensor: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Write the ``scheme`` variant of the release at ``source`` to ``out``; return the summary.
 
     ``group_size``: int4 group (32/64/128; by default 32 when the source's weights already lie on a 4-bit grid per
@@ -326,7 +323,8 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
     ``validated: false`` in ``config.json`` and ``validation.json``.
     ``calibrate`` rounds with GPTQ on ``calibration_requests`` requests (default 128) instead of round-to-nearest
     (:mod:`clef_local.export.gptq_calibration`; every scheme; it loads the source like validation does).
-    ``log_summary`` logs :func:`summary_lines` at INFO (the CLI prints them instead).
+    ``log_summary`` logs :func:`summary_lines` at INFO (the CLI prints them instead). ``on_tensor(name)`` is
+    called after each source tensor is written to its output shard.
     """
     import safetensors.torch  # noqa: F401  (imported before the temp directory exists: it takes seconds)
     import torch  # noqa: F401
@@ -377,7 +375,7 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
         log.info("exporting %s → %s (%s%s) via %s", source, out, spec.name, f", group {group}" if group else "", tmp)
         source_files = file_entries(source)
         result = _quantize_shards(source, tmp, shards, spec, group, options,
-                                  calibration.packed if calibration else None)
+                                  calibration.packed if calibration else None, on_tensor)
         if (source / INDEX).is_file():
             _write_index(source, tmp, result)
         qconfig = _write_config(source, tmp, release.config, spec, group, result, options,

@@ -36,6 +36,11 @@ TOKENIZER_CLASSES = ("Qwen2Tokenizer", "Qwen2TokenizerFast", "Qwen3_5Tokenizer",
 REMOTE_CODE_KEYS = ("auto_map",)
 
 
+def write_json(path: Path, value: Any) -> None:
+    """``value`` as indented UTF-8 JSON (the layout of a release's own JSON files), ending in a newline."""
+    path.write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
 def read_json(path: Path) -> dict[str, Any]:
     """A JSON object from ``path``; a missing or malformed file is a :class:`ReleaseError` naming it."""
     if not path.is_file():

@@ -126,11 +126,6 @@ class Header:
     def __getitem__(self, name: str) -> TensorInfo:
         return self.tensors[name]
 
-    @property
-    def data_bytes(self) -> int:
-        """Length of the data section (the largest tensor end; the file is exactly ``data_start`` longer)."""
-        return max((t.end for t in self.tensors.values()), default=0)
-
 
 def _nonnegative_ints(value: object, length: int | None = None) -> tuple[int, ...] | None:
     """``value`` as a tuple of non-negative ints (a JSON list of them, of ``length`` when given), else None."""

@@ -27,11 +27,11 @@ Params = Mapping[str, mx.array]
 
 def load_head_weights(file: Path, config: HeadConfig) -> dict[str, mx.array]:
     """``joint_head.safetensors`` as float32 MLX arrays, after checking every name and shape against ``config``."""
-    from clef_local.backends.mlx_weights import read_safetensors
     from clef_local.formats.release import check_head_tensors
+    from clef_local.formats.safetensors import read_numpy
 
     check_head_tensors(file, head_tensor_shapes(config))
-    return {name: mx.array(t.float32()) for name, t in read_safetensors(file).items()}
+    return {name: mx.array(np.asarray(t, dtype=np.float32)) for name, t in read_numpy(file).items()}
 
 
 def linear(x: mx.array, p: Params, name: str) -> mx.array:

@@ -14,7 +14,7 @@ import os
 import platform
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -304,11 +304,6 @@ def resolve_device(device: str) -> Hardware:
     if device in ("auto", "cpu", "mps") or re.fullmatch(r"cuda(:\d+)?", device):
         return detect(device)
     return named_device(device)
-
-
-def with_free(hardware: Hardware, free_bytes: int) -> Hardware:
-    """A copy of ``hardware`` with ``free_bytes`` free (tests, what-ifs)."""
-    return replace(hardware, free_bytes=free_bytes)
 
 
 # ------------------------------------------------------------------------------------------------------ threads

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from clef_local.formats.release import write_json
 from clef_local.options import add_network_flag, add_runtime_flags, load_options
 from clef_local.quality.metrics import labelled_report
 from clef_local.quality.results import gold_index
@@ -190,13 +191,13 @@ def store_temperatures(variant: str | Path, temps: Mapping[str, float], *, fitte
     config[CALIBRATION_KEY] = {"temperatures": {k: round(float(v), 6) for k, v in temps.items()},
                                "fitted_on": fitted_on, "objective": objective}
     target = Path(out_config) if out_config else config_path
-    target.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    write_json(target, config)
     manifest = read_manifest(variant)
     if out_config is None and manifest is not None and "config.json" in manifest["files"]:
         # the load-time check compares sizes with the manifest: without this the variant would no longer load
         manifest["files"]["config.json"] = {"size": config_path.stat().st_size, "sha256": sha256(config_path)}
         manifest["calibration"] = config[CALIBRATION_KEY]
-        (variant / MANIFEST).write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        write_json(variant / MANIFEST, manifest)
     return target
 
 

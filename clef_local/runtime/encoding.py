@@ -114,7 +114,7 @@ def question_options(question: Question) -> list[tuple[str, Any]]:
     """The allowed options of a question as ``(option_id, description)`` in model order."""
     kind, criteria = question.type, question.criteria
     if kind == "noul":
-        overrides = criteria or {}
+        overrides = criteria if isinstance(criteria, dict) else {}
         return [(key, overrides[key] if key in overrides else NOUL_DEFAULTS[key]) for key in ("true", "false")]
     if kind == "choice" and isinstance(criteria, dict):
         return sorted((str(key), value) for key, value in criteria.items())

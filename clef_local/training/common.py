@@ -27,7 +27,7 @@ from clef_local.formats.release import read_head_config, read_json
 from clef_local.heads.torch_head import HeadConfig, JointSchemaHead
 from clef_local.quality.metrics import ece
 from clef_local.runtime.encoding import EncodedRecord, encode_request
-from clef_local.runtime.schema import request_to_record, validate_request
+from clef_local.runtime.schema import validate_request
 from clef_local.runtime.tokenizer import ReleaseTokenizer
 from clef_local.training.head_losses import question_loss
 from clef_local.training.question_path import apply_temperature
@@ -74,8 +74,7 @@ def encode_examples(tokenizer: ReleaseTokenizer, examples: Sequence[Example], ma
     """Each example's encoding and the gold option index of each question (model order)."""
     out = []
     for example in examples:
-        record = request_to_record(validate_request(example.request))
-        encoded = encode_request(tokenizer, record, max_length=max_length)
+        encoded = encode_request(tokenizer, validate_request(example.request), max_length=max_length)
         gold = [gold_index(q.question_type, q.option_ids, example.labels.get(q.question_id))
                 for q in encoded.questions]
         out.append((encoded, gold))

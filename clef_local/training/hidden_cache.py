@@ -105,7 +105,7 @@ def _cache_block(backbone, records: Sequence[EncodedRecord], directory: Path, *,
         tensors = {}
         for batch in token_batches(members, records, batch_tokens):
             ids, mask = collate([records[i] for i in batch], 0, backbone.device)
-            hidden = backbone.hidden_states(ids, mask).to(torch.bfloat16).cpu()
+            hidden = backbone.forward(ids, mask).to(torch.bfloat16).cpu()
             for row, i in enumerate(batch):
                 tensors[str(i)] = hidden[row, : len(records[i].input_ids)].contiguous()
         tmp = directory / f".{path.name}.tmp"

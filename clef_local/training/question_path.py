@@ -40,7 +40,6 @@ from tqdm import tqdm
 from clef_local.formats.release import read_json
 from clef_local.heads.torch_head import JointSchemaHead, padded_logits
 from clef_local.runtime.encoding import EncodedRecord
-from clef_local.runtime.head_reach import question_reach
 from clef_local.training.hidden_cache import cache_dtype, token_batches
 
 log = logging.getLogger(__name__)
@@ -112,7 +111,7 @@ def question_path_logits(head: JointSchemaHead, batch: QuestionBatch) -> torch.T
 
 def truncate_to_questions(record: EncodedRecord) -> EncodedRecord:
     """``record`` cut after its last question span: all a question-path head reads."""
-    return replace(record, input_ids=record.input_ids[:question_reach(record)])
+    return replace(record, input_ids=record.input_ids[:max(q.question_span[1] for q in record.questions)])
 
 
 def _blocks(encoded: Sequence[EncodedRecord], device: str, block_records: int
@@ -180,7 +179,7 @@ def _block_means(backbone, records: Sequence[EncodedRecord], batch_tokens: int) 
     order = sorted(range(len(records)), key=lambda i: len(records[i].input_ids))
     for batch in token_batches(order, records, batch_tokens):
         ids, mask = collate([records[i] for i in batch], 0, backbone.device)
-        hidden = backbone.hidden_states(ids, mask).float()
+        hidden = backbone.forward(ids, mask).float()
         normed = F.layer_norm(hidden, hidden.shape[-1:])
         for row, i in enumerate(batch):
             means[i] = torch.stack([normed[row, a:b].mean(0) for a, b in

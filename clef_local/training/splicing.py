@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from clef_local.runtime.encoding import PREFIX, EncodedRecord, encode_request, render
-from clef_local.runtime.schema import request_to_record, validate_request
+from clef_local.runtime.schema import validate_request
 from clef_local.runtime.tokenizer import ReleaseTokenizer
 from clef_local.training.hidden_cache import cache_hidden_states
 
@@ -77,7 +77,7 @@ class Splicer:
             row = rng.randrange(len(rows))
             text, row_gold = rows[row]
             request = {**donor.request, "state": text}
-            record = encode_request(self.tokenizer, request_to_record(validate_request(request)),
+            record = encode_request(self.tokenizer, validate_request(request),
                                     max_length=self.max_length)
             labels = donor.relabel(row_gold)
             encoded.append(record)

@@ -19,19 +19,25 @@ from clef_local.runtime.schema import TYPE_IDS
 from clef_local.runtime.tokenizer import ReleaseTokenizer
 from clef_local.training.common import encode_examples
 from clef_local.training.demo_data import training_examples, twin_records
+from clef_local.training.head_losses import question_loss
 from clef_local.training.question_path import PRIOR_OFF, LexicalTable, question_means
 from clef_local.training.question_path_train import build_questions
 from clef_local.training.state_path import (
     CHOICE_DOMINANCE,
+    PathBatch,
     StateBatch,
+    batch_layout,
+    dominate_choices,
+    fold_choice_dominance,
     fold_dominance,
     fold_whitening,
+    path_logits,
     state_path_head,
     state_path_logits,
     twin_whitening,
     zeroed_parameters,
 )
-from clef_local.training.state_path_train import Distractors, StatePathConfig, train_state_path
+from clef_local.training.state_path_train import Distractors, StatePathConfig, make_batch, prepare, train_state_path
 
 SMALL = StatePathConfig(width=32, heads=4, feedforward=64, epochs=2, batch_records=6, distractor_records=4,
                         canonical_distractors=2)
@@ -230,3 +236,62 @@ def test_an_interrupted_state_path_run_resumes_to_the_same_head(tiny_llama: Path
     other = {**kwargs, "config": dataclasses.replace(SMALL, lr=SMALL.lr / 2)}
     with pytest.raises(ValueError, match=r"other settings \(lr: .* delete it"):
         train_state_path(tiny_llama, examples, tmp_path / "other", work=tmp_path / "work", **other)
+
+
+def test_the_heads_own_logits_compute_the_old_state_path_math(tiny_llama: Path, tmp_path: Path):
+    """``head.logits`` on HeadInputs built from the cached pieces, with the choice row dominated by a
+    parametrization, gives the old re-derived math's logits, attention masses and gradients (float32)."""
+    import copy
+    import random
+
+    examples = training_examples(banking77=8, nlupp=6, seed=3, max_options=6)
+    data = prepare(tiny_llama, examples, tmp_path / "work", SMALL, twin_records(3, seed=1), "cpu",
+                   banking77_intents(), banking77_examples("train", limit=4), 0.2)
+    head = _random_state_path_head(seed=2).train()
+    head.hidden_norm = torch.nn.LayerNorm(64)  # a random affine norm: the means' affine map is exercised too
+    with torch.no_grad():
+        head.hidden_norm.weight.normal_(1.0, 0.3)
+        head.hidden_norm.bias.normal_(0.0, 0.3)
+    new_head = copy.deepcopy(head)
+    dominate_choices(new_head)
+    rng = random.Random(0)
+    worst = {"logits": 0.0, "mass": 0.0, "grad": 0.0}
+    units = [unit for unit in data.split.fit + data.split.val]
+    for start in range(0, len(units), 6):
+        rows = [r for unit in units[start : start + 6] for r in unit]
+        old, target = make_batch(rows, data.questions, data.split, data.memories, data.lexical, data.distractors, rng)
+        layout = batch_layout(old.question_record, old.types, old.option_question, old.option_slot)
+        assert torch.equal(layout.option_record, old.option_record)
+        assert torch.equal(layout.option_record_slot, old.option_record_slot)
+        new = PathBatch(old.memory, old.memory_pad, old.state_mask, old.means, old.lexical[old.option_lexical],
+                        layout)
+        for model in (head, new_head):
+            model.zero_grad()
+        old_logits, old_mass = state_path_logits(head, old)
+        new_logits, new_mass = path_logits(new_head, new)
+        finite = torch.isfinite(old_logits)
+        assert torch.equal(finite, torch.isfinite(new_logits)) and float(old_logits.detach()[finite].std()) > 0.1
+        worst["logits"] = max(worst["logits"], float((old_logits - new_logits).detach()[finite].abs().max()))
+        with torch.no_grad():  # and in eval mode, where the field layers take the inference kernels
+            head.eval(), new_head.eval()
+            (old_eval, _), (new_eval, _) = state_path_logits(head, old), path_logits(new_head, new)
+            head.train(), new_head.train()
+        worst["logits"] = max(worst["logits"], float((old_eval - new_eval)[finite].abs().max()))
+        worst["mass"] = max(worst["mass"], float((old_mass - new_mass).detach().abs().max()))
+        for logits, mass in ((old_logits, old_mass), (new_logits, new_mass)):
+            (question_loss(logits, target, 0.05, 1.0) - mass.clamp_min(1e-9).log().mean()).backward()
+        # the old math never ran the field layers (their outputs are zero): no gradient there, a zero one now
+        old_grads = {n: torch.zeros_like(p) if p.grad is None else p.grad
+                     for n, p in head.named_parameters() if p.requires_grad}
+        new_grads = {n.replace("parametrizations.weight.original", "weight"): p.grad
+                     for n, p in new_head.named_parameters() if p.requires_grad}
+        assert old_grads.keys() == new_grads.keys()
+        for name, grad in old_grads.items():
+            scale = max(float(grad.abs().max()), 1e-3)
+            worst["grad"] = max(worst["grad"], float((grad - new_grads[name]).abs().max()) / scale)
+    print("old vs new state path, worst:", worst)
+    assert worst["logits"] <= 1e-5 and worst["mass"] <= 1e-6 and worst["grad"] <= 1e-5
+    fold_choice_dominance(new_head)
+    fold_dominance(head)
+    assert torch.equal(new_head.type_embedding.weight, head.type_embedding.weight)
+    assert set(new_head.state_dict()) == set(head.state_dict())

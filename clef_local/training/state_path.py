@@ -34,9 +34,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import nn
+from torch.nn.utils import parametrize
 
-from clef_local.heads.torch_head import EvidenceRoutingLayer, JointSchemaHead, padded_logits
+from clef_local.heads.torch_head import EvidenceRoutingLayer, HeadInputs, JointSchemaHead, padded_logits
 from clef_local.runtime.encoding import EncodedRecord
+from clef_local.runtime.layout import HeadLayout
 from clef_local.runtime.schema import TYPE_IDS
 from clef_local.runtime.tokenizer import ReleaseTokenizer
 from clef_local.training.hidden_cache import cache_hidden_states
@@ -66,6 +69,94 @@ def fold_dominance(head: JointSchemaHead, dominance: float = CHOICE_DOMINANCE) -
     then computes, with the release's own math, what :func:`state_path_logits` computed while training."""
     with torch.no_grad():
         head.type_embedding.weight[CHOICE].mul_(dominance)
+
+
+class ChoiceDominance(nn.Module):
+    """The parametrization of ``type_embedding.weight`` while training: the choice row ×``dominance``, the stored
+    row left at its trained scale (Adam's steps stay relative to it); removed with ``leave_parametrized=True`` at
+    save (:func:`fold_choice_dominance`), which stores the product."""
+
+    def __init__(self, dominance: float = CHOICE_DOMINANCE) -> None:
+        super().__init__()
+        scale = torch.ones(3, 1)
+        scale[CHOICE] = dominance
+        self.register_buffer("scale", scale, persistent=False)
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight * self.scale
+
+
+def dominate_choices(head: JointSchemaHead, dominance: float = CHOICE_DOMINANCE) -> None:
+    """Multiply the choice row of ``head``'s type embedding by ``dominance`` in every forward (training)."""
+    parametrize.register_parametrization(head.type_embedding, "weight",
+                                         ChoiceDominance(dominance).to(head.type_embedding.weight.device))
+
+
+def fold_choice_dominance(head: JointSchemaHead) -> None:
+    """Store the dominated choice row in the weights (the release's plain ``type_embedding.weight``)."""
+    parametrize.remove_parametrizations(head.type_embedding, "weight", leave_parametrized=True)
+
+
+@dataclass
+class PathBatch:
+    """A batch of records for :func:`path_logits`: ``memory`` ``[B, T, hidden]``, each record's hidden states
+    (prefix + state, then any distractor tokens), right padded (``memory_pad`` true on padding, ``state_mask`` true
+    on prefix + state); ``means`` ``[Q, hidden]`` the questions' span means of the *un-affine* layer norm (only nouls
+    and scores read them: a choice's may be anything); ``lexical`` ``[O, hidden]`` each option's mean
+    output-embedding row; ``layout`` numbers questions and options as :func:`clef_local.runtime.layout.build_layout`
+    does (its token-span arrays are empty: the spans were read when the means were cached)."""
+
+    memory: torch.Tensor
+    memory_pad: torch.Tensor
+    state_mask: torch.Tensor
+    means: torch.Tensor
+    lexical: torch.Tensor
+    layout: HeadLayout
+
+    def inputs(self, head: JointSchemaHead) -> HeadInputs:
+        """What ``head.read`` would give on whole records, from the cached pieces: the memory after
+        ``hidden_norm``, and the question vectors as the affine map of the un-affine means (the mean of an affine
+        map is the map of the mean). The option context and the last token feed branches that are zero in a
+        state-path head; they are zeros here."""
+        norm = head.hidden_norm
+        options, records = self.lexical.shape[0], self.memory.shape[0]
+        return HeadInputs(hidden=norm(self.memory), memory_pad=self.memory_pad if bool(self.memory_pad.any()) else None,
+                          question=self.means * norm.weight + norm.bias,
+                          option_context=self.lexical.new_zeros(options, self.lexical.shape[-1]),
+                          option_lexical=self.lexical, last=self.memory.new_zeros(records, self.memory.shape[-1]))
+
+
+def batch_layout(question_record: torch.Tensor, question_type: torch.Tensor, option_question: torch.Tensor,
+                 option_slot: torch.Tensor) -> HeadLayout:
+    """The :class:`HeadLayout` of questions numbered record after record (``question_record`` ``[Q]``, sorted) and
+    their options (``option_question``, ``option_slot`` ``[O]``, in question then slot order): the slots of each
+    question in its record and of each option among its record's options are running counts."""
+    def running(group: torch.Tensor) -> torch.Tensor:  # position of each element among the earlier ones of its group
+        first = torch.searchsorted(group, group)  # group is sorted: the index of its first element
+        return torch.arange(len(group), device=group.device) - first
+
+    option_record = question_record[option_question]
+    question_slot, option_record_slot = running(question_record), running(option_record)
+    empty = question_record.new_zeros(0)
+    return HeadLayout(
+        num_questions=len(question_record), num_options=len(option_question),
+        max_options=int(option_slot.max()) + 1, max_options_per_record=int(option_record_slot.max()) + 1,
+        max_questions_per_record=int(question_slot.max()) + 1, question_record=question_record,
+        question_slot=question_slot, question_type=question_type, option_question=option_question,
+        option_slot=option_slot, option_record=option_record, option_record_slot=option_record_slot,
+        question_token_index=empty, question_token_offsets=empty, option_token_index=empty,
+        option_token_offsets=empty, option_token_ids=empty, record_last_index=empty)
+
+
+def path_logits(head: JointSchemaHead, batch: PathBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[Q, max_options]`` logits of ``head`` (its own :meth:`~JointSchemaHead.logits`, docs/format.md §4 steps
+    3-7) and ``[O, routing layers]``, each option query's attention mass on prefix + state per routing layer."""
+    attention: list[torch.Tensor] = []
+    logits = head.logits(batch.inputs(head), batch.layout, routing_attention=attention)
+    layout, on_state = batch.layout, batch.state_mask[:, None, :]
+    masses = [(weights * on_state.to(weights.dtype)).sum(-1)[layout.option_record, layout.option_record_slot]
+              for weights in attention]
+    return logits, torch.stack(masses, -1) if masses else logits.new_ones(layout.num_options, 0)
 
 
 def twin_whitening(means: torch.Tensor, pairs: Sequence[tuple[int, int]], strength: float) -> torch.Tensor:

@@ -75,6 +75,9 @@ def test_a_choice_field_ignores_its_question_span_and_a_noul_does_not():
     assert float(noul) > 1e-2
     assert float(choice) < 1e-3 * float(first[1].abs().max())
     assert torch.allclose(mass, torch.ones(5, 1))  # every token is state here: all the mass is on it
+    trainable = {n for n, p in head.named_parameters() if p.requires_grad}
+    assert "type_embedding.parametrizations.weight.original" in trainable and "prior_logit_scale" not in trainable
+    assert not any(n.startswith("layers.") for n in trainable)  # the field layers' outputs are zero: all frozen
 
 
 def test_distractors_are_stretches_of_the_bank():

@@ -85,12 +85,14 @@ class ChoiceDominance(nn.Module):
 
 def state_path_head(head: JointSchemaHead, joint_scale_init: float) -> list[torch.nn.Parameter]:
     """Make a fresh ``head`` a state-path head in place: the :func:`zeroed_parameters` zero and frozen, the prior
-    off and frozen, the cosine scale at ``joint_scale_init``, the choice row dominated (:class:`ChoiceDominance`);
-    returns the parameters left to train."""
-    frozen = set(zeroed_parameters(head)) | {"prior_logit_scale"}
+    off and frozen, the rest of the field layers frozen (their outputs are zero: nothing they hold reaches a
+    logit, so weight decay has nothing to do there either), the cosine scale at ``joint_scale_init``, the choice
+    row dominated (:class:`ChoiceDominance`); returns the parameters left to train."""
     params = dict(head.named_parameters())
+    frozen = set(zeroed_parameters(head)) | {"prior_logit_scale"} | {n for n in params if n.startswith("layers.")}
+    zeroed = set(zeroed_parameters(head))
     with torch.no_grad():
-        for name in frozen - {"prior_logit_scale"}:
+        for name in zeroed:
             params[name].zero_()
         head.prior_logit_scale.fill_(PRIOR_OFF)
         head.joint_logit_scale.fill_(joint_scale_init)

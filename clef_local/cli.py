@@ -30,7 +30,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "drift": ("clef_local.quality.drift_cli", "main", "compare a variant's probabilities with its reference"),
     "calibrate": ("clef_local.quality.calibrate", "main", "fit per-type temperatures that pull a variant back"),
     "report": ("clef_local.quality.report", "main", "render drift/eval results as HTML, Markdown and JSON"),
-    "train-head": ("clef_local.training.train_head", "main", "train a joint schema head on a frozen backbone"),
+    "train-head": ("clef_local.training.train_head", "main", "train a joint schema head as the demo head was trained"),
 }
 # Commands that run a model: torch and OpenMP read OMP_NUM_THREADS when torch is imported, so the thread rule
 # (planning.hardware.thread_plan: never oversubscribe the physical cores) is set before any of them imports it.

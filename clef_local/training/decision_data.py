@@ -95,7 +95,7 @@ class DecisionMix:
     """Shares of each record kind (they need not sum to 1; they are normalised)."""
 
     banking77: float = 0.25
-    full_choice: float = 0.06  # the 77-way choice alone: cheap on the question path (the pass stops at its span)
+    full_choice: float = 0.06  # the 77-way choice alone (the evaluation's question; ~1,670 tokens a record)
     nlupp: float = 0.22
     sentiment: float = 0.17
     severity: float = 0.2

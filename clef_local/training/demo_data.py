@@ -1,16 +1,19 @@
-"""Synthetic training requests for a joint schema head, built from real labels (BANKING77, NLU++ folds 0–15).
+"""The demo data (``train-head --data demo``): synthetic requests built from real labels of training splits only
+(BANKING77 ``train.csv``, NLU++ banking folds 0–15).
 
 Clef's head learns to decide *any* schema, so its training records vary what the answer must not depend on:
 question ids (random strings half the time), instruction wordings, option descriptions (present or not), option
 subsets and order, and which other questions share the record. Labels come from the data only.
 
-- BANKING77 ``train.csv``: a choice over 2–32 intents holding the gold one (the full 77 in 15% of records),
-  plus noul questions "is the customer asking about <intent>?" with balanced yes/no answers.
+- BANKING77: a choice over 2–``max_options`` intents holding the gold one (a share of them with the gold's nearest
+  intents as distractors), plus noul questions "is the customer asking about <intent>?" with balanced answers.
 - NLU++ banking folds: noul questions from the ontology's descriptions (multi-label truth), and a score question
   "how many of these intents does the message carry" over three listed intents (a real ordinal label).
 - Twins (:func:`twin_records`): a mixed record and the same record with ids renamed, questions reordered, unrelated
   questions added or one removed. Labelled questions carry their labels; generic questions without labels only
   have to get the same answer in both.
+- Canonical records (:func:`demo_universe`): BANKING77 training rows asked as the evaluation asks it, over all
+  77 intents.
 """
 
 from __future__ import annotations
@@ -18,8 +21,7 @@ from __future__ import annotations
 import random
 import re
 import string
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -27,6 +29,7 @@ import numpy as np
 from clef_local.data.datasets import (
     Example,
     Twin,
+    banking77_examples,
     banking77_intents,
     banking77_rows,
     intent_description,
@@ -48,48 +51,8 @@ NOUL_TEMPLATES = [
     "Is the topic {intent}?",
     "Is the user's intent: {intent}?",
 ]
-FULL_CHOICE = 0.15  # all 77 intents: the hardest case, but one such record costs as much as four subset records
 NEIGHBOURS = 16  # the closest intents by training-text words: the distractors a 77-way question really poses
 COUNT_LEVELS = ["none of them", "exactly one of them", "exactly two of them", "all three of them"]
-
-
-@dataclass(frozen=True)
-class Rule:
-    """How a question's label follows from a state's gold, so that the question can be asked of another state.
-
-    ``intent``: the gold intent when it is one of ``intents`` (the choice's options), else no label; ``is``: the
-    gold intent is ``intents[0]`` (BANKING77 noul); ``has``: ``intents[0]`` is among the gold intents (NLU++ noul);
-    ``count``: how many of ``intents`` are among the gold intents (NLU++ score).
-    """
-
-    kind: str
-    intents: tuple[str, ...]
-
-    def label(self, gold: Any) -> Any:
-        if self.kind == "intent":
-            return gold if gold in self.intents else None
-        if self.kind == "is":
-            return gold == self.intents[0]
-        if self.kind == "has":
-            return self.intents[0] in gold
-        if self.kind == "count":
-            return sum(i in gold for i in self.intents)
-        raise ValueError(f"unknown rule kind {self.kind!r}")
-
-
-@dataclass(frozen=True)
-class DemoExample(Example):
-    """A training request whose labels come from a dataset row: ``source`` names the dataset, ``rules`` say how
-    each labelled question's answer follows from a row's gold (head training asks these questions of other rows'
-    states, see ``clef_local.training.splicing``)."""
-
-    source: str = ""
-    rules: Mapping[str, Rule] = field(default_factory=dict)
-
-    def relabel(self, gold: Any) -> dict[str, Any]:
-        """This request's labels for a state whose gold is ``gold`` (questions it leaves without one are left out)."""
-        labels = {qid: rule.label(gold) for qid, rule in self.rules.items()}
-        return {qid: label for qid, label in labels.items() if label is not None}
 
 
 def question_id(rng: random.Random, readable: str, used: set[str]) -> str:
@@ -122,25 +85,20 @@ def intent_neighbours(rows: Sequence[tuple[str, str]], k: int = NEIGHBOURS) -> d
             for n, intent in enumerate(intents)}
 
 
-def _choice(rng: random.Random, gold: str, intents: tuple[str, ...], max_options: int | None = None,
-            neighbours: dict[str, list[str]] | None = None, hard: float = 0.0,
-            full_share: float = FULL_CHOICE) -> dict[str, Any]:
-    """A choice over a random subset holding ``gold`` (all intents with probability ``full_share``); with
-    probability ``hard`` the distractors are drawn from ``gold``'s nearest neighbours first, the confusions a full
-    77-way question holds."""
-    full = max_options is None and rng.random() < full_share
+def _choice(rng: random.Random, gold: str, intents: tuple[str, ...], max_options: int,
+            neighbours: dict[str, list[str]] | None = None, hard: float = 0.0) -> dict[str, Any]:
+    """A choice over a random subset of at most ``max_options`` intents holding ``gold``; with probability ``hard``
+    the distractors are drawn from ``gold``'s nearest neighbours first, the confusions a full 77-way question
+    holds."""
     others = [i for i in intents if i != gold]
-    if full:
-        chosen = list(intents)
+    size = rng.randint(1, max_options - 1)
+    if neighbours and hard > 0 and rng.random() < hard:  # hard = 0 draws nothing: the old records, unchanged
+        close = rng.sample(neighbours[gold], min(size, len(neighbours[gold])))
+        chosen = [gold, *close, *rng.sample([i for i in others if i not in close], size - len(close))]
     else:
-        size = rng.randint(1, (max_options or 32) - 1)
-        if neighbours and hard > 0 and rng.random() < hard:  # hard = 0 draws nothing: the old records, unchanged
-            close = rng.sample(neighbours[gold], min(size, len(neighbours[gold])))
-            chosen = [gold, *close, *rng.sample([i for i in others if i not in close], size - len(close))]
-        else:
-            chosen = [gold, *rng.sample(others, size)]
+        chosen = [gold, *rng.sample(others, size)]
     rng.shuffle(chosen)  # request order must not matter (options are sorted by id in the prompt anyway)
-    describe = rng.random() < (0.2 if full else 0.5)  # descriptions make a 77-option record 2,200 tokens, not 1,700
+    describe = rng.random() < 0.5
     question: dict[str, Any] = {"type": "choice",
                                 "criteria": {i: intent_description(i) if describe else None for i in chosen}}
     if (instructions := rng.choice(CHOICE_INSTRUCTIONS)) is not None:
@@ -156,36 +114,30 @@ def _noul(rng: random.Random, text: str) -> dict[str, Any]:
 
 
 def banking77_record(rng: random.Random, n: int, text: str, gold: str, intents: tuple[str, ...],
-                     max_options: int | None = None, neighbours: dict[str, list[str]] | None = None,
-                     hard: float = 0.0, full_share: float = FULL_CHOICE) -> DemoExample:
+                     max_options: int, neighbours: dict[str, list[str]] | None = None, hard: float = 0.0
+                     ) -> Example:
     used: set[str] = set()
     questions: dict[str, Any] = {}
     labels: dict[str, Any] = {}
-    rules: dict[str, Rule] = {}
     kinds = ["choice"] + ["noul"] * rng.randint(0, 3)
     rng.shuffle(kinds)
     for kind in kinds:
         if kind == "choice":
             qid = question_id(rng, "intent", used)
-            questions[qid], labels[qid] = _choice(rng, gold, intents, max_options, neighbours, hard, full_share), gold
-            rules[qid] = Rule("intent", tuple(questions[qid]["criteria"]))
+            questions[qid], labels[qid] = _choice(rng, gold, intents, max_options, neighbours, hard), gold
         else:
             positive = rng.random() < 0.5
             intent = gold if positive else rng.choice([i for i in intents if i != gold])
             qid = question_id(rng, intent, used)
             questions[qid] = _noul(rng, rng.choice(NOUL_TEMPLATES).format(intent=intent_description(intent)))
             labels[qid] = positive
-            rules[qid] = Rule("is", (intent,))
-    return DemoExample(f"train-banking77-{n}", {"model": "clef-demo", "state": text, "questions": questions}, labels,
-                       source="banking77", rules=rules)
+    return Example(f"train-banking77-{n}", {"model": "clef-demo", "state": text, "questions": questions}, labels)
 
 
-def nlupp_record(rng: random.Random, n: int, text: str, gold: frozenset[str], intents: dict[str, str]
-                 ) -> DemoExample:
+def nlupp_record(rng: random.Random, n: int, text: str, gold: frozenset[str], intents: dict[str, str]) -> Example:
     used: set[str] = set()
     questions: dict[str, Any] = {}
     labels: dict[str, Any] = {}
-    rules: dict[str, Rule] = {}
     names = list(intents)
     positives = [i for i in names if i in gold]
     negatives = [i for i in names if i not in gold]
@@ -198,7 +150,6 @@ def nlupp_record(rng: random.Random, n: int, text: str, gold: frozenset[str], in
         qid = question_id(rng, intent, used)
         questions[qid] = _noul(rng, intents[intent])
         labels[qid] = intent in gold
-        rules[qid] = Rule("has", (intent,))
     if rng.random() < 0.4:
         listed = rng.sample(names, 3)
         if positives and rng.random() < 0.5:
@@ -210,23 +161,20 @@ def nlupp_record(rng: random.Random, n: int, text: str, gold: frozenset[str], in
             "instructions": "How many of these intents does the message carry: "
                             + "; ".join(intent_description(i) for i in listed) + "?"}
         labels[qid] = sum(i in gold for i in listed)
-        rules[qid] = Rule("count", tuple(listed))
     keys = list(questions)
     rng.shuffle(keys)
-    return DemoExample(f"train-nlupp-{n}", {"model": "clef-demo", "state": text,
-                                            "questions": {k: questions[k] for k in keys}}, {k: labels[k] for k in keys},
-                       source="nlupp", rules=rules)
+    return Example(f"train-nlupp-{n}", {"model": "clef-demo", "state": text,
+                                        "questions": {k: questions[k] for k in keys}}, {k: labels[k] for k in keys})
 
 
-def training_examples(banking77: int = 2000, nlupp: int = 1660, seed: int = 0, *, hard: float = 0.0,
-                      max_options: int | None = None, full_share: float = FULL_CHOICE) -> list[DemoExample]:
+def training_examples(banking77: int, nlupp: int, seed: int = 0, *, hard: float = 0.0, max_options: int = 12
+                      ) -> list[Example]:
     """``banking77`` records from BANKING77 train rows, then ``nlupp`` from NLU++ folds 0–15.
 
     ``hard``: the share of BANKING77 choice questions whose distractors are the gold intent's nearest neighbours
-    (:func:`intent_neighbours`); ``max_options`` caps a choice's size (and drops the full 77-way records);
-    ``full_share`` is the share of BANKING77 choices over all 77 intents (the evaluation's question).
-    Each source draws from its own random stream, so a larger request yields the smaller one's records as its
-    prefix (per source): a bigger training run reuses every cached block of a smaller one. Training shuffles.
+    (:func:`intent_neighbours`); ``max_options`` caps a choice's size. Each source draws from its own random
+    stream, so a larger request yields the smaller one's records as its prefix (per source): a bigger training run
+    reuses every cached block of a smaller one. Training shuffles.
     """
     rng = random.Random(seed)
     intents = banking77_intents()
@@ -234,7 +182,7 @@ def training_examples(banking77: int = 2000, nlupp: int = 1660, seed: int = 0, *
     neighbours = intent_neighbours(rows) if hard > 0 else None
     rng.shuffle(rows)
     rows = (rows * (1 + banking77 // len(rows)))[:banking77]  # past 10,003 rows: the same texts, new schemas
-    examples = [banking77_record(rng, n, text, gold, intents, max_options, neighbours, hard, full_share)
+    examples = [banking77_record(rng, n, text, gold, intents, max_options, neighbours, hard)
                 for n, (text, gold) in enumerate(rows)]
     nlu_rng = random.Random(seed + 1_000_003)
     nlu_intents = nlupp_intents()
@@ -245,10 +193,11 @@ def training_examples(banking77: int = 2000, nlupp: int = 1660, seed: int = 0, *
     return examples
 
 
-def splice_states() -> dict[str, list[tuple[str, Any]]]:
-    """The rows spliced records draw their states from, by source: all BANKING77 training rows (gold intent) and
-    NLU++ banking folds 0–15 (gold intent set); never a test fold."""
-    return {"banking77": banking77_rows("train"), "nlupp": nlupp_rows(range(16))}
+def demo_universe(canonical: int) -> tuple[tuple[str, ...], list[Example]]:
+    """The option universe of the full views (the 77 BANKING77 intents) and the canonical records: the
+    evaluation's 77-way prompt on the first ``canonical`` BANKING77 training rows (10,003: all of them; a choice
+    costs only its state's pass)."""
+    return banking77_intents(), banking77_examples("train", limit=canonical)
 
 
 # Generic questions with no label in the data: twins teach the head to answer them the same whatever surrounds them.

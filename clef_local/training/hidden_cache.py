@@ -1,9 +1,13 @@
-"""The hidden-state cache of head training: a frozen backbone's final hidden states, computed once per record.
+"""The caches of head training: what a frozen backbone computes, once per record.
 
-Records are cached in blocks of consecutive records, each block in a directory named by the hash of its token ids
-(and the compute dtype), holding chunks of similar-length records written atomically and a ``done`` marker: a
-larger training set reuses every block it shares with a smaller one, a killed run resumes at the first missing
-chunk, and a stale cache cannot be picked up by mistake.
+- :func:`cache_hidden_states`: each record's final hidden states ``[T, hidden]`` (stored BF16).
+- :func:`question_means`: each record's question-span means of the un-affine layer norm ``[questions, hidden]``
+  (float32), computed over the record up to its last question span (causal attention: nothing after a span moves
+  its hidden states).
+
+Records are cached in blocks of consecutive records, named by the hash of their token ids (and the compute dtype)
+and written atomically: a larger training set reuses every block it shares with a smaller one, a killed run
+resumes at the first missing block (or chunk), and a stale cache cannot be picked up by mistake.
 """
 
 from __future__ import annotations
@@ -13,10 +17,13 @@ import logging
 import os
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
@@ -28,6 +35,7 @@ log = logging.getLogger(__name__)
 
 
 BLOCK_RECORDS = 256  # cache unit: a larger training set reuses every block it shares with a smaller one
+MEANS_BLOCK_RECORDS = 512  # the span means are small: larger blocks, fewer files
 
 
 def cache_dtype(device: str) -> torch.dtype:
@@ -105,7 +113,7 @@ def _cache_block(backbone, records: Sequence[EncodedRecord], directory: Path, *,
         tensors = {}
         for batch in token_batches(members, records, batch_tokens):
             ids, mask = collate([records[i] for i in batch], 0, backbone.device)
-            hidden = backbone.hidden_states(ids, mask).to(torch.bfloat16).cpu()
+            hidden = backbone.forward(ids, mask).to(torch.bfloat16).cpu()
             for row, i in enumerate(batch):
                 tensors[str(i)] = hidden[row, : len(records[i].input_ids)].contiguous()
         tmp = directory / f".{path.name}.tmp"
@@ -139,3 +147,75 @@ def _load_block(directory: Path, size: int) -> list[torch.Tensor]:
     if any(h is None for h in hidden):
         raise RuntimeError(f"{directory}: cache block is incomplete; delete it and run again")
     return hidden
+
+
+def truncate_to_questions(record: EncodedRecord) -> EncodedRecord:
+    """``record`` cut after its last question span: all its question-span means read."""
+    return replace(record, input_ids=record.input_ids[:max(q.question_span[1] for q in record.questions)])
+
+
+def _means_blocks(encoded: Sequence[EncodedRecord], device: str, block_records: int
+                  ) -> tuple[torch.dtype, list[EncodedRecord], list[list[int]], list[str]]:
+    dtype = cache_dtype(device)
+    cut = [truncate_to_questions(r) for r in encoded]
+    blocks = [list(range(s, min(s + block_records, len(cut)))) for s in range(0, len(cut), block_records)]
+    return dtype, cut, blocks, [_means_block_name([cut[i] for i in block], dtype) for block in blocks]
+
+
+def question_means(backbone_dir: Path, encoded: Sequence[EncodedRecord], cache: Path, *, device: str = "cpu",
+                   block_records: int = MEANS_BLOCK_RECORDS) -> list[np.ndarray]:
+    """Per record, ``[questions, hidden]`` float32 span means of the un-affine layer norm of the final hidden
+    states, computed on the records cut after their last question span and cached in blocks named by their token
+    ids and dtype (written atomically: a killed run resumes at the first missing block)."""
+    from clef_local.backends.torch_backend import TorchBackbone
+
+    dtype, cut, blocks, names = _means_blocks(encoded, device, block_records)
+    todo = [b for b, name in enumerate(names) if not (cache / name).is_file()]
+    if todo:
+        backbone = TorchBackbone(backbone_dir, read_json(backbone_dir / "config.json"), device=device, dtype=dtype)
+        tokens = sum(len(cut[i].input_ids) for b in todo for i in blocks[b])
+        log.info("question-span means: %d of %d blocks to compute (%d tokens)", len(todo), len(blocks), tokens)
+        cache.mkdir(parents=True, exist_ok=True)
+        started = time.perf_counter()
+        for b in tqdm(todo, desc="question-span means", unit="block"):
+            means = _block_means(backbone, [cut[i] for i in blocks[b]], 4096 if device == "cpu" else 16384)
+            tmp = cache / f".{names[b]}.tmp"
+            save_file({str(n): m for n, m in enumerate(means)}, str(tmp))
+            os.replace(tmp, cache / names[b])
+        log.info("computed %d blocks in %.0f s", len(todo), time.perf_counter() - started)
+    out: list[np.ndarray] = []
+    for block, name in zip(blocks, names, strict=True):
+        try:
+            stored = load_file(str(cache / name))
+        except (SafetensorError, OSError) as error:
+            raise RuntimeError(f"{cache / name}: unreadable cache block ({error}); delete it and run again") from error
+        if len(stored) != len(block):
+            raise RuntimeError(f"{cache / name}: holds {len(stored)} records, expected {len(block)}; delete it")
+        out += [stored[str(n)].numpy() for n in range(len(block))]
+    return out
+
+
+def _means_block_name(block: Sequence[EncodedRecord], dtype: torch.dtype) -> str:
+    digest = hashlib.sha256(str(dtype).encode())
+    for record in block:
+        digest.update(np.asarray(record.input_ids, dtype=np.int64).tobytes())
+        for question in record.questions:
+            digest.update(np.asarray(question.question_span, dtype=np.int64).tobytes())
+        digest.update(b"|")
+    return f"means-{digest.hexdigest()[:16]}.safetensors"
+
+
+@torch.inference_mode()
+def _block_means(backbone, records: Sequence[EncodedRecord], batch_tokens: int) -> list[torch.Tensor]:
+    from clef_local.backends.torch_backend import collate
+
+    means: list[torch.Tensor | None] = [None] * len(records)
+    order = sorted(range(len(records)), key=lambda i: len(records[i].input_ids))
+    for batch in token_batches(order, records, batch_tokens):
+        ids, mask = collate([records[i] for i in batch], 0, backbone.device)
+        hidden = backbone.forward(ids, mask).float()
+        normed = F.layer_norm(hidden, hidden.shape[-1:])
+        for row, i in enumerate(batch):
+            means[i] = torch.stack([normed[row, a:b].mean(0) for a, b in
+                                    (q.question_span for q in records[i].questions)]).cpu().contiguous()
+    return cast(list[torch.Tensor], means)

@@ -33,23 +33,17 @@ class AdapterSpec:
 
     @classmethod
     def parse(cls, text: str) -> AdapterSpec:
-        """``r=16``, ``r=8,alpha=16,layers=12``, ``r=16,targets=attention``: the ``--adapters`` flag."""
-        values: dict[str, object] = {}
+        """``r=16``, ``r=8,alpha=16,layers=12``: the ``--adapters`` flag (every attention and MLP projection)."""
+        values: dict[str, float] = {}
         for part in filter(None, (p.strip() for p in text.split(","))):
             key, sep, value = part.partition("=")
             key = {"r": "rank"}.get(key.strip(), key.strip())
-            if not sep or key not in ("rank", "alpha", "layers", "targets"):
-                raise ValueError(f"--adapters: {part!r} is not one of r=N, alpha=X, layers=N, "
-                                 f"targets=attention|mlp|all")
-            if key == "targets":
-                values[key] = {"attention": ATTENTION, "mlp": MLP, "all": ATTENTION + MLP}.get(value.strip(), ())
-                if not values[key]:
-                    raise ValueError(f"--adapters: targets={value!r}; use attention, mlp or all")
-            else:
-                try:
-                    values[key] = float(value) if key == "alpha" else int(value)
-                except ValueError as exc:
-                    raise ValueError(f"--adapters: {key}={value!r} is not a number") from exc
+            if not sep or key not in ("rank", "alpha", "layers"):
+                raise ValueError(f"--adapters: {part!r} is not one of r=N, alpha=X, layers=N")
+            try:
+                values[key] = float(value) if key == "alpha" else int(value)
+            except ValueError as exc:
+                raise ValueError(f"--adapters: {key}={value!r} is not a number") from exc
         spec = cls(**values)  # type: ignore[arg-type]
         if spec.rank < 1 or spec.layers < 0 or spec.alpha <= 0:
             raise ValueError(f"--adapters: rank ≥ 1, layers ≥ 0 and alpha > 0, got {text!r}")

@@ -110,7 +110,7 @@ def request_of(model: Any, tokens: int) -> tuple[dict[str, Any], int]:
     request = {"model": "clef", "state": words,
                "questions": {"refund": {"type": "noul", "instructions": "Does the customer want money back?"},
                              "team": {"type": "choice", "criteria": {"cards": "Card payments", "transfers": None}}}}
-    model.max_length = tokens
+    model.encoder.max_length = tokens  # the context the state is cut to
     encoded = model.encode(request, truncate_state=True)
     return request, len(encoded.input_ids)
 

@@ -22,6 +22,7 @@ from clef_local.quality.drift import (
 )
 from clef_local.quality.drift_cli import GateSyntaxError, parse_gates
 from clef_local.runtime.encoding import EncodedQuestion, EncodedRecord
+from clef_local.runtime.schema import SystemOneRequest
 
 
 def test_identical_distributions_have_zero_drift():
@@ -84,8 +85,9 @@ def _prediction(kinds_probs: list[tuple[int, str, list[float]]], state: str = "s
         ids = {0: ("true", "false"), 2: tuple(str(i) for i in range(len(probs)))}.get(
             qtype, tuple(f"o{i}" for i in range(len(probs))))
         questions.append(EncodedQuestion(qid, qtype, (0, 1), tuple((0, 1) for _ in probs), ids))
-    encoded = EncodedRecord((1, 2, 3), tuple(questions), 1)
-    return Prediction({"state": state}, encoded, [np.asarray(p, np.float32) for _, _, p in kinds_probs])
+    request = SystemOneRequest.model_construct(model="m", state=state, questions={})
+    encoded = EncodedRecord((1, 2, 3), tuple(questions), 1, request=request)
+    return Prediction(encoded, [np.asarray(p, np.float32) for _, _, p in kinds_probs])
 
 
 def test_compare_predictions_and_result_json_roundtrip():

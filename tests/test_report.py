@@ -15,6 +15,7 @@ from clef_local.quality.drift import DriftResult, drift_from_predictions
 from clef_local.quality.evaluate import EvalResult, EvalRow, metrics_by_type
 from clef_local.quality.report import bundle_json, main, markdown_table, render_markdown, write_report
 from clef_local.runtime.encoding import EncodedQuestion, EncodedRecord
+from clef_local.runtime.schema import SystemOneRequest
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -30,7 +31,8 @@ def _predictions(rng: np.random.Generator, noise: float, n: int = 30) -> tuple[l
         questions = (EncodedQuestion("n", 0, (0, 1), ((0, 1),) * 2, ("true", "false")),
                      EncodedQuestion("c", 1, (0, 1), ((0, 1),) * 4, ("a", "b", "c", "d")),
                      EncodedQuestion("s", 2, (0, 1), ((0, 1),) * 3, ("0", "1", "2")))
-        preds.append(Prediction({"state": f"<state {i}>"}, EncodedRecord((1,), questions, 1),
+        request = SystemOneRequest.model_construct(model="m", state=f"<state {i}>", questions={})
+        preds.append(Prediction(EncodedRecord((1,), questions, 1, request=request),
                                 [p.astype(np.float32) for p in probs]))
         labels.append({"n": bool(i % 2), "c": "abcd"[i % 4], "s": i % 3})
     return preds, labels

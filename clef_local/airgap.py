@@ -1,41 +1,8 @@
-"""Air-gapped runs: no hub access and no traffic to anything but this machine (README.md, docs/quality.md).
+"""Air-gapped runs: no hub access and no traffic to anything but this machine (docs/quality.md#the-air-gap).
 
-Two layers, the stronger one where the OS allows it:
-
-**The guard** (``with airgap():``, every command that loads a model). It sets ``HF_HUB_OFFLINE=1``,
-``TRANSFORMERS_OFFLINE=1``, ``HF_DATASETS_OFFLINE=1`` and ``HF_HUB_DISABLE_TELEMETRY=1`` in ``os.environ`` (child
-processes inherit them) and turns on an audit hook (:func:`sys.addaudithook`). CPython raises its ``socket.*``
-audit events inside the C functions themselves, so the hook sees ``_socket`` calls, ``asyncio`` and every library
-built on Python's socket module, before the system call:
-
-- ``socket.connect`` (``connect``, ``connect_ex``), ``socket.sendto``, ``socket.sendmsg`` (TCP, UDP, any
-  family): allowed to loopback (127.0.0.0/8, ::1, ``localhost``), the unspecified address and the machine-local
-  families (Unix sockets, netlink); anything else raises :class:`~clef_local.errors.NetworkBlockedError` naming
-  the target, before a packet is built;
-- ``socket.__new__``: raw IP sockets and packet sockets (which address interfaces directly) are refused;
-- ``socket.getaddrinfo``: numeric addresses (no lookup happens) and loopback names only; it is the one door for
-  names, the one every client library uses, so loopback clients keep working;
-- ``socket.gethostbyname`` (and ``gethostbyname_ex``): numeric addresses only, ``localhost`` included in the
-  refusal, since nothing here needs these IPv4-only lookups and any name the hosts file lacks is a DNS query;
-- ``socket.gethostbyaddr`` and ``socket.getnameinfo``: refused (a reverse lookup is a resolver query; the hook
-  cannot see ``getnameinfo``'s flags). ``socket.getfqdn``, their one stdlib caller (``http.server``), falls back
-  to the name it was given.
-
-``bind``/``listen``/``accept`` stay allowed, so ``clef-local serve`` listens (on any address it is told) and
-answers. A hook cannot be removed: it is installed on the first ``airgap()`` and, while no guard is active,
-returns after reading one module global. What the guard cannot see: code that bypasses Python's socket module (C
-extensions with their own sockets such as ``uvloop`` or libcurl, ``ctypes`` calls into libc), child processes
-(they get the offline environment, not the hook), and connections opened before the guard came up.
-
-**The namespace** (:func:`isolate_process`, Linux). ``clef-local decide``, ``eval``, ``drift`` and ``calibrate``
-move their own process, before anything else runs, into a fresh network namespace (``unshare(CLONE_NEWNET)``; an
-unprivileged user gets a user namespace with it, mapped to the same uid and gid, as ``unshare -rn`` does) whose
-only interface is loopback: there is no route off the machine for anything, C code and children included. The
-guard still runs inside. ``serve`` and ``ui`` cannot do this: their clients are outside the namespace. Where the
-kernel refuses (containers without user namespaces, AppArmor's ``restrict_unprivileged_userns``) the run keeps
-the guard alone and says so: reports and outputs carry ``network: off (namespace)``, ``off (guard)`` or ``on``
-(:func:`network_state`), and ``clef-local doctor`` reports whether the namespace is available here
-(:func:`namespace_support`). ``--allow-network`` turns both off.
+Two layers: the guard (``with airgap():``: the offline environment variables and an audit hook on Python's socket
+events) in every run, and, where Linux allows it, :func:`isolate_process`: a fresh network namespace with loopback
+only for ``decide``, ``eval``, ``drift`` and ``calibrate``. ``--allow-network`` turns both off.
 """
 
 from __future__ import annotations

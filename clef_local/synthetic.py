@@ -1,22 +1,8 @@
-"""Full-size random Clef releases in any stored format, written streaming (behind
-:func:`clef_local.testing.build_shaped_release`): random weights of the exact public shapes exercise every byte of
-memory, every kernel and the loader's arithmetic. :func:`write_shaped_weights` writes the backbone shards,
-``config.json``, the head and the manifest directly in a stored format (docs/format.md §6): ``bf16``, ``int4``
-(MLX layout), ``int8``, ``fp8`` or ``nf4`` (bitsandbytes' serialization), quantizing what ``clef-local quantize``
-would (:func:`clef_local.quant.predicate.should_quantize`).
-
-- Values: quantized layers get uniform random codes with scales such that the dequantized weights have zero mean
-  and the config's ``initializer_range`` as standard deviation (int4: ``bias = -8·scale`` with a random sign per
-  group, a grid spanning zero as MLX orients it, which tinygemm repacks exactly); other linear and embedding
-  matrices are N(0, initializer_range) (bf16 values from a fixed table of 65,536 normal quantiles indexed by
-  random 16-bit numbers: four times faster than sampling); everything else (norms, ``A_log``, ``dt_bias``,
-  ``conv1d``, the vision patch embedding) comes from the architecture's own ``_init_weights``; the head has
-  :func:`clef_local.testing.build_tiny_release`'s rules.
-- Streaming: the safetensors header is computed from the shapes, then each tensor is produced in pieces of
-  :data:`PIECE_BYTES` by a thread pool (numpy releases the GIL) and written in order while the file's SHA-256 is
-  computed, with at most ``2 × workers`` pieces in flight: a few pieces held, whatever the model's size.
-- Deterministic: each piece has its own random stream, seeded by ``(seed, tensor name, piece index)``, and the
-  piece size does not depend on the number of workers: the same arguments give the same bytes (same numpy).
+"""Full-size random Clef releases in any stored format, written streaming, behind
+:func:`clef_local.testing.build_shaped_release`: random weights of the exact public shapes exercise every byte of
+memory, every kernel and the loader's arithmetic. :func:`write_shaped_weights` writes shards, config, head and
+manifest; how values are drawn, why the stream is bounded and why the bytes are deterministic:
+docs/hardware.md#full-size-checks-without-the-weights.
 """
 
 from __future__ import annotations

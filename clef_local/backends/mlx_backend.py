@@ -1,23 +1,8 @@
-"""The MLX backend: the backbone through ``mlx-lm``'s model definitions, the joint schema head ported to MLX.
+"""The MLX backend: the backbone through ``mlx-lm``'s ``llama`` and ``qwen3_5`` models up to the final norm, the
+joint schema head in MLX float32 (:mod:`clef_local.heads.mlx_head`). Imports neither torch nor transformers.
 
-Backbones: ``llama`` (the demo model, tiny llama releases) through ``mlx_lm.models.llama`` and ``qwen3_5`` (Clef,
-Clef-flash, tiny Qwen3.5 releases) through ``mlx_lm.models.qwen3_5``, whose ``sanitize`` maps the release's tensor
-names (``model.language_model.*``, the vision tower dropped), moves the conv1d axes and turns Qwen3.5's zero-centred
-norm weights into MLX's ``1 + w``. The forward pass stops at the final norm (hidden states, not logits). Batches are
-right-padded: with causal attention (and the causal gated-delta recurrence and conv1d of Qwen3.5's linear-attention
-layers) a real token never sees the padding after it, so its hidden state is the same as without padding, the torch
-backend's attention-mask semantics.
-
-RoPE (docs/hardware.md, known traps): a transformers-5 ``config.json`` may carry ``rope_parameters`` only, and mlx-lm's
-llama reads the top-level ``rope_theta`` and otherwise silently uses 10000 (SmolLM2 uses 100000). The source theta is
-read from the config here (:func:`source_rope`), passed explicitly, and every RoPE module of the built model is checked
-against it (:func:`check_rope`): a difference is a :class:`ReleaseError`, never a guess.
-
-Quantized variants (:mod:`clef_local.backends.mlx_weights`): int4 and int8 layers become ``nn.QuantizedLinear``
-(int8 with a per-row output scale) on the stored arrays, nf4/fp8 are dequantized with a warning. The compute dtype
-defaults to float32 off Apple silicon (MLX's Linux CPU build: correctness; its bf16 and quantized matmuls are slow)
-and to the release's dtype on a Metal device; ``dtype="bfloat16"|"float16"|"float32"`` overrides. The head always
-runs in float32. Importing this module imports neither torch nor transformers.
+RoPE theta is read from the config, passed explicitly and checked on every RoPE module (:func:`check_rope`), since
+mlx-lm would silently fall back to 10000; that trap, the dtypes and the quantized layers: docs/hardware.md#mlx.
 """
 
 from __future__ import annotations

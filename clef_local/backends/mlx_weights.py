@@ -1,23 +1,8 @@
-"""A release's backbone tensors for the MLX backend: read without torch, quantized layers mapped onto MLX arrays.
+"""A release's backbone tensors for the MLX backend: read with numpy (no torch), quantized layers as MLX arrays.
 
-Safetensors files are read with numpy (:func:`clef_local.formats.safetensors.read_arrays`: the header checked, the
-data memory-mapped), so BF16 and F8_E4M3 tensors, which numpy cannot name, come back as their bit patterns and are
-decoded here exactly (BF16 → float32 is a 16-bit shift; e4m3fn through a 256-entry table).
-
-Quantized linears (docs/format.md §6; the scheme is ``config.json`` ``quantization_config.clef_local.scheme``)
-become one :class:`QuantizedLayer` each:
-
-- ``int4`` is stored the way MLX stores it (``weight`` uint32 packed, ``scales``, ``biases``; the group size is
-  ``quantization_config.group_size``): taken as stored, no re-quantization.
-- ``int8`` (symmetric per row: ``W = q · s[row]``, q in -127..127) maps exactly onto MLX's 8-bit affine arrays as
-  ``weight`` = ``q + 128`` as uint8 packed four per uint32 (MLX's 8-bit packing: column 4k+j in bits 8j),
-  ``scales`` = 1 and ``biases`` = -128 per group, plus one ``row_scale`` = s per output row applied to the matmul's
-  output: ``dequantize(...) = q`` exactly (integers below 256 are exact in float32, bfloat16 and float16), and
-  ``row_scale · q`` is the very float32 product our ``int8.dequantize`` computes. Folding s into ``scales`` (s and
-  -128·s) is NOT exact: MLX's CPU dequantize rounds ``s·(q + 128)`` before adding the bias (no FMA), which moved
-  69% of a 256×576 test matrix's weights by 1 ulp. ``y = (x @ q.T) · s`` is also the order torch's int8 kernel uses.
-- ``nf4`` and ``fp8`` have no MLX kernel: they are dequantized here (float32, numpy) and run as plain linears;
-  :func:`load_backbone_tensors` logs a warning saying so.
+BF16 and F8_E4M3 bit patterns are decoded here exactly. int4 is taken as stored; int8 maps exactly onto MLX's 8-bit
+affine arrays with the row scale applied to the output (folding it into MLX's scales is not exact); nf4 and fp8 are
+dequantized with a warning (docs/hardware.md#mlx, docs/format.md §6).
 """
 
 from __future__ import annotations

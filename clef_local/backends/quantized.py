@@ -1,30 +1,9 @@
-"""Quantized linear layers of the torch backend, swapped in before a variant's weights are loaded (docs/format.md §6,
-docs/hardware.md).
+"""Quantized linear layers of the torch backend, swapped in before a variant's weights are loaded (docs/format.md §6).
 
-Two-phase loading (gpt-fast's pattern): the backbone is built on the meta device, every quantized ``nn.Linear`` is
-replaced by its scheme's module (:func:`swap_linears`), whose buffers carry the stored tensors' names, shapes and
-dtypes (read from the safetensors headers); ``load_state_dict(..., assign=True)`` then puts the file's packed tensors
-in place. No full-precision copy of a quantized weight is ever made at load time. Once the model is on its device,
-:func:`prepare_quantized` picks each layer's kernel, once, records it in ``module.kernel`` and logs a summary.
-
-Kernel table (scheme × device → ``kernel``; every other case is ``dequantize``: ``x @ W.T`` with ``W`` rebuilt in the
-activation dtype at each call, never cached in full precision):
-
-=====  ====================================================  ===================================================
-       CPU                                                   CUDA
-=====  ====================================================  ===================================================
-int4   ``dequantize`` (see below)                             ``tinygemm_cuda`` (sm_80+, x bf16, out % 8 == 0)
-int8   ``torch_int8pack_cpu`` (x bf16/f16; see below)          ``bnb_int8`` (bitsandbytes), else ``int_mm_cuda``
-nf4    ``bnb_matmul_4bit`` (bitsandbytes required)            ``bnb_matmul_4bit``
-fp8    ``dequantize`` (slow ``_scaled_mm`` on CPUs)            ``scaled_mm_rowwise`` (sm_89+, in, out % 16 == 0)
-=====  ====================================================  ===================================================
-
-Every Clef call is a prefill: a whole record, 90 to thousands of rows per matmul, never one decoded token. torch's
-int4 and int8 CPU kernels are built for decoding: their cost grows with every row, while dequantize-then-matmul pays
-a fixed cost per call and then runs the BF16 GEMM (docs/benchmarks.md, 2 cores: the int8 kernel
-wins below ~64 rows, dequantize from there, 4-10x at 256-1,024 rows; the int4 kernel wins below ~150 rows). So an
-int8 layer takes its kernel for calls of fewer than :data:`INT8_KERNEL_ROWS` rows and dequantizes the rest (the same
-buffers); int4 on a CPU dequantizes: a per-call choice would need the kernel's repacked copy *and* the stored one.
+Two-phase loading (gpt-fast's pattern): built on the meta device, each quantized ``nn.Linear`` becomes its scheme's
+module (:func:`swap_linears`) with buffers of the stored names, shapes and dtypes, and the packed tensors are
+assigned as stored; no full-precision copy is made. :func:`prepare_quantized` then picks each layer's kernel once,
+on its device; the kernel table and why a CPU dequantizes: docs/quantization.md#kernels.
 """
 
 from __future__ import annotations
@@ -45,10 +24,10 @@ log = logging.getLogger(__name__)
 
 TensorSpec = tuple[tuple[int, ...], torch.dtype]
 DEQUANTIZE = "dequantize"
-# torch's int8 CPU kernel is fast only with half-precision activations: with float32 ones it was 15x slower than
-# dequantize-then-matmul (256x576 @ 576x1536, 2 cores), so float32 dequantizes per call.
+# torch's int8 CPU kernel is fast only with half-precision activations: with float32 ones dequantize-then-matmul
+# wins by far (docs/benchmarks.md, CPU kernels), so float32 dequantizes per call.
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
-# calls with at least this many rows dequantize instead of running torch's int8 CPU kernel (module docstring)
+# a prefill-sized call: from here the int8 kernel's per-row cost passes dequantize-then-matmul's fixed one
 INT8_KERNEL_ROWS = 64
 BNB_MISSING = "nf4 variants need bitsandbytes: pip install bitsandbytes"
 REPACK_ROWS_BUDGET = 1 << 18  # weights per block of the int4 repack (a few MiB of transient int64 nibbles)
@@ -160,8 +139,8 @@ class Int4Linear(QuantizedLinear):
     (:func:`quant.int4.to_tinygemm`: ``w = (q - 8) * s + z`` with ``s = scale``, ``z = bias + 8 * scale``), the
     MLX-layout buffers are then released (one 4-bit copy stays), and ``y = aten._weight_int4pack_mm(x, ...)``;
     checked once at load against dequantize-then-matmul on a few random rows (a wrong repack would otherwise decide
-    silently wrong), falling back to ``dequantize`` with the error. ``dequantize`` (CPUs: the module docstring says
-    why torch's CPU int4 kernel, :func:`quant.int4.int4_matmul`, is not used for prefills): ``y = x @ (scales * q +
+    silently wrong), falling back to ``dequantize`` with the error. ``dequantize`` (CPUs: torch's CPU int4 kernel,
+    :func:`quant.int4.int4_matmul`, loses to it on prefills, docs/quantization.md#kernels): ``y = x @ (scales * q +
     biases).T`` rebuilt per call.
     """
 
@@ -196,7 +175,7 @@ class Int4Linear(QuantizedLinear):
             self._prepare_tinygemm(device)
         elif device.type != "cpu":
             self._set_kernel(DEQUANTIZE, f"no int4 kernel wired for {device.type}")
-        else:  # a choice, not a fallback: prefills run faster dequantized (module docstring)
+        else:  # a choice, not a fallback: prefills run faster dequantized (docs/quantization.md#kernels)
             self._set_kernel(DEQUANTIZE)
 
     def _prepare_tinygemm(self, device: torch.device) -> None:

@@ -1,30 +1,8 @@
-"""The torch side of the state cache (:mod:`clef_local.runtime.state_cache`): save a backbone pass at the end of a
-state, and continue from there over a schema's tokens only.
+"""The torch side of the state cache (:mod:`clef_local.runtime.state_cache`): a **state pass** saves the backbone's
+work at the end of a state (:class:`TorchState`), a **continuation** runs a schema's tokens over it.
 
-A **state pass** runs the backbone over prefix + media + state with a ``transformers`` ``DynamicCache`` (the text
-model; with images or videos the multimodal model, vision tower and Qwen's multimodal rope) and keeps
-(:class:`TorchState`) what the next tokens need: every full-attention layer's keys and values (RoPE already applied
-at their positions), every linear-attention layer's (Qwen3.5's gated delta net) convolution state (the last
-``kernel`` inputs of its causal conv) and recurrent state (float32), and the final normed hidden states of those
-positions, which the head reads as memory. A **continuation** runs a schema's tokens through the text model with
-that past: position ids continue from the state's length, the attention mask covers past + new, and a fresh cache
-object is built per pass so that an entry is never written (``transformers`` updates the linear layers' states in
-place). After media the rope positions are not the token indices: an image of ``h×w`` merged patches takes
-``max(h, w)`` positions for its ``h·w`` tokens, so the state keeps the offset (``TorchState.position_offset``, Qwen's
-``rope_deltas``) that the schema's positions add on the three mrope axes (:func:`continuation_positions`). A media
-state is keyed on the media's pixels too (:func:`record_state_key`).
-
-Keys/values are not copied into the continuation's cache: :class:`_PastLayer` hands attention the concatenation of
-the saved past and the new tokens one layer at a time and keeps nothing, so a hit needs one layer's copy of the
-past at a time, not all of them.
-
-Exactness: the continuation computes the same function as one pass over the whole record; the numbers differ only
-by float reduction order (attention split past/new, the gated delta rule's 64-token chunks starting at the state's
-end): float32 probabilities within 1e-5 of a cold pass (``tests/test_state_cache.py``; with images
-``tests/test_state_cache_media.py``).
-
-Only the cache layouts checked by :func:`cache_blocker` are supported (full attention and linear attention); any
-other (sliding windows, compressed attention, ...) leaves the cache off for that backbone, with the reason logged.
+What is kept, why a hit is exact, the rope offset after media and which backbones qualify (:func:`cache_blocker`):
+docs/serving.md#the-state-cache and docs/format.md §7.
 """
 
 from __future__ import annotations

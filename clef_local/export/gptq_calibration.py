@@ -1,26 +1,9 @@
-"""``clef-local quantize --calibrate``: GPTQ over calibration requests, one decoder layer at a time.
+"""``clef-local quantize --calibrate``: GPTQ's inputs, collected one decoder layer at a time.
 
-Round-to-nearest rounds every weight on its own; GPTQ (:mod:`clef_local.quant.gptq`) rounds a layer so that its
-outputs on real inputs move least. This module supplies those inputs, one decoder layer at a time so that only one
-layer's Hessians exist at once. By default each layer's inputs are the *reference's* (its layers unquantized);
-``sequential=True`` feeds layer ``l`` the outputs of layers ``0 … l-1`` already quantized, as the GPTQ paper does.
-On the demo model the reference's inputs drifted less (int8, 500 BANKING77 rows: mean KL 0.0058 against 0.0083
-sequential, 0.0159 round-to-nearest; README, "GPTQ"), so they are the default.
-
-1. Calibration requests: :func:`calibration_requests` — the export-validation probe shapes (choices over 8–16
-   BANKING77 intents, NLU++ nouls, a score with a noul) drawn from the **training** splits (BANKING77 train, NLU++
-   folds 0–15), so neither the validation probes nor the benchmarks' test rows (BANKING77 test, NLU++ 16–19) are
-   ever calibrated on. Encoded as the release encodes requests (docs/format.md): the backbone sees what it will serve.
-2. One full forward pass records every decoder layer's call arguments (masks, rotary embeddings: the same for a
-   quantized model) and layer 0's input hidden states, per request.
-3. For each layer: run it on the current inputs with hooks summing ``x xᵀ`` at each quantized linear; GPTQ each
-   linear; its outputs are the next layer's inputs (``sequential``: write the dequantized weights into the layer
-   and run it again first).
-
-Memory: the reference in float32 where that fits in free memory, else in its own dtype (:func:`calibration_dtype`;
-export validation loads it too), one layer's Hessians, and the hidden states of the calibration tokens (~48k tokens
-× hidden size on the demo model). The result is the packed tensors per weight name, which the streaming export
-writes in place of round-to-nearest.
+Calibration requests from the training splits (:func:`calibration_requests`), one forward pass that records every
+decoder layer's call, then each layer replayed with hooks summing ``x xᵀ`` at its quantized linears, so only one
+layer's Hessians exist at once; each layer sees the reference's inputs by default (``sequential=True``: the
+quantized layers' outputs). Why that default and the memory it takes: docs/quantization.md#gptq---calibrate.
 """
 
 from __future__ import annotations
@@ -40,7 +23,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 FLOAT32_HEADROOM = 1.3  # float32 weights × this must fit in free memory (activations, Hessians, the packed copy)
-REQUESTS = 128  # ~48k tokens on the demo model: Hessians of full rank for every input width, ~3 min on 2 cores
+REQUESTS = 128  # enough tokens for Hessians of full rank at every input width, in minutes on a CPU
 SEED = 0  # fixed: the same source and settings give the same variant
 
 

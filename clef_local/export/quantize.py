@@ -1,29 +1,9 @@
-"""``clef-local quantize``: write a quantized variant of a release, streaming, atomically (docs/format.md §6).
+"""``clef-local quantize``: write a quantized variant of a release, streaming, atomically, validated.
 
-    clef-local quantize [--model DIR] (--bits 4|8 | --format int4|int8|nf4|fp8) [--group-size N] --out DIR
-                        [--int4-grid mse|mlx] [--calibrate [--calibration-requests N]] [--force] [--no-validate]
-
-The variant is a release directory: every non-weight file (tokenizer, processor configs, LICENSE/NOTICE, the joint
-head, ``joint_schema_model.py``) copied byte for byte; one output shard per source shard, same names; each tensor
-that :func:`clef_local.quant.predicate.should_quantize` selects replaced by the scheme's packed tensors
-(``P.weight`` → ``P.<key>`` for each key the scheme returns), every other tensor copied unchanged; ``config.json``
-gains ``quantization_config`` (with a ``clef_local`` member: scheme, group size, int4's grid rule, counts, what was
-skipped and why);
-``clef_local_manifest.json`` records every file's size and SHA-256, the source's hashes, the scheme and byte counts.
-
-``--calibrate`` replaces round-to-nearest by GPTQ (:mod:`clef_local.export.gptq_calibration`): the source is loaded
-once, before anything is written, and the packed tensors it returns are streamed into the shards instead; the
-format is unchanged.
-
-Safety (:mod:`clef_local.export.staging`): everything is written into a temporary sibling of ``out`` that is
-renamed to ``out`` only when complete (validated, manifest written and checked); any exception removes it; a temp
-left by a killed run is removed by the next run. An existing ``out`` is refused without ``force``; with it the old
-directory is moved aside only after the new one is complete, and a run killed in between leaves it to be put back
-by the next run. ``out``'s parent must exist on a writable disk; a failed write (full disk, read-only, permissions)
-is one ``ExportError`` line. The source is only read. Validation is never skipped silently: when it cannot run, the
-export fails unless ``--no-validate`` is given (:mod:`clef_local.export.validate`).
-Memory: the source is read shard by shard with ``safe_open`` and each output shard is written before the next
-is read, so the peak is about one shard plus its quantized copy.
+The variant's layout, config and manifest: docs/format.md §6; usage, GPTQ (``--calibrate``,
+:mod:`clef_local.export.gptq_calibration`) and the validation: docs/quantization.md. The source is read shard by
+shard and each output shard is written before the next is read, so the peak is about one shard plus its quantized
+copy; :mod:`clef_local.export.staging` makes the output appear whole or not at all.
 """
 
 from __future__ import annotations
@@ -53,8 +33,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # Per-row schemes are quantized in row blocks of about this many elements: bit-identical to one call, the
-# scheme's float32/int64 temporaries (~28 bytes per weight for int4) stay ~7 MB whatever the tensor, and it is
-# 4-6× faster than one call on a 8192×4096 weight (cache-sized blocks).
+# scheme's float32/int64 temporaries stay a few MB whatever the tensor, and cache-sized blocks run faster than one
+# call (docs/benchmarks.md, export size and memory).
 CHUNK_ELEMENTS = 1 << 18
 ROW_WISE = frozenset({"int4", "int8", "fp8"})
 BITS_TO_SCHEME = {4: "int4", 8: "int8"}

@@ -1,23 +1,9 @@
 """The one reader of safetensors headers, the one dtype table, and raw arrays over a memory map (numpy only).
 
-A safetensors file is an 8-byte little-endian header length ``N``, a JSON object of ``N`` bytes and the data
-section: ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}``, offsets
-relative to the data section. :func:`read_header` checks all of it once, before any tensor is read:
-
-- the length is plausible (at most 100,000,000 bytes, safetensors' own limit) and the header fits in the file;
-- the header is a JSON object whose every entry has a known ``dtype``, a ``shape`` of non-negative integers and two
-  ``data_offsets`` with ``begin <= end``, and ``end - begin`` is exactly ``itemsize × prod(shape)``;
-- the tensors tile the data section: sorted by offset, each begins where the previous one ends (no gap, no
-  overlap, nothing past the end), and the data section is exactly as long as the largest ``end``.
-
-These are the checks ``safetensors`` itself makes when it opens a file, so a file that passes loads there too; a
-file that fails is a :class:`SafetensorsError` (a :class:`~clef_local.errors.ReleaseError`) whose one-line
-message names the file, the tensor when there is one, and what is wrong.
-
-:data:`DTYPES` maps safetensors dtype names to their item size, the numpy dtype of the stored bits (BF16 and F8
-come back as their unsigned bit patterns, which numpy cannot name as floats) and the name of the torch dtype,
-which the torch backend resolves itself (nothing here imports torch). :func:`read_arrays` gives every tensor as a
-read-only numpy array over a memory map of the file (no copy; the pages a caller never touches are never read).
+:func:`read_header` makes safetensors' own checks once, before any tensor is read (docs/format.md §1), so a file
+that passes loads there too and one that fails is a one-line :class:`SafetensorsError` naming the file and tensor.
+:data:`DTYPES` gives each dtype's item size, numpy dtype of the stored bits (BF16 and F8 as unsigned bit patterns)
+and torch name; :func:`read_arrays` maps tensors as read-only numpy arrays (pages never touched are never read).
 """
 
 from __future__ import annotations

@@ -1,24 +1,9 @@
-"""Choosing the backend, device, dtype and kernel that run a release's backbone (docs/hardware.md).
+"""Choosing the backend, device, dtype and kernel that run a release's backbone, and checking that it fits.
 
-The backends themselves (:class:`clef_local.backends.base.Backend`) are built by :mod:`clef_local.backends.loader`;
-here they are only names. The choice is a pure function, :func:`decide`, of the hardware
-(:mod:`clef_local.planning.hardware`), the variant's scheme, the planner's footprint of the release
-(:mod:`clef_local.planning.planner`) and which backends are installed:
-
-- backend ``auto``: CUDA → torch (bitsandbytes for nf4/int8, else ``torch._int_mm`` for int8;
-  ``torch._scaled_mm`` for fp8 on sm_89+, else the weights are dequantized per call); Apple silicon → MLX
-  (int4/int8 as ``mx.quantize`` arrays, nf4/fp8 dequantized); a CPU → torch, or ONNX Runtime when the directory
-  holds an ONNX export (``onnx/``). ``onnx`` is never picked otherwise; an explicit backend that is not installed
-  is an error naming the ones that are.
-- dtype ``None``: bfloat16 where it is fast (CUDA sm_80+, Apple, a CPU where it was *measured* faster by
-  :mod:`clef_local.planning.dtype_probe`), float16 on older CUDA cards, float32 on any other CPU and on MLX's Linux
-  CPU build.
-- memory: the planner's need for the stored format on the chosen device at the model's context; when it does not
-  fit, :class:`~clef_local.errors.InsufficientMemoryError` says by how much and what to do instead.
-- state cache (torch only, :mod:`clef_local.runtime.state_cache`): a size asked for is counted in the need; without
-  one, :func:`clef_local.planning.estimate.auto_state_cache` sizes it from what the plan leaves free.
-
-The kernel names are those of :mod:`clef_local.backends.quantized` (torch), which records them per layer.
+A pure function of the hardware (:mod:`clef_local.planning.hardware`), the variant's scheme, the planner's footprint
+(:mod:`clef_local.planning.planner`) and the installed backends: :func:`plan_load` (one device), :func:`plan_split`
+(several). The rules, the kernel table and the memory check: docs/hardware.md#the-loader. The backends are only
+names here; :mod:`clef_local.backends.loader` builds them.
 """
 
 from __future__ import annotations

@@ -1,37 +1,5 @@
-"""Memory a decision pass needs on a device: weights + prefill activations + overhead (docs/hardware.md). Pure
-functions.
-
-Activations of one prefill (``use_cache=False``: no KV cache is kept; the logits are never computed, the head reads
-the hidden states) for ``N = context × batch`` tokens in a compute dtype of ``d`` bytes, as PyTorch runs it (one
-decoder layer at a time, temporaries freed as soon as they die):
-
-    activations = N · max(backbone, head) + mask + rope
-    backbone    = d·(2h  [embeddings + the layer's input]  + 2h  [residual + normed])  + max(mlp, attention, linear)
-    mlp         = 3·I·d                                     (gate, up, act(gate)·up of a gated MLP)
-    attention   = d·(q·(1+gate) + 3·kv + 3·q + 2·q·[kv<q])  (projections, rotated q/k, SDPA output and its copy,
-                                                             repeated k/v for grouped heads)
-    linear      = d·(2·(2K+V) + V) + 4·(10·V' + 3·n_v·64)   (Qwen3.5 gated delta net, PyTorch's chunked fallback:
-                                                             conv in/out and z in d, float32 chunks of 64 tokens:
-                                                             q/k/v and their decayed/β copies, solved values,
-                                                             the output, and three n_v × 64 × 64 per-chunk matrices)
-    head        = h·d + 4·(h·[d≠4] + h + 4·w)                (float32: hidden copy, normed hidden, memory, its norm
-                                                             and the attention's K/V of it)
-    mask        = batch · context² bytes when batch > 1 (SDPA's boolean padding mask; none for one record)
-    rope        = N · 2·head_dim·d
-
-``h`` hidden size, ``I`` MLP width, ``q = heads·head_dim``, ``kv = kv_heads·head_dim``, ``K``/``V`` the gated delta
-net's key/value widths, ``V' = n_v·max(d_k, d_v)``, ``w`` the head's width. The recurrent state of the linear
-layers (``batch·n_v·d_k·d_v`` float32) and the conv state are counted in ``linear``'s chunk terms. Overhead: the
-runtime itself (CUDA context and cuBLAS workspace, or the Python process with torch) plus a 5 % margin.
-
-A state cache (:mod:`clef_local.runtime.state_cache`) adds its budget plus one entry at the full context (the state
-pass being saved while the cache is full): :func:`state_entry_bytes` is an entry's exact size,
-
-    entry = tokens · d·(h + A·2·kv) + L·(d·(2K+V)·c + 4·n_v·d_k·d_v)
-
-with ``A`` full-attention layers (keys and values), ``L`` linear-attention layers (conv state of ``c`` inputs, float32
-recurrent state) and the final hidden states the head reads. Without a size asked for, the cache gets
-:func:`auto_state_cache`: a quarter of what the plan leaves free, at most 4 GiB.
+"""Memory a decision pass needs on a device: weights + one prefill's activations + overhead, and a state cache's
+entries. Pure functions; the formulas, term by term: docs/hardware.md#the-memory-formula.
 """
 
 from __future__ import annotations
@@ -91,7 +59,7 @@ class ModelDims:
                    max_context=int(text["max_position_embeddings"]) if text.get("max_position_embeddings") else None)
 
     def per_token(self, d: int) -> dict[str, int]:
-        """Bytes per token of each term of the formula (module docstring), in a compute dtype of ``d`` bytes."""
+        """Bytes per token of each term of the activation formula (docs/hardware.md), for a ``d``-byte dtype."""
         h = self.hidden
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         terms = {
@@ -113,7 +81,7 @@ class ModelDims:
 
 
 def state_entry_bytes(dims: ModelDims, tokens: int, dtype: str) -> int:
-    """Exact bytes of one cached state of ``tokens`` positions (formula: module docstring) in compute ``dtype``:
+    """Exact bytes of one cached state of ``tokens`` positions (docs/hardware.md) in compute ``dtype``:
     what :class:`clef_local.backends.torch_cache.TorchState` holds."""
     d = DTYPE_SIZE[dtype]
     attention_layers = dims.layers - dims.linear_layers
@@ -140,7 +108,7 @@ class Activations:
 
 
 def activations(dims: ModelDims, context: int, batch: int, dtype: str) -> Activations:
-    """Peak activation bytes of one prefill of ``batch`` records of ``context`` tokens (formula: module docstring)."""
+    """Peak activation bytes of one prefill of ``batch`` records of ``context`` tokens (docs/hardware.md)."""
     d = DTYPE_SIZE[dtype]
     terms = dims.per_token(d)
     layer = max(("mlp", "attention", "linear"), key=lambda k: terms[k])

@@ -1,24 +1,9 @@
-"""Calibration drift of a candidate (a quantized variant) against its reference on the same requests.
+"""Drift of a candidate (a quantized variant) against its reference on the same requests (docs/quality.md#drift).
 
-How drift is measured is in docs/quality.md. Public API (the UI imports these lazily):
-
-- ``question_drift(p_ref, p_cand, kind, *, question_id="", request_index=-1) -> QuestionDrift``: one question's
-  two option distributions (model order) compared: ``kl`` = KL(ref ‖ cand) in nats (eps-safe, ≥ 0), ``js`` (Jensen-
-  Shannon divergence, nats), ``max_abs`` = max |Δp|, ``rms`` = RMS Δp over the options, ``flipped`` (the argmax
-  changed; ties go to the first option) and ``score_shift`` (expected level of the candidate minus the
-  reference's, score questions only, else None).
-- ``compare_predictions(ref, cand) -> list[QuestionDrift]``: every question of two aligned ``Prediction`` lists.
-- ``summarize(drifts) -> dict``: ``questions, kl_mean, kl_p50, kl_p99, kl_max, js_mean, max_abs_max, max_abs_mean,
-  rms_mean, flips, flip_rate, score_shift_mean, score_shift_mean_abs`` (None where nothing to average).
-- ``run_drift(reference, candidate, requests, *, labels=None, batch_size=8, progress=None, reference_name=None,
-  candidate_name=None, reference_predictions=None) -> DriftResult``: runs the requests through both loaded models
-  (``ClefModel``), ``labels`` (one ``{qid: option | bool | level}`` per request, or None) adds both models'
-  accuracy/macro-F1/NLL/Brier/ECE and their deltas; ``progress(done, total)`` is called after each batch.
-- ``drift_from_predictions(ref_preds, cand_preds, requests, *, labels=None, …) -> DriftResult``: the second half of
-  ``run_drift`` (predictions come from ``ClefModel.predict``), so one reference pass serves many candidates.
-
-The result types live in :mod:`clef_local.quality.results`; the command line (``clef-local drift``) in
-:mod:`clef_local.quality.drift_cli`.
+Public API, imported lazily by the UI: :func:`question_drift` (one question), :func:`compare_predictions`,
+:func:`summarize` (the names ``--gate`` uses), :func:`run_drift` (both models over the requests) and
+:func:`drift_from_predictions` (one reference pass for many candidates). The result types are
+:mod:`clef_local.quality.results`; the command line is :mod:`clef_local.quality.drift_cli`.
 """
 
 from __future__ import annotations
@@ -60,7 +45,9 @@ def _kl(p: np.ndarray, q: np.ndarray) -> float:
 
 def question_drift(p_ref: np.ndarray, p_cand: np.ndarray, kind: str, *, question_id: str = "",
                    request_index: int = -1) -> QuestionDrift:
-    """Compare one question's reference and candidate option probabilities (same options, same order)."""
+    """Compare one question's reference and candidate option probabilities (same options, same order): KL(ref ‖ cand)
+    and Jensen-Shannon in nats, max and RMS |Δp|, whether the argmax flipped (ties: the first option) and, for a
+    score, the shift of the expected level."""
     if kind not in QUESTION_TYPES:
         raise ValueError(f"kind must be one of {', '.join(QUESTION_TYPES)}, got {kind!r}")
     p, q = _as_dist(p_ref, "p_ref"), _as_dist(p_cand, "p_cand")

@@ -1,10 +1,9 @@
 """Quantization schemes as pure tensor functions: tensors in, tensors out; nothing else of clef_local imported."""
 
 # Each scheme turns one 2-D weight [out, in] into a dict of tensors whose keys are relative to the module path
-# (``weight`` plus ``scales``/``biases``, ``weight_scale`` or ``weight.absmax``/...); the exact math and packing are in
-# each module's docstring. ``predicate.should_quantize`` decides which tensors are quantized. This package imports
-# nothing else of clef_local. Importing it imports no torch: ``predicate`` is pure Python (the planner uses it on
-# torch-free installs), and the registry and the schemes load on first use.
+# (docs/quantization.md#the-rounding-rules-exactly); ``predicate.should_quantize`` decides which tensors are
+# quantized. Importing the package imports no torch: ``predicate`` is pure Python (the planner uses it on torch-free
+# installs), and the registry and the schemes load on first use.
 
 from __future__ import annotations
 

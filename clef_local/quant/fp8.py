@@ -1,18 +1,6 @@
-"""fp8: float8_e4m3fn weights with one float32 scale per output channel (the compressed-tensors FP8 weight layout).
+"""fp8: float8_e4m3fn weights with one float32 scale per output row (compressed-tensors' FP8 weight layout).
 
-Math (float32 throughout, on the float32 value of each weight):
-
-    amax[r]  = max_c |W[r, c]|
-    scale[r] = amax[r] / 448            (448 = largest finite e4m3fn; a row of zeros gets scale 1)
-    q[r, c]  = float8_e4m3fn(clamp(W[r, c] / scale[r], -448, 448))   (torch's cast: round to nearest, ties to even)
-    dequantize:  W ≈ float32(q) * scale
-
-e4m3fn has 3 mantissa bits, exponent bias 7, no infinities, smallest normal 2^-6, subnormal step 2^-9. So per
-element |W - deq| <= 2^-4 · |W| where |W / scale| >= 2^-6 (normal range), and <= 2^-10 · scale below it
-(half a subnormal step), plus float32 rounding.
-
-Stored keys (prefix them with the module path): ``weight`` float8_e4m3fn [out, in] (one byte per weight: sign, 4
-exponent bits, 3 mantissa bits) and ``weight_scale`` float32 [out, 1].
+The rule, its error bound and the stored keys: docs/quantization.md#the-rounding-rules-exactly.
 """
 
 from __future__ import annotations

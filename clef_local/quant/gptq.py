@@ -1,27 +1,8 @@
-"""GPTQ (Frantar et al., 2022): round a weight column by column and fold each column's rounding error into the
-columns not yet rounded, so that the layer's *outputs* on calibration inputs move as little as the grid allows.
+"""GPTQ (Frantar et al., 2022): round a weight column by column onto a scheme's own grid, folding each column's
+rounding error into the columns not yet rounded, so that the layer's outputs on calibration inputs move least.
 
-Given a linear layer's weight ``W`` [out, in] and the second moment of its inputs ``H = E[x xᵀ]`` [in, in]
-(:mod:`clef_local.export.gptq_calibration` collects it), round-to-nearest minimises each weight's own error; GPTQ
-minimises ``tr((Q - W) H (Q - W)ᵀ)``, the mean squared error of the outputs. Math (float32; H in float64 while it is
-factored):
-
-    H += damp · mean(diag H) · I               (damp 0.01; an input that is always 0: H[c, c] = 1, W[:, c] = 0)
-    U  = upper Cholesky factor of H⁻¹           (H⁻¹ = Uᵀ U)
-    for each column c in order:                (in batches of 128 columns, or one group; later ones updated per batch)
-        at a group's first column, the scheme picks the group's grid from the *current* (updated) weights
-        q[:, c] = the grid's nearest value to W[:, c]
-        e = (W[:, c] - q[:, c]) / U[c, c]
-        W[:, c+1:] -= e ⊗ U[c, c+1:]
-
-The grids are exactly the schemes' own (:mod:`.int8`, :mod:`.fp8`, :mod:`.int4`, :mod:`.nf4`), and so is the
-output: the same keys, dtypes, shapes and packing as ``scheme.quantize``, which is why every loader, kernel and
-backend reads a GPTQ variant unchanged. int8/fp8 keep the per-row scale of the original weight (``max|W_row| /
-qmax``; updated weights beyond it clamp to the grid's end); int4 chooses each group's (scale, bias) with its ``grid``
-rule from the updated weights of that group, cast to the source dtype, as :func:`.int4.quantize_values` stores
-them; nf4 each block's absmax from the updated weights of that block (its blocks over the flattened weight lie
-within rows: the row length must be a multiple of the block), serialized as bitsandbytes does without double
-quantization. With ``H = I`` no error is carried and the result is bit-identical to round-to-nearest (tested).
+The math and how each scheme's grid is chosen from the updated weights: docs/quantization.md#gptq---calibrate. The
+output is ``scheme.quantize``'s (same keys, dtypes and packing); with ``H = I`` it is round-to-nearest, bit for bit.
 """
 
 from __future__ import annotations

@@ -1,64 +1,7 @@
-"""int4: affine 4-bit per group along the input dimension, stored exactly as MLX stores it.
+"""int4: affine 4-bit per group of input columns, stored exactly as MLX stores it (``w = scale·q + bias``).
 
-Every group of g consecutive input columns of a row (g in 32, 64, 128; default 64) is stored as 4-bit codes q and
-one (scale, bias) pair in the source dtype: ``w ≈ scale * q + bias``. The layout and this dequantization are MLX's
-(``mx.dequantize``, affine mode), so MLX, torch's int4 kernels and ONNX Runtime read the same tensors. How the pair
-is *chosen* is a separate question with two answers (``grid=``; all arithmetic in float32 on the float32 value of
-each weight):
-
-``grid="mlx"`` — bit for bit ``mx.quantize(w, group_size=g, bits=4)`` (MLX's CPU kernel
-``mlx/backend/cpu/quantized.cpp`` of mlx 0.32)::
-
-        w_min, w_max = min(group), max(group)
-        scale = max((w_max - w_min) / 15, 1e-7)
-        if |w_min| > |w_max|:  edge = w_min              (scale stays positive)
-        else:                  edge = w_max; scale = -scale  (q = 0 is the maximum: scale is NEGATIVE)
-        q0 = rint(edge / scale)
-        if q0 != 0:  scale = edge / q0;  bias = edge     (so that w = 0 is exactly q = -q0)
-        else:        bias = 0
-        q = clamp(rint((w - bias) / scale), 0, 15)       (rint: round half to even)
-        scales, biases = scale, bias cast to the source dtype (bf16 stays bf16)
-
-    Round-trip error per element: at most |scale| / 2 inside the grid; the far extreme can fall short of the grid
-    by up to 15·|scale|·(rint(m) - m)/m with m = |edge / scale_before| >= 7.5, i.e. at most |scale|; plus the
-    source-dtype rounding of scale and bias (bf16: 2^-9 relative each). MLX's Metal/CUDA kernels start ``w_max`` at
-    0 (not -inf) and round half away from zero: they differ from this (and from MLX's CPU) only for groups whose
-    values are all negative or that hit an exact .5 tie.
-
-``grid="mse"`` (the default) — the grid with the least squared error among a few candidates, per group. Making
-w = 0 exact (MLX) stretches the grid off the data; ~25% less squared error on Gaussian weights, and weights that
-already lie on a 16-level grid per group (a GGUF Q4_1 model such as the demo backbone, at g = 32) come back up to
-the source dtype's rounding instead of ~8% off. The candidates, each an ascending grid (lo, step)::
-
-        the MLX grid above, and the min-max grid lo = w_min, step = (w_max - w_min) / 15;
-        for n in 14, 14.5, 15, 15.5, 16:                 (stretch or clip the range by up to one step)
-            lo, step = w_min, (w_max - w_min) / n
-            twice: q = clamp(rint((w - lo) / step), 0, 15); (step, lo) = least-squares fit of w ≈ step·q + lo
-                   (closed form over the group; kept only where the fit's step is > 0)
-
-    Each candidate is stored with the orientation MLX uses (bias at the edge of larger magnitude: when
-    |lo| < |lo + 15·step|, bias = lo + 15·step and scale = -step; else bias = lo, scale = step), scale and bias
-    cast to the source dtype, ``q = clamp(rint((w - bias) / scale), 0, 15)`` with the cast values, and its error
-    ``sum((scale·q + bias - w)^2)`` taken on what is stored; the least wins (ties: the earlier candidate). So a
-    group's squared error is never above MLX's or the min-max grid's (both are candidates). An element can fall
-    outside a clipped grid, so there is no per-element bound of |scale| / 2; the per-group bound is the MLX one.
-
-    dequantize:  w ≈ scales * q + biases   (computed in float32, cast once to the output dtype; MLX's bf16
-                 dequantize rounds scales * q to bf16 before adding biases, so bf16 outputs can differ by 1 ulp)
-
-Packing (MLX's layout): ``weight`` is uint32 [out, in / 8]; word ``k`` of a row holds columns 8k..8k+7, column
-8k+j in bits 4j..4j+3 (little-endian nibbles: the first column in the lowest bits). ``scales`` and ``biases`` are
-[out, in / g] in the source dtype. The keys are ``weight``, ``scales``, ``biases`` (prefix them with the module path).
-
-torch's CPU int4 kernel (``aten._weight_int4pack_mm_for_cpu``) computes ``w = (q - 8) * s + z`` per group with
-``scales_and_zeros`` [in / g, out, 2] = (s, z). :func:`to_torch_int4pack` sets ``s = scale`` and
-``z = bias + 8 * scale``, which equals ``scale * q + bias`` exactly in float32 (bias, scale are bf16 values, so the
-sum has a float32 rounding at most). The kernel needs scales and activations of one dtype: with float32 the result
-matches ``x @ dequantize(...).T`` to ~1e-6 relative. With bfloat16 (the fast path) ``z`` must be a bf16 value: for a
-grid spanning 0 (lo <= 0 <= lo + 15·step: every group of a real weight matrix) both grids put ``bias`` at the edge
-of larger magnitude, so ``bias`` and ``8·scale`` are bf16 values of opposite sign with 7.5|scale| <= |bias| <=
-15|scale|, ``bias + 8·scale`` is exact in bf16 (Sterbenz) and the kernel's output is ``x @ W.T`` rounded to bf16;
-for a one-signed grid ``z`` rounds by up to 2^-9·|z|. The kernel also needs ``out % 16 == 0``.
+The rounding rules of both grids (``grid="mse"``, the default, and ``grid="mlx"``, bit for bit ``mx.quantize``),
+the packing and how torch's int4 kernels read the same tensors: docs/quantization.md#the-rounding-rules-exactly.
 """
 
 from __future__ import annotations
@@ -69,7 +12,7 @@ import torch
 
 BITS = 4
 GROUP_SIZES = (32, 64, 128)
-DEFAULT_GROUP_SIZE = 64
+DEFAULT_GROUP_SIZE = 64  # mlx-lm's default; a source already on a 32-column grid gets 32 (quantize)
 PACK = 8  # 4-bit values per uint32 word
 _EPS = 1e-7
 _N_BINS = 15.0
@@ -141,7 +84,7 @@ DEFAULT_GRID = "mse"
 
 
 def _mse_grid(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q, scale, bias) of the stored grid with the least squared error (module docstring, ``grid="mse"``)."""
+    """(q, scale, bias) of the stored grid with the least squared error (docs/quantization.md, ``mse``)."""
     w_min, w_max = w.amin(dim=-1), w.amax(dim=-1)
     span = (w_max - w_min).clamp(min=_EPS)
     candidates = [mlx_grid(w), _oriented(w_min, span / _N_BINS)]
@@ -186,7 +129,7 @@ def pack(q: torch.Tensor) -> torch.Tensor:
 
 def _nibbles(words: torch.Tensor) -> torch.Tensor:
     """The 4-bit values of uint32 ``words`` as int32 [out, in], through an int32 view: the arithmetic shift's sign
-    bits land above the mask (twice as fast as widening to int64, which ``dequantize`` runs on every CPU call)."""
+    bits land above the mask (cheaper than widening to int64, and ``dequantize`` runs this on every CPU call)."""
     signed = words.contiguous().view(torch.int32)
     nibbles = (signed[..., None] >> _SHIFTS.to(device=words.device, dtype=torch.int32)) & 0xF
     return nibbles.reshape(*words.shape[:-1], words.shape[-1] * PACK)
@@ -252,7 +195,7 @@ def scales_and_zeros(packed: dict[str, torch.Tensor], dtype: torch.dtype) -> tor
 def to_torch_int4pack(
     packed: dict[str, torch.Tensor], group_size: int = DEFAULT_GROUP_SIZE, dtype: torch.dtype = torch.float32
 ) -> TorchInt4:
-    """Repack MLX-layout int4 into torch's CPU int4 kernel format (``z = bias + 8·scale``; see module docstring).
+    """Repack MLX-layout int4 into torch's CPU int4 kernel format (``z = bias + 8·scale``, exact in float32).
 
     ``dtype`` is the kernel's activation/scale dtype: float32 is exact, bfloat16 is the fast path.
     """
@@ -273,10 +216,8 @@ def int4_matmul(x: torch.Tensor, repacked: TorchInt4) -> torch.Tensor:
     return y.reshape(*lead, y.shape[-1])
 
 
-# torch's CUDA int4 kernel (tinygemm, ``aten._weight_int4pack_mm``): the same ``w = (q - 8)·s + z`` per group, bf16
-# activations and scales only, sm_80+, out % 8 == 0, in % (16 · inner_k_tiles) == 0, group size 32..256. Its
-# ``aten._convert_weight_to_int4pack`` takes the 4-bit values as uint8 [out, in / 2] with column 2j in the HIGH
-# nibble and 2j + 1 in the low one (the opposite of MLX's order inside a word).
+# torch's CUDA int4 kernel (tinygemm): the CPU kernel's ``w = (q - 8)·s + z``, bf16 only, its own nibble order
+# (docs/quantization.md#the-rounding-rules-exactly).
 TINYGEMM_CAPABILITY = (8, 0)
 TINYGEMM_DTYPE = torch.bfloat16
 
@@ -313,7 +254,7 @@ def tinygemm_unsupported(device: torch.device, dtype: torch.dtype, out_features:
 
 def to_tinygemm(packed: dict[str, torch.Tensor], group_size: int = DEFAULT_GROUP_SIZE,
                 dtype: torch.dtype = TINYGEMM_DTYPE) -> TorchInt4:
-    """Repack MLX-layout int4 (on a CUDA device) into tinygemm's tiled format, exactly (see the note above).
+    """Repack MLX-layout int4 (on a CUDA device) into tinygemm's tiled format, exactly.
 
     The stored uint32 words are read through an int32 view (same bits) because CUDA has little uint32 arithmetic.
     """

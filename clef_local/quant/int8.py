@@ -1,18 +1,6 @@
-"""int8: symmetric per output channel (one scale per row of W [out, in]).
+"""int8: symmetric per output row, ``W ≈ q · scale[row]`` with q in -127..127 and the scale in float32.
 
-Math (float32 throughout, on the float32 value of each weight):
-
-    amax[r]  = max_c |W[r, c]|
-    scale[r] = amax[r] / 127            (a row of zeros gets scale 1, so its q is 0 and it dequantizes to 0)
-    q[r, c]  = clamp(rint(W[r, c] / scale[r]), -127, 127)        (rint: round half to even; -128 is never used)
-    dequantize:  W ≈ q * scale
-
-Round-trip error per element: at most scale[r] / 2 (the clamp never bites: |W / scale| <= 127 by construction).
-
-Stored keys (prefix them with the module path): ``weight`` int8 [out, in] (row-major, one byte per weight, two's
-complement) and ``weight_scale`` float32 [out, 1]. The scale is kept in float32, not the source dtype, so the bound
-above holds exactly; a bf16 consumer (torch's int8 kernel with bf16 activations, MLX's 8-bit affine groups with
-``bias = -128 * scale`` and ``q + 128``) casts it, a uniform change of the row by at most 2^-9 relative.
+The rule, its error bound and the stored keys: docs/quantization.md#the-rounding-rules-exactly.
 """
 
 from __future__ import annotations

@@ -1,28 +1,8 @@
-"""nf4: bitsandbytes 4-bit NormalFloat, block 64, in the serialization ``transformers`` reloads (``Linear4bit``).
+"""nf4: bitsandbytes 4-bit NormalFloat, blocks of 64, in the serialization ``transformers`` reloads (``Linear4bit``).
 
-Math (bitsandbytes 0.50 ``quantize_4bit(quant_type="nf4")`` on CPU; float32 throughout):
-
-    flat = W.reshape(-1) (row-major); blocks of ``blocksize`` (64) consecutive values; the last may be shorter
-    absmax[b] = max |flat in block b|                                   (stored as is, 0 for a zero block)
-    x = clamp(flat * (1 / max(absmax[b], 1e-38)), -1, 1)                (a short last block divides instead)
-    q = index of the nearest NF4_CODE value: bucketize(x, midpoints), midpoints[i] = (code[i] + code[i+1]) / 2,
-        a value exactly on a midpoint takes the lower index
-    dequantize:  W ≈ NF4_CODE[q] * absmax[b]  (float32, cast to the stored dtype)
-
-Packing: two indices per byte, the even element in the HIGH nibble: byte k = (q[2k] << 4) | q[2k+1] (an odd count
-is padded with the code of 0.0, index 7); ``weight`` is uint8 [ceil(n / 2), 1].
-
-Serialized keys (as ``Linear4bit._save_to_state_dict`` writes them; prefix with the module path):
-``weight`` (packed uint8), ``weight.absmax`` (float32 [n_blocks]), ``weight.quant_map`` (NF4_CODE, float32 [16]),
-``weight.quant_state.bitsandbytes__nf4`` (uint8 bytes of the JSON ``{"quant_type": "nf4", "blocksize": 64,
-"dtype": "bfloat16", "shape": [out, in]}``). With double quantization (``bnb_4bit_use_double_quant``) ``absmax`` is
-uint8 codes of ``absmax - mean(absmax)`` under bitsandbytes' 8-bit dynamic map (blocks of 256), plus
-``weight.nested_absmax``, ``weight.nested_quant_map`` and ``nested_blocksize``/``nested_dtype``/``nested_offset``
-in the JSON; that path needs bitsandbytes to quantize (the pure-torch :func:`dequantize` reads it).
-
-:func:`quantize` uses ``bitsandbytes.functional.quantize_4bit`` when bitsandbytes is importable and the pure-torch
-:func:`quantize_reference` otherwise; the two are bit-identical (tested). bitsandbytes' CUDA kernel uses hard-coded
-decision thresholds and may differ on values within float rounding of a midpoint.
+The rule, the packing and the serialized keys (double quantization included):
+docs/quantization.md#the-rounding-rules-exactly. :func:`quantize` uses bitsandbytes when it imports and the
+bit-identical :func:`quantize_reference` otherwise.
 """
 
 from __future__ import annotations
@@ -101,7 +81,7 @@ def bitsandbytes_available() -> bool:
 def quantize(
     weight: torch.Tensor, blocksize: int = DEFAULT_BLOCKSIZE, double_quant: bool = False
 ) -> dict[str, torch.Tensor]:
-    """NF4-quantize ``weight`` to the tensors ``transformers`` saves for a ``Linear4bit`` (keys in module docstring).
+    """NF4-quantize ``weight`` to the tensors ``transformers`` saves for a ``Linear4bit``.
 
     Uses bitsandbytes when installed (required for ``double_quant``), else :func:`quantize_reference`.
     Quantizes from the tensor, never through a module forward (docs/hardware.md, known traps: the CPU repack trap).

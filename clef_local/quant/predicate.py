@@ -1,20 +1,7 @@
-"""What gets quantized: the text model's linear layers only (docs/format.md §6).
+"""What gets quantized: the 2-D linear weights inside the text model's decoder layers, nothing else.
 
-A tensor is quantized only when all of these hold:
-
-- its name ends in ``.weight`` and is a linear layer inside a decoder layer of the text model:
-  ``model.language_model.layers.N.(self_attn|linear_attn|mlp).<proj>.weight`` (Qwen3.5 / Qwen3-VL style),
-  ``model.layers.N.(self_attn|mlp).<proj>.weight`` (Llama / Qwen3 causal LMs) or
-  ``language_model.model.layers.N.…`` (older multimodal naming);
-- it is 2-D [out, in];
-- it is not one of the small, sensitive projections that released quantized Qwen3.5 checkpoints keep in bf16:
-  the gated-delta-net decay/beta inputs ``linear_attn.in_proj_a`` / ``linear_attn.in_proj_b`` ([n_value_heads, hidden],
-  0.1% of the weights), nor an MoE router ``mlp.gate`` / ``shared_expert_gate``;
-- ``in % group_size == 0`` when a group size is given (otherwise it stays as released; the reason says so).
-
-Never: embeddings, ``lm_head``, any norm, the vision tower (``model.visual.*``), multi-token-prediction layers,
-anything of the joint schema head (its names, e.g. ``layers.N.self_attn.out_proj.weight``, carry no ``model.``
-prefix), ``conv1d`` (3-D), ``A_log`` / ``dt_bias`` and biases (not ``.weight``).
+The exact rule (name patterns, the gated-delta-net inputs and MoE routers kept, the group-size condition) is
+docs/format.md §6, "What is quantized"; every kept layer is returned with its reason.
 """
 
 from __future__ import annotations

@@ -1,27 +1,8 @@
-"""An exact cache of the backbone's work on a state: a second schema on the same state costs only its own tokens.
+"""An exact cache of the backbone's work on a state, so a second schema on the same state costs only its own tokens.
 
-The encoding puts the prefix, the media and the state before the schema (docs/format.md §2) and the backbone is
-causal, so everything it computes up to the end of the state depends on those tokens only. A backend that can
-continue a pass from a saved position (:class:`clef_local.backends.torch_cache.TorchState`) stores what it needs
-there — attention keys/values, recurrent and convolution states, and the final normed hidden states the head reads —
-under a key made of token ids, and the next record on that state runs only its schema tokens.
-
-This module is backend-free: the key, the size parsing and the LRU by bytes. Entries are opaque
-(:class:`CachedState`): the backend counts their bytes and moves them between the device and host memory.
-
-- **Key** (:func:`state_key`): SHA-256 of the model's identity (:func:`model_identity`: release directory, config,
-  head config, weight files' names/sizes/mtimes, backend, device, compute dtype) and the token ids of prefix + media +
-  state — never raw text, so a truncated state (``truncate_state=True``) keys on the ids it kept. Media: the media's
-  placeholder ids are part of those ids (right after the prefix), and a request with images or videos must also pass
-  ``media``: a digest of its pixel tensors (the same placeholder ids stand for any picture,
-  ``MediaInputs.digest``; the torch backend's ``record_state_key``). A text-only record's digest is empty, even one
-  that spells a vision pad token as text.
-- **Bounded**: least recently used entries go first, counted in exact bytes; the cache never holds more than
-  ``budget`` bytes on the device. With ``spill`` bytes of host memory (a GPU's cache), entries pushed out of the
-  device are moved there instead of dropped, and moved back on their next hit; ``spill`` is bounded the same way. An
-  entry larger than a budget is never stored (``rejected``).
-- **Thread-safe**: every method takes one lock; an entry handed out stays valid after it is evicted (the cache only
-  drops its reference).
+Backend-free: the key (:func:`state_key`, :func:`model_identity`: token ids, never text), size parsing and the LRU
+by exact bytes, thread-safe, with an optional host-memory spill. Entries are opaque (:class:`CachedState`): the
+backend counts their bytes and moves them. Why it is exact and how it is bounded: docs/serving.md#the-state-cache.
 """
 
 from __future__ import annotations

@@ -1,26 +1,8 @@
 """Slow and surplus connections are dropped: uvicorn's h11 protocol with read deadlines and a connection cap.
 
-uvicorn bounds the idle time *between* requests (``timeout_keep_alive``) but not the time a client may take to
-send one: a connection that trickles a header byte every few seconds, or declares a ``Content-Length`` it never
-sends, is held open for ever (slowloris), and a few hundred of them use up the process's file descriptors.
-:func:`guarded_protocol` subclasses uvicorn's ``H11Protocol`` (the pure-Python HTTP/1.1 parser; the server always
-uses it, so the behaviour does not depend on whether ``httptools`` is installed) and reads h11's own state after
-every chunk received and every response sent:
-
-- waiting for a request (h11 ``IDLE``): the request line and headers must be complete within ``header_timeout``
-  seconds of the connection becoming ready for them (opened, or its previous response sent). Partial headers
-  then get ``408`` and the connection is closed; an idle connection that sent nothing is closed quietly.
-- reading a body (``SEND_BODY``): the whole body must arrive within ``body_timeout`` seconds of its headers. If
-  no response has started, the application sees the client as disconnected and the client gets ``408``; in any
-  case the connection is closed.
-- otherwise (the request is complete and being answered) no deadline runs: inference may take its time.
-
-A connection beyond ``max_connections`` open at once gets ``503`` with ``Retry-After`` and is closed at once,
-before it can cost anything more than the accept.
-
-One fix besides: when the bytes after a request's headers break HTTP (a garbled chunked body), uvicorn answers 400
-and closes, while the application, already started on the headers, goes on to send its own answer into the closed
-h11 connection and fails with a traceback. Here the application is told that the client is gone first.
+uvicorn bounds only the idle time between requests, so a client trickling its headers or body (slowloris) would be
+held for ever. :func:`guarded_protocol` reads h11's own state after every chunk and response; the deadlines, the cap
+and the 408 / 503 answers are docs/serving.md ("Slow clients").
 """
 
 from __future__ import annotations

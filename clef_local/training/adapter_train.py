@@ -1,24 +1,8 @@
-"""Low-rank adapters on the backbone trained together with a whole-record joint schema head: ``clef-local
-train-head --adapters r=16``, Clef's own recipe, for a machine with a GPU.
+"""``clef-local train-head --adapters r=16``: LoRA adapters on the backbone's top layers trained together with a
+whole-record joint schema head, Clef's own recipe, for a machine with a GPU.
 
-A frozen backbone leaves a head no way to make a question's span ignore what surrounds it (renamed ids, other
-questions, their order): its hidden states are what they are. Clef was trained with adapters on its backbone, the
-head and the backbone learning together on synthetic permutations; this is that recipe at demo scale:
-
-- the head is an ordinary joint schema head (every branch live, or the one in ``--init``), run by its own
-  ``forward`` on the adapted backbone's final hidden states of whole records, as at inference;
-- LoRA adapters (:mod:`.lora`) on the attention and MLP projections of the top decoder layers learn with it, by
-  backpropagation through the backbone (the layers below carry no gradient, so the pass below them is inference);
-- the data is :mod:`.decision_data` (BANKING77, NLU++, VADER, severity ladders; negations, paraphrases and twins);
-- the loss is label-smoothed cross-entropy + Brier per labelled question, the twins' symmetric KL, and the mean
-  squared distance between twin questions' span means (the representation itself must not move, not only the
-  answers of the questions trained on).
-
-One pass over the records (their number sets the budget), checkpointed every ``checkpoint_steps`` steps (adapters,
-head, optimiser, schedule; atomically), so a killed run resumes at its last checkpoint, and ``max_steps`` cuts a
-run short. The output directory gets the head files, ``backbone_adapter.safetensors`` (:mod:`clef_local.demo.adapter`,
-which merges it into a backbone: ``clef_local/demo/build.py`` does so for a packaged one) and ``training_log.json``;
-a temperature fitted on the validation questions is folded into the head.
+A frozen backbone leaves a head no way to make a question's span ignore what surrounds it; adapters let the backbone
+learn that too. The recipe (data, loss, checkpoints, output): docs/demo-model.md ("Adapters on the backbone").
 """
 
 from __future__ import annotations

@@ -1,25 +1,7 @@
-"""Synthetic decision requests over every labelled source clef-local ships (clef_local/data/README.md), for training
-the backbone's adapters and the head together (:mod:`.adapter_train`).
-
-BANKING77 and NLU++ teach banking intents; a decision model must also answer arbitrary yes/no propositions about a
-text, ordered scores and choices in other domains, and give the same answer however the request around a question
-is written. Every label below comes from data, never from a model:
-
-- **BANKING77** (train split): a choice over 2–12 intents (half the distractors the gold's nearest intents) or all
-  77 (alone in its record, the evaluation's question); nouls "is the customer asking about X?", some **negated**
-  ("… not asking about X?", the label flipped).
-- **NLU++** (banking folds 0–15): a noul per ontology intent, some negated ("is the intent not to …?"), and the
-  count score "how many of these intents does the message carry".
-- **VADER** (human sentiment ratings of words, MIT): a message that ends in a rated word; **sentiment strength**
-  and **polarity** scores (levels from the raters' mean), "is the message positive / negative?" nouls and a
-  positive/negative choice.
-- **Severity ladders** (the project's own, ``train`` split only): **severity and urgency** scores at 3, 4, 5 or 10
-  levels (the ladder's rank mapped onto them), "is this an emergency?", and a routing **choice across eight
-  domains** (IT, travel, orders, housing, health, utilities, security, banking).
-- **Twins** (:func:`.demo_data.make_twin`): a record and the same record with ids renamed, questions reordered,
-  three unrelated questions added or one removed, tied by the consistency terms of training.
-
-Questions are worded several ways (paraphrases), ids are readable or random, descriptions present or not.
+"""Synthetic decision requests over every labelled source clef-local ships (clef_local/data/README.md), for
+``train-head --adapters`` (:mod:`.adapter_train`): BANKING77, NLU++, VADER and the severity ladders as choices,
+nouls (some negated) and scores, worded several ways, with twins. Every label comes from data, never from a model;
+the mix: docs/demo-model.md ("Adapters on the backbone").
 """
 
 from __future__ import annotations

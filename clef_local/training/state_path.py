@@ -1,34 +1,8 @@
 """The state-path head: a joint schema head whose choices read the state itself, and the batches it trains on.
 
-Why. A question's span comes after the schema's ids and the questions before it, so anything read from it moves
-when ids are renamed, questions reordered or others added (a head that answered from question spans moved a
-BANKING77 intent choice by 0.37 / 0.59 / 0.82 on average). The state's own tokens come *before* the schema, and
-causal attention keeps their hidden states exactly the same under all three. A choice is defined by its options,
-whose lexical rows (mean output-embedding rows of the option span's ids) depend on nothing else either. So this head
-answers a choice from the state's tokens and its options alone:
-
-    o_ik   = option_norm(route(option_lexical_projection(l_ik)))     routing layers attend to the memory
-    F_i    = field_norm(question_projection(q_i) + type_embedding(t_i))
-    logit  = sigmoid(residual_gate) · (exp(joint_logit_scale) · cos(F_i, o_ik) + residual_scorer([F, o, F·o, |F−o|]))
-
-which is docs/format.md §4 with the option-context, option-question, global and option-summary branches and the
-field layers' outputs zero and the lexical prior off (:func:`state_path_head`): the head's own
-:meth:`~clef_local.heads.torch_head.JointSchemaHead.logits` computes it (:func:`state_logits`). Two things make a
-choice's answer independent of the schema:
-
-- **Type dominance.** The choice row of ``type_embedding`` is multiplied by ``CHOICE_DOMINANCE`` (a
-  parametrization while training, stored in the weights at save). Layer norm is scale invariant, so a choice's
-  field is that row's direction and ``q_i`` moves it by ~1e-5 of its size. Nouls and scores keep reading their
-  question span (a noul's proposition is nowhere else in the prompt, nor are the intents a count question lists).
-- **Attention on the state.** The memory holds every token of the record. Training puts the schema tokens of
-  *other* records (:class:`Distractors`, cached once) after each record's prefix + state, and adds ``-log`` of the
-  attention mass on prefix + state to the loss, so the routing layers learn to read the state and pass over
-  schema tokens.
-
-So training needs a prefix + state pass per distinct state (~50 tokens for a BANKING77 message, not the 1,670 of a
-77-option request), a full pass for the few distractor records, and question-span means for the nouls and scores
-only: a choice costs no pass of its own, and every BANKING77 row is asked over all 77 intents for free. At inference
-the head reads the whole record (its routing layers are live), so the backbone runs over every token.
+Why and how (the choice row's type dominance, the distractors and the attention term): docs/demo-model.md, "The
+state path". The head is docs/format.md §4 with some branches zero (:func:`state_path_head`), computed by the head's
+own :meth:`~clef_local.heads.torch_head.JointSchemaHead.logits` (:func:`state_logits`).
 """
 
 from __future__ import annotations

@@ -1,35 +1,8 @@
 """``clef-local export-onnx``: a release (or int4/int8 variant) as an ONNX Runtime release, validated, atomically.
 
-    clef-local export-onnx [--model DIR] --out DIR [--format fp32|fp16|int8|int4] [--force] [--probes N]
-
-The output directory is a release in our layout (docs/format.md §6): every file of the source copied byte for byte
-(config, tokenizer, the joint head files, the backbone's weight files) plus ``onnx/``:
-
-- ``model.onnx`` + ``model.onnx.data``: the text model (:mod:`clef_local.export.onnx.graph`), ``input_ids`` and
-  ``attention_mask`` in, ``last_hidden_state`` out, dynamic batch and sequence axes; int4/int8 linears as
-  ``MatMulNBits`` built from the variant's own tensors;
-- ``output_embedding.npy``: the ``lm_head`` matrix in the release's dtype (BF16 as uint16 bit patterns), read by row;
-- ``onnx_config.json`` (format, dtype, names, MatMulNBits counts) and ``validation.json``.
-
-``--format int4|int8`` on a BF16/FP32 release first writes the variant with ``clef-local quantize``'s own
-functions (:func:`clef_local.export.quantize.quantize_release`, no drift validation: run ``clef-local quantize`` for
-that), so the ONNX numbers are the variant's. On an int4/int8 variant the format is the variant's scheme.
-
-Why the joint schema head runs in numpy (:mod:`clef_local.heads.numpy_head`) and not as a second ONNX graph: the
-head's batched form indexes by a per-request layout (span means over ragged spans, scatters into padded option and
-question tensors); as a graph that is a dozen index inputs whose shapes change with every request, traced through
-sparse CSR matmuls the exporter does not take, for a computation that costs well under a millisecond per question. In
-numpy it is 200 lines that mirror :mod:`clef_local.heads.torch_head` line by line and are tested against it within
-float32 noise.
-
-Why the backbone's weight files stay in the directory: the head needs ``lm_head`` (kept as ``output_embedding.npy``),
-the directory stays a release that :func:`clef_local.formats.release.read_release` and the torch backend read (which is
-what the validation compares against, on the very same files), and the manifest can record one set of hashes. The
-cost is disk (the BF16 weights beside the ONNX copy); an ONNX-only deployment may delete them and the manifest.
-
-Validation (:mod:`clef_local.export.onnx.validate`) runs before the rename: a tolerance exceeded fails the export
-(exit 1) and leaves no output directory. Everything is written into a temporary sibling renamed into place at the
-end (as ``clef-local quantize`` does); an existing ``--out`` is replaced only with ``--force``.
+The output is the source release byte for byte plus ``onnx/`` (docs/format.md §6); why the head stays numpy and the
+backbone's weight files stay in the directory: docs/hardware.md#onnx-runtime. The graph is
+:mod:`clef_local.export.onnx.graph`, the validation :mod:`clef_local.export.onnx.validate`.
 """
 
 from __future__ import annotations

@@ -1,26 +1,8 @@
-"""Building the ONNX graph of a release's text model (docs/format.md §3) and its ``MatMulNBits`` nodes.
+"""The ONNX graph of a release's text model (docs/format.md §3), and its ``MatMulNBits`` nodes.
 
-The text model is exported by ``torch.onnx.export(..., dynamo=True)`` (``dynamo=False`` fails on ``aten::diff``,
-docs/hardware.md, known traps) with inputs ``input_ids`` and ``attention_mask`` (int64, dynamic ``batch`` and
-``sequence`` axes) and one output, ``last_hidden_state`` (after the final norm). Qwen3.5's linear-attention layers
-become ``com.microsoft`` ``GatedDeltaNet`` nodes (:mod:`clef_local.export.onnx.gdn`).
-
-Quantized variants (docs/format.md §6) are exported from a graph whose quantized linears are plain ``nn.Linear`` layers
-holding the dequantized weight (only to trace the graph); each of those ``MatMul`` nodes is then replaced by a
-``com.microsoft`` ``MatMulNBits`` node whose tensors are **the variant's own**, re-laid out, never re-quantized:
-
-- int4 (MLX affine, ``w = scale·q + bias`` per group of ``g``): ``B`` is the variant's packed ``weight`` viewed as
-  bytes (MLX packs column ``8k+j`` at bits ``4j`` of a little-endian uint32, which is exactly MatMulNBits' "element
-  ``2i`` in the low nibble of byte ``i``"), ``scales`` as float32, and float zero points ``zp = -bias / scale``
-  (MatMulNBits computes ``(q - zp)·scale``; the variant's bias is not an integer multiple of its BF16 scale, so
-  uint8 zero points would change the numbers). ``block_size`` is the variant's group size.
-- int8 (symmetric per row, ``w = q·scale``): ``B = q + 128`` as uint8 with no zero-point input (the default zero
-  point of 8-bit MatMulNBits is 128; ORT's CPU kernel refuses float zero points at 8 bits), the row's scale repeated
-  over its blocks (``block_size`` the largest of 128/64/32/16 dividing ``K``, else 32 with a padded last block).
-
-``accuracy_level`` is left unset, so the CPU kernel computes in float32 (level 4 would quantize the activations to
-int8 too). ORT's own ``quantize_dynamic`` is not used: it wrecks SmolLM2's hidden states (docs/hardware.md, known
-traps).
+``torch.onnx.export(dynamo=True)`` traces the text model (quantized linears as plain ones holding the dequantized
+weight, only to trace); each of their ``MatMul`` nodes then becomes a ``MatMulNBits`` built from the variant's own
+tensors, re-laid out, never re-quantized. The exact mapping: docs/hardware.md#onnx-runtime.
 """
 
 from __future__ import annotations

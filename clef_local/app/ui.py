@@ -1,15 +1,9 @@
 """``clef-local ui``: a Gradio app to build schemas, run them, read the probabilities and compare a variant.
 
-    clef-local ui                                   # the demo model, http://127.0.0.1:7860
-    clef-local ui --model ~/models/clef-flash --compare ~/models/clef-flash-int4
-
-Local by default (127.0.0.1, no share link), and no other web page can drive it: a request whose ``Host`` is not
-this machine's (DNS rebinding) gets 400 and one from another page's ``Origin`` 403, through the same guard as
-``clef-local serve`` (:mod:`clef_local.server.guard`, installed as a middleware through Gradio's ``app_kwargs``,
-with Gradio's ``strict_cors``). The page calls only the public Python API (``clef_local.load``,
-``ClefModel.decide / predict / describe``, ``clef_local.runtime.schema.validate_request``,
-:mod:`clef_local.quality.drift`, :mod:`clef_local.quality.report`). Stable ``elem_id``s (``q0-id``, ``add-question``,
-``run``, ``results`` …) are part of the contract with the browser test.
+Local by default (127.0.0.1, no share link), behind the server's ``Host`` / ``Origin`` guard
+(:mod:`clef_local.server.guard`) and Gradio's ``strict_cors``. It calls only the public Python API and the quality
+functions; its stable ``elem_id``s (``q0-id``, ``add-question``, ``run``, ``results`` …) are the browser test's
+contract. docs/ui.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """Which implementation runs Qwen3.5's gated-delta-net (linear attention) layers, three of every four in Clef.
 
-transformers resolves two functions once, when its ``modeling_qwen3_5`` is imported: the chunked gated delta rule
-(``flash-linear-attention``'s Triton kernel when ``fla`` imports, else a reference PyTorch loop over 64-token chunks)
-and the causal depthwise convolution (``causal-conv1d``'s CUDA kernel, else ``F.conv1d``). The reference paths are
-correct but much slower on a GPU (transformers warns on every load). :func:`linear_attention_paths` reads what was
-resolved, and the torch backend logs it at load and shows it in ``inspect`` (docs/hardware.md).
-
-Packages: ``flash-linear-attention`` (with ``fla-core``) is pure Python on PyPI (Triton, which CUDA builds of torch
-bring), so the ``cuda`` extra installs it; ``causal-conv1d`` is a source distribution that compiles a CUDA extension
-with ``nvcc`` (or downloads a prebuilt wheel from GitHub at install time), so it is not in any extra (install it by
-hand on a machine with the CUDA toolkit); without it the convolution runs as ``F.conv1d``, a small part of a layer.
+transformers picks, once at import, ``flash-linear-attention``'s Triton kernel or a PyTorch loop over 64-token
+chunks for the gated delta rule, and ``causal-conv1d`` or ``F.conv1d`` for the convolution; the fallbacks are
+correct but much slower on a GPU. :func:`linear_attention_paths` reads what was picked, for the load log and
+``inspect``. Which extra brings which: docs/hardware.md#the-gated-delta-nets-kernels.
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
-"""The ONNX Runtime backend: the exported text model (``onnx/model.onnx``) + the joint schema head in numpy.
+"""The ONNX Runtime backend: the exported text model (``onnx/model.onnx``) and the joint schema head in numpy.
 
-A release exported by ``clef-local export-onnx`` holds ``onnx/``: ``model.onnx`` (+ ``model.onnx.data``, the
-weights; quantized linears as ``MatMulNBits``), ``output_embedding.npy`` (the ``lm_head`` rows the head gathers, in
-the release's dtype; BF16 kept as its uint16 bit patterns) and ``onnx_config.json``. This module imports neither
-torch nor ``safetensors``: a decision needs ``onnxruntime``, ``numpy``, ``tokenizers`` and ``transformers`` (for
-the tokenizer only), so it runs where PyTorch is not installed.
-
-Execution providers: ``device="cpu"`` → ``CPUExecutionProvider``; ``device="cuda"`` / ``"cuda:N"`` →
-``CUDAExecutionProvider`` (the ``onnxruntime-gpu`` wheel and a GPU), with ONNX Runtime's usual CPU placement of the
-few nodes CUDA has no kernel for. A provider that is not available is an :class:`OnnxProviderError` naming the
-available ones; there is no silent fallback to the CPU.
-
-Threads: a session runs :func:`clef_local.planning.hardware.thread_plan`'s intra-op threads (physical cores minus
-one, ``$CLEF_LOCAL_THREADS`` to override) and one inter-op thread (:func:`session_options`), like the server's torch
-forwards; ONNX Runtime's own default, one thread per physical core, oversubscribes a loaded machine the same way.
+Imports neither torch nor safetensors, so an exported release decides where PyTorch is not installed. A provider
+that is not available is an :class:`OnnxProviderError`, never a silent CPU fallback; sessions take the
+:func:`~clef_local.planning.hardware.thread_plan` threads (:func:`session_options`). docs/hardware.md#onnx-runtime.
 """
 
 from __future__ import annotations

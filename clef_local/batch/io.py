@@ -1,15 +1,7 @@
-"""A batch job's files: its input read row by row, its output written in one of three formats.
+"""A batch job's files: rows read from JSONL, CSV or Parquet, answers written in one of the three.
 
-Input is JSONL (one ``/v1/systemone`` request body per line, an optional ``id``), or a table — CSV or Parquet —
-with one request per row: a state column, an optional id column and the questions given once (``--schema``). Each
-:class:`Row` carries its position (the JSONL line number, or the table's 1-based data row), its id (the ``id``
-field or column, else that position) and either its request or the reason it has none (a line that is not JSON).
-
-Output is JSONL (one ``{"id": …, "model": …, "answers": …, "usage": …}`` line per answered row, byte for byte the
-concatenation of the job's chunks), or a table with one row per answered request: ``id``, then per question its
-decision (a noul's probability of true, a choice's option, a score's expected level), ``<q>.confidence`` and
-``<q>.probabilities`` (a struct in Parquet, JSON text in CSV). Tables need a fixed schema (``--schema``): the
-questions are the columns. CSV and Parquet go through pyarrow (``pip install 'clef-local[batch]'``).
+Each :class:`Row` carries its position, its id and its request or the reason it has none; tables need ``--schema``
+(the questions are the columns) and go through pyarrow. The formats, row by row: docs/batch.md#on-one-machine.
 """
 
 from __future__ import annotations

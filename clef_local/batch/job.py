@@ -1,14 +1,8 @@
 """``clef-local batch``: decide every row of a JSONL, CSV or Parquet file; resumable, exact-once, optionally on Ray.
 
-    clef-local batch --model DIR --in requests.jsonl --out answers.jsonl
-    clef-local batch --model DIR --in tickets.csv --state-column text --schema schema.json --out labels.parquet
-    clef-local batch --model /shared/DIR --in tickets.parquet --schema schema.json --out labels.parquet \\
-        --ray auto --replicas 4 [--gpus-per-replica 1]
-
-Rows are decided in chunks of ``--chunk-rows``; each decided chunk is committed to ``OUT.parts/`` with a journal, so a
-job that was killed continues where it stopped when the same command runs again, and its output is the same bytes
-as an uninterrupted run's. ``--force`` starts over. Rows the server would refuse (4xx) go to ``--errors`` (default
-``OUT-stem.errors.jsonl``) with their message, and the job goes on. docs/batch.md has the details.
+Rows are encoded a chunk ahead on a second thread and decided in chunks of ``--chunk-rows``, each committed to
+``OUT.parts/`` (:mod:`.journal`); rows the server would refuse go to ``--errors`` and the job goes on.
+docs/batch.md has the command, the formats and the cluster.
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
 """Committed chunks and their journal: what makes a batch job resumable and exact-once.
 
-A job's input is cut into chunks of ``--chunk-rows`` rows (chunk k holds rows k·n … k·n+n−1, whatever happened
-before). A decided chunk is *committed* in three steps, each of which may be interrupted:
-
-1. its answers and its errors are written to temporary files in ``OUT.parts/``, flushed and renamed to
-   ``NNNNNNNN.out.jsonl`` / ``NNNNNNNN.err.jsonl`` (a rename replaces a file whole, or not at all);
-2. one line ``{"chunk": k, "rows": …, "out_sha256": …, "err_sha256": …}`` is appended to ``journal.jsonl`` and
-   flushed: this line is the commit;
-3. nothing else: a chunk whose files exist but whose journal line does not is decided again and overwritten.
-
-The journal's first line describes the job (the input's SHA-256, the model's fingerprint, the schema, the options
-that change the bytes written). A rerun with the same command reads the journal, checks the job is the same one
-(:class:`~clef_local.errors.BatchError` naming every difference otherwise), trusts the committed chunks whose files
-still have their recorded hashes and decides the rest. A torn last line (killed mid-append) is ignored. The final
-files are assembled from the chunks in order, so they are the same bytes however often the job was interrupted.
+A decided chunk's answers and errors are renamed into ``OUT.parts/`` whole, then one appended ``journal.jsonl``
+line commits it; a rerun of the same job (checked against the journal's first line: input, model fingerprint,
+schema, options) keeps the committed chunks whose hashes still match and decides the rest, so the assembled output
+is the same bytes however often the job was interrupted (docs/batch.md#resuming-exactly-once).
 """
 
 from __future__ import annotations

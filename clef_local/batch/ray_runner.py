@@ -1,19 +1,8 @@
 """The same job on a Ray cluster: chunks as a Ray Data dataset, decided by an actor pool of model replicas.
 
-Ray is an optional extra (``pip install 'clef-local[ray]'``). The driver (the machine that runs ``clef-local``) reads
-the input, cuts it into the job's chunks and hands the chunks not yet committed to Ray Data
-(``ray.data.from_items``); ``map_batches`` runs :class:`Replica` — one per actor, each loading the model once from a
-path every node can read — over them, one chunk per call, with :func:`clef_local.batch.work.decide_chunk`, the code
-the local job runs. Results come back to the driver, which commits them through the same journal, so a chunk
-delivered twice is written once and a killed job resumes as a local one does.
-
-Ray's own fault tolerance covers the replicas: Ray Data's actor pools restart actors without limit
-(``max_restarts=-1``) and retry a call lost with its actor (``max_task_retries=-1``) by default, so a replica
-killed mid-job is replaced and its chunk decided again. Replicas are sized from the cluster
-(:mod:`clef_local.batch.replicas`), the actor pool must be up within ``--ray-timeout`` seconds, and Ray Data's
-no-progress guard stays on: a job that cannot run fails, it does not hang.
-
-``eval`` and ``drift`` send their predictions through the same pool with :class:`RayPredictor`.
+Each :class:`Replica` loads the model once and runs :func:`clef_local.batch.work.decide_chunk`, the local job's code;
+the driver commits what comes back through the same journal, and Ray's actor pools restart a killed replica and
+retry its chunk. ``eval`` and ``drift`` use the pool through :class:`RayPredictor`. docs/batch.md#on-a-ray-cluster.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """How many model replicas a Ray cluster holds and what each reserves: sized from the cluster, never guessed.
 
-The trap this avoids (measured on a 2-CPU machine, issue 28): replicas that each reserve a whole CPU leave nothing
-for Ray Data's own tasks (reading the input), and the job waits for a CPU forever without an error. So every node
-keeps :data:`RESERVED_CPUS` free, replicas get the rest in equal fractional shares, and a request that cannot fit
-fails at once with what the cluster has. Pure arithmetic on the nodes' resources (``ray.nodes()``), so it is tested
-without a cluster.
+Replicas that each reserve a whole CPU can leave nothing for Ray Data's own read tasks, and the job then waits for a
+CPU forever without an error; so every node keeps :data:`RESERVED_CPUS` free and replicas share the rest. Pure
+arithmetic on ``ray.nodes()``, tested without a cluster (docs/batch.md#on-a-ray-cluster).
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """Deciding one chunk of rows: the same code in the local job and in every Ray replica, so both write the same bytes.
 
-Each row is encoded on its own (:meth:`ClefModel.encode`): a row the server would answer with a 4xx (a schema
-error, a state too long) becomes a line of the errors file and the other rows go on. The rows that encode are
-decided together (:meth:`ClefModel.run`: length-bucketed batches, the server's rules in
-:mod:`clef_local.runtime.batching`), and each answer becomes one JSONL line ``{"id": …, **response}``. Batches are
-cut inside a chunk only, so a chunk's bytes do not depend on which chunks ran before it (a resumed job's output
-equals an uninterrupted one's).
+Each row is encoded on its own (:meth:`ClefModel.encode`; a 4xx stays with its row), the rows that encode run
+through :meth:`ClefModel.run` together, and each answer becomes one JSONL line. Batches never cross a chunk, so a
+chunk's bytes do not depend on what ran before it.
 """
 
 from __future__ import annotations

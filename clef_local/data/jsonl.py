@@ -1,13 +1,8 @@
-"""Labelled request files: JSONL of SystemOne requests (``clef-local data convert`` writes them, :mod:`.convert`).
+"""Labelled request files: one ``/v1/systemone`` body per line, with an optional ``id`` and ``labels``
+(``{question id: option id | true/false | level}``), as ``clef-local data convert`` writes them (:mod:`.convert`).
 
-One line per request: the ``/v1/systemone`` body (``model``, ``state``, ``questions``), plus optional ``id`` (a
-string) and ``labels`` (``{question id: option id | true/false | level index}``: a choice's gold option, a noul's
-truth, a score's level). Reading checks every line and names the line that is wrong; the request itself is
-validated by the model when it runs.
-
-Images: a line's ``images`` entries (and each frame of its ``videos``) are image files, their paths relative to the
-JSONL file's folder (absolute paths work too), or ``data:`` URIs; the files are read when the JSONL is read and
-handed to the model as bytes (docs/quality.md).
+Every line is checked and a bad one named; the request itself is validated when it runs. Image paths are relative
+to the file's folder and read with it (docs/quality.md#data).
 """
 
 from __future__ import annotations

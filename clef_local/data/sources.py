@@ -1,12 +1,6 @@
-"""Labelled sources beyond BANKING77 and NLU++ (clef_local/data/README.md): the VADER sentiment lexicon and the
-project's own severity ladders.
-
-- :func:`vader_words`: words of the VADER lexicon (C.J. Hutto, MIT licence) with the mean of ten human ratings of
-  their sentiment, from -4 (extremely negative) to +4 (extremely positive).
-- :func:`severity_ladders`: support messages in ladders of four rising severities across eight domains, written for
-  clef-local; ``train`` ladders for training, ``heldout`` ones for evaluation only.
-
-Both ship inside the package (``vader/``, ``cases/``) and are always read from there.
+"""Labelled sources beyond BANKING77 and NLU++ (clef_local/data/README.md): the VADER sentiment lexicon
+(:func:`vader_words`, MIT) and the project's own severity ladders (:func:`severity_ladders`; ``train`` ladders for
+training, ``heldout`` for evaluation only), both read from the package.
 """
 
 from __future__ import annotations

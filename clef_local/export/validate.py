@@ -1,16 +1,7 @@
-"""Export validation (optimum's habit): run the reference and the variant on a fixed probe set and compare.
-
-Per question: KL(ref ‖ var) of the option distributions, a flip (the argmax changed) and max |Δp|. Over the
-probe set: mean KL, max KL, flip rate and max |Δp|; mean KL and flip rate have per-scheme thresholds
-(:data:`THRESHOLDS`, the targets of issue 4: int8/fp8 mean KL ≤ 0.002 and flips ≤ 1%, int4/nf4 mean KL ≤ 0.03 and
-flips ≤ 5%); max KL and max |Δp| are reported. The reference and the variant are loaded one after the other, so
-the peak memory is the larger of the two, not their sum. The probe set is
-:func:`clef_local.data.probes.probe_requests` over the data shipped in the package (``$CLEF_LOCAL_DATASETS`` does not
-change what an export is validated on).
-
-Validation is never skipped silently: when it cannot run (the probe set cannot be read, the reference needs more
-memory than is free, the reference does not load) the export fails with :class:`ValidationUnavailable`; only
-``--no-validate`` writes a variant without it, and records so.
+"""Export validation (optimum's habit): the reference and the variant on a fixed probe set, loaded one after the
+other (peak memory: the larger, not the sum), compared per question (KL, flips, max |Δp|) against the per-scheme
+:data:`THRESHOLDS`. Never skipped silently: when it cannot run, :class:`ValidationUnavailable`; only
+``--no-validate`` writes a variant without it, and records so. docs/quantization.md#validation.
 """
 
 from __future__ import annotations

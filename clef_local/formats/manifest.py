@@ -1,15 +1,8 @@
 """``clef_local_manifest.json``: every file of a release or variant with its size and SHA-256 (docs/format.md §6).
 
-Two levels of checking:
-
-- :func:`check_files` (cheap, run on every load by :func:`clef_local.formats.release.read_release`): every listed file
-  exists with the recorded size, and every ``.safetensors`` file has a parseable header whose tensor offsets need
-  exactly the data section the file holds. A truncated, extended or garbled weight file is named.
-- :func:`verify` (``clef-local verify DIR``): the above plus the full SHA-256 of every file.
-
-The manifest of a variant (written by ``clef-local quantize``) also records the scheme, the source release's
-hashes, the tool version and the byte counts; the demo model's manifest (:mod:`clef_local.demo.build`) holds its
-name and ``files``, which is all these checks read.
+:func:`check_files` runs on every load (sizes and safetensors headers: a truncated or garbled file is named);
+:func:`verify` (``clef-local verify``) adds every SHA-256. A variant's manifest also records the scheme, the source's
+hashes, the tool and byte counts; the demo model's holds its name and ``files``, all these checks read.
 """
 
 from __future__ import annotations

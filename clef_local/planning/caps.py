@@ -1,14 +1,8 @@
-"""Device lists and memory caps (docs/hardware.md): ``--device cuda:0,cuda:1`` and ``--max-memory cuda:0=24GiB``.
+"""Device lists and memory caps: ``--device cuda:0,cuda:1`` and ``--max-memory cuda:0=24GiB``.
 
-A cap makes a device look smaller to the planner and the loader: its free memory becomes ``min(free, cap)``, so
-whatever does not fit under the cap is refused before a tensor is read, with the fix. (On CUDA the torch backend also
-caps its allocator, so the run itself stays under it: :func:`clef_local.backends.placement.limit_cuda_memory`.)
-With a cap a large card can stand for a smaller one: ``--device cuda:0 --max-memory 24GiB`` on an H200 plans and
-runs as a 24 GiB card.
-
-A device listed more than once (``cuda:0,cuda:0``, ``cpu,cpu``) is shared: each entry gets an equal part of its
-(capped) free memory, so one large card can stand for several small ones (``--device cuda:0,cuda:0 --max-memory
-cuda:0=48GiB`` plans as two 24 GiB cards), and the pipeline code path runs on a CPU.
+A cap makes a device's free memory ``min(free, cap)`` for the planner and the loader (on CUDA the allocator is capped
+too: :func:`clef_local.backends.placement.limit_cuda_memory`); a device listed k times is shared, each entry getting
+1/k of its capped free memory. docs/hardware.md#memory-caps.
 """
 
 from __future__ import annotations

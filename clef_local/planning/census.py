@@ -1,22 +1,9 @@
 """Weight bytes of a release or variant, by role, without loading a tensor (the memory planner's first half).
 
-Two sources, one result (:class:`WeightCensus`):
-
-- **safetensors headers** (:func:`census_from_release`): every tensor's byte size is ``data_offsets[1] -
-  data_offsets[0]`` of its header entry, so the total is exact (the sum of tensor sizes). A quantized variant is
-  read as stored; for a full-precision release, other schemes are computed from the stored shapes with the bytes
-  formulas below (:func:`quantized_bytes`).
-- **a bare config.json** (:func:`census_from_config`): the architecture is built on PyTorch's meta device with
-  ``transformers`` (no memory, no weights) and every parameter's shape is counted.
-
-Roles (docs/hardware.md): the text model's quantizable linears (decided by
-:func:`clef_local.quant.predicate.should_quantize`), the rest of the text model (kept linears, norms, conv1d, ...),
-``embed_tokens`` and ``lm_head`` (only gathered in a decision pass: they can stay in host memory), the vision tower
-(needed only for media), and the joint schema head (always float32 at run time).
-
-Bytes per quantized ``[out, in]`` weight (source dtype of ``s`` bytes, docs/format.md §6): int4 ``out·in/2 +
-2·s·out·in/g`` (uint32 nibbles + scales + biases); int8 and fp8 ``out·in + 4·out`` (one float32 scale per row); nf4
-``⌈out·in/2⌉ + 4·⌈out·in/b⌉ + 64 + len(quant-state JSON)`` (bitsandbytes' serialization, block ``b``).
+Exact from the safetensors headers (:func:`census_from_release`; other schemes from the stored shapes with the byte
+formulas of docs/quantization.md#schemes, :func:`quantized_bytes`), or from a bare config.json built on the meta
+device (:func:`census_from_config`). The roles (quantizable linears, the rest of the text model, ``embed_tokens``,
+``lm_head``, the vision tower, the head): docs/hardware.md#clef-local-plan.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
-"""Is BF16 faster than float32 on this CPU? Measured once, not guessed from its flags (docs/hardware.md).
+"""Is BF16 faster than float32 on this CPU? Measured once, not guessed from its flags (docs/hardware.md#the-loader).
 
-CPU flags do not tell: on an AVX512-BF16 CPU without AMX, where the flags said "float32", the triage example took
-741 ms in float32 and 297 ms in BF16 (issue 31), and torch versions move the kernels. So a one-off micro-benchmark
-(:func:`measure`: the matmuls of a small transformer block's prefill in float32 and in BF16, interleaved, the best of
-a few repetitions each; about a second) decides, and its result is cached in the user cache
-(``dtype_probe.json`` under :func:`clef_local.demo.default.cache_dir`), keyed by the CPU's model name and flags and
-the torch version, so a new CPU or a torch upgrade is measured again. ``clef-local doctor`` shows the measurement;
-the loader's ``dtype="auto"`` on a CPU follows it (:func:`clef_local.planning.choice.default_dtype`).
+The flags said the wrong thing both ways, and torch versions move the kernels, so :func:`measure` times a small
+block's prefill matmuls in both dtypes, interleaved, and caches the result (``dtype_probe.json``) keyed by the CPU's
+model name, flags and the torch version. ``dtype="auto"`` on a CPU follows it (:func:`~.choice.default_dtype`).
 """
 
 from __future__ import annotations

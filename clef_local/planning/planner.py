@@ -1,16 +1,9 @@
-"""``clef-local plan``: will a release or variant fit a device, in which format, before loading a tensor
-(docs/hardware.md).
+"""``clef-local plan``: will a release or variant fit a device, in which format, before loading a tensor.
 
-    clef-local plan --model ~/models/clef-flash                       # every format on this machine
-    clef-local plan --config clef --device rtx4090 --context 16384 --explain   # packaged Clef shape
-    clef-local plan --config path/to/config.json --device h100
-    clef-local plan --model DIR-int4 --device mac-36 --json
-    clef-local plan --config clef --image-size 1024x768 --images 2   # requests with two 1024×768 images
-
-Weights come from the safetensors headers (exact; a variant is read as stored) or, for a bare ``config.json``, from
-the architecture built on the meta device (:mod:`clef_local.planning.census`); activations, overhead and the verdict
-from :mod:`clef_local.planning.estimate`. The library entry point is :func:`plan_release`. The shapes of Clef and
-Clef-flash ship in ``clef_local/planning/configs`` (:func:`packaged_config`; ``--config clef`` / ``clef-flash``).
+:func:`footprint_from_release` and :func:`footprint_from_config` are the library entry points: weights from
+:mod:`clef_local.planning.census`, activations, overhead and the verdict from :mod:`clef_local.planning.estimate`;
+the Clef and Clef-flash shapes ship in ``clef_local/planning/configs`` (:func:`packaged_config`). Usage:
+docs/hardware.md#clef-local-plan.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
-"""A pipeline split of the decoder layers over several devices (``--device cuda:0,cuda:1``; docs/hardware.md). Pure.
+"""A pipeline split of the decoder layers over several devices (``--device cuda:0,cuda:1``). Pure.
 
-The layers run in order, so consecutive runs of them go to the devices in the order given and the hidden states
-move once per boundary. Each device holds its layers' weights (the planner's per-layer bytes,
-:attr:`clef_local.planning.census.WeightCensus.layers`) and needs a whole prefill's activations while its layers
-run (:func:`clef_local.planning.estimate.activations`: one layer at a time, so every device needs the same peak),
-the runtime overhead and the 5 % margin. The first device also holds the vision tower (with ``media``) and, without
-host embeddings, ``embed_tokens``; the last one the final norm, the joint head and (without host embeddings)
-``lm_head``. The layers are cut so that each device's share of the layer bytes is proportional to the memory it
-has left for them (its free memory less what it holds besides its layers), which leaves every device the same
-headroom.
+Consecutive runs of layers go to the devices in the order given, cut so that each device's share of the layer bytes
+(:attr:`clef_local.planning.census.WeightCensus.layers`) is proportional to the memory it has left for them, which
+leaves every device the same headroom; every device needs a whole prefill's activations. docs/hardware.md#two-cards.
 """
 
 from __future__ import annotations

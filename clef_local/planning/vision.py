@@ -1,17 +1,6 @@
-"""What images add to a plan (``clef-local plan --image-size 1024x768 --images 2``; docs/hardware.md).
-
-Each image becomes ``(w'/p)·(h'/p)/m²`` visual tokens of the prompt (``w' × h'`` its size after the processor's
-resize into the release's pixel range, ``p`` the patch, ``m`` the spatial merge: the count of
-:class:`clef_local.runtime.processor.ImageGeometry`, equal to the processor's). The tokens take positions of the
-context, so the text prefill's activations are those of the same context. Before it, the vision tower runs over
-the patches (``m²`` per visual token) of all images at once; its peak, freed before the text layers run:
-
-    vision = P · d · (4·hv + max(2·Iv, 4·hv)) + heads · P_img² · d
-
-``P`` all patches, ``P_img`` the largest image's, ``hv`` / ``Iv`` the tower's hidden and MLP widths: the carried
-patch states (input, residual, normed, output), the larger of the MLP's intermediates and the attention's q, k, v,
-output, and the attention scores of the largest image as PyTorch's math SDPA materializes them (an upper bound:
-fused kernels keep none).
+"""What images add to a plan (``clef-local plan --image-size 1024x768 --images 2``): each image's visual tokens, as
+the processor counts them (:class:`clef_local.runtime.processor.ImageGeometry`), and the vision tower's peak over the
+patches, freed before the text layers run. The formula: docs/hardware.md#the-memory-formula.
 """
 
 from __future__ import annotations

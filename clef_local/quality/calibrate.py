@@ -1,14 +1,8 @@
 """``clef-local calibrate``: one softmax temperature per question type, fitted and stored in the variant.
 
-Two objectives: on labels (minimize the NLL of the gold answers), or ``--match REFERENCE`` (minimize the mean
-KL(reference ‖ variant) of the option distributions, no labels needed: pulls a drifted variant back to its
-reference). The temperatures go into the variant's ``config.json`` under ``"clef_local_calibration":
-{"temperatures": {"noul": T, "choice": T, "score": T}, "fitted_on": ..., "objective": ...}``; the variant's
-manifest entry for ``config.json`` is rewritten so the load-time check still passes. ``ClefModel`` divides each
-question's logits by its type's temperature before the softmax.
-
-    clef-local calibrate --model INT4_DIR --data fit.jsonl --measure heldout.jsonl --report cal.html
-    clef-local calibrate --model INT4_DIR --data fit.jsonl --match BF16_DIR
+On labels (the gold answers' NLL) or with ``--match REFERENCE`` (the mean KL to the reference, no labels); the
+temperatures go into ``config.json`` (docs/format.md §5) and its manifest entry is rewritten, so the load-time check
+still passes. docs/quality.md#calibrate.
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
 """``clef-local drift``: a variant's probabilities against its reference, as a gate (exit code) and a report.
 
-    clef-local drift --reference BF16_DIR --candidate INT8_DIR [--candidate INT4_DIR …] [--data D.jsonl]
-        [--limit N] [--gate "flips<=0.01,kl_mean<=0.002"] [--floor] [--report r.html] [--json r.json] [--md r.md]
-
-Without ``--data`` a built-in probe set is used (64 BANKING77 / NLU++ requests, see
-``clef_local.data.probes.probe_requests``). Gates are comma-separated ``metric OP value`` (OP one of ``<= < >=
->``); a metric may be prefixed by a question type (``choice.kl_mean<=0.01``). Metrics: the drift summary's
-(``kl_mean kl_p50 kl_p99 kl_max js_mean max_abs_max max_abs_mean rms_mean flip_rate score_shift_mean
-score_shift_mean_abs``; ``flips`` means the flip *rate*, ``flip_count`` the count) and, with labels, the
-candidate-minus-reference deltas ``delta_accuracy delta_macro_f1 delta_nll delta_brier delta_ece``. Exit codes: 0
-all gates pass, 1 a gate fails (each failing metric printed), 2 bad arguments or inputs.
+Without ``--data`` the built-in probe set is used. The gate syntax, the metrics it takes and the exit codes (0 pass,
+1 a gate fails, 2 bad input): docs/quality.md#drift.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """Drift / eval / calibration reports: one self-contained HTML file (plots embedded as PNG), Markdown and JSON.
 
-``write_report(results, html_path, *, evals=(), calibration=(), floor=None, markdown_path=None, json_path=None,
-title=None, network=None) -> Path``: ``results`` are :class:`~clef_local.quality.drift.DriftResult` s of any number of
-candidates against one reference (one table, one line each; ``floor``, the reference against itself in another
-dtype or backend, is shown beside them); ``evals`` :class:`~clef_local.quality.results.EvalResult` s;
-``calibration`` the dicts of :func:`clef_local.quality.calibrate.CalibrationResult.to_json`. ``network``
-(``off (namespace)``, ``off (guard)`` or ``on``: :func:`clef_local.airgap.network_state`) is stated at the top;
-a report of runs that differ names every value (:func:`network_field`).
-
-    clef-local report --json drift.json [eval.json …] --html report.html [--md report.md]
+:func:`write_report` puts any number of candidates' drift against one reference in one table (the noise floor
+beside them), with evals and calibrations, and states the runs' network state at the top (:func:`network_field`
+names every value when they differ). ``clef-local report`` re-renders saved JSON. docs/quality.md#report.
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
-"""Jev's ``assets`` form mapped onto the reference's ``images`` (docs/format.md §7).
+"""Jev's ``assets`` form mapped onto the reference's ``images`` (:func:`map_assets`; docs/format.md §7).
 
-A Jev request names its images in ``assets`` (``{"<placeholder>": {"type": "image", "format", "data_base64"}}``, or
-``"part"`` in a multipart body) and puts each placeholder inside the strings of the state, the instructions or the
-criteria. Clef's format has no image positions inside the text: images go right after the prompt's prefix. So:
-
-- the assets become images in the order their placeholders **first appear in the prompt** (the state as rendered,
-  keys sorted; then each question in request order: its instructions, then its options in model order), after any
-  images of the reference form ``images``;
-- every occurrence of a placeholder in a string is replaced by the fixed marker ``<image N>``, N being that image's
-  1-based position after the prefix, so the text still says which image it is talking about;
-- a placeholder that no string contains (an asset never referenced) and, for the SDK's own references
-  (``<image:`` + 32 hex digits + ``>``), a reference without an asset are request errors, as are a malformed entry,
-  a ``part`` the body does not hold and a part no asset claims.
-
-Nothing is decoded here: :mod:`clef_local.runtime.media` decodes what :func:`map_assets` returns.
+Clef has no image positions inside the text, so the assets become images in the order their placeholders first
+appear in the prompt, each placeholder is replaced by ``<image N>``, and an asset or reference that does not pair
+up is a 422. Nothing is decoded here: :mod:`clef_local.runtime.media` decodes what this returns.
 """
 
 from __future__ import annotations

@@ -1,20 +1,8 @@
-"""Images and video frames in a request: the accepted forms, decoding under limits, and the one entry point that
-turns a request's ``images`` / ``videos`` / ``assets`` into decoded images (docs/format.md §7).
+"""Images and video frames in a request: the accepted forms, decoding under :class:`MediaLimits`, and
+:func:`resolve_media`, the one entry point from a request's ``images`` / ``videos`` / ``assets`` to decoded images.
 
-Accepted forms, for each image and each frame of a video:
-
-- a base64 data URI (``data:image/png;base64,...``) or raw base64 text: decoded as the reference's processor
-  decodes a string (``transformers.image_utils.load_image``: the EXIF orientation applied, converted to RGB), with
-  the base64 checked strictly (the reference's decoder skips stray characters; a typo here is a 422, not noise);
-- bytes of an image file (the Python API, multipart parts, files the CLI and JSONL readers loaded): as base64 text;
-- a PIL image or a numpy array (``H×W``, ``H×W×3`` or ``H×W×4`` uint8): passed on as they are, as the reference
-  passes them (its processor converts them to RGB, compositing transparency onto white).
-
-URLs are refused (clef-local runs air-gapped) unless :attr:`MediaLimits.allow_urls`; paths are never read from a
-request (``decide --image`` and JSONL files read local files on the caller's side). Every problem is a
-:class:`~clef_local.errors.RequestValidationError` (HTTP 422) whose ``loc`` names the image (``body.images.0``,
-``body.videos.1.3``, ``body.assets.<placeholder>``); counts over the limits are
-:class:`~clef_local.runtime.schema.LimitValidationError`.
+The forms, the limits and the errors (422 naming ``body.images.0``, ``body.assets.<placeholder>``, …):
+docs/format.md §7. URLs are refused unless :attr:`MediaLimits.allow_urls`; paths are never read from a request.
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
-"""The release's image and video processors, and the ids a record's media put right after the prefix
-(docs/format.md §7).
+"""The release's image and video processors, and the placeholder ids a record's media put right after the prefix.
 
-Images go through the image processor ``AutoImageProcessor`` picks for the release, which is what the reference's
-``AutoProcessor`` uses in the same environment: transformers' PIL processor for Qwen-VL (``Qwen2VLImageProcessorPil``,
-no torchvision needed) in the default install, its torchvision twin where torchvision imports (the ``video`` extra;
-the two resize a few pixels one level of 255 apart: docs/format.md §7). Videos go through the release's Qwen3-VL
-video processor, which needs torchvision; without it a video is refused with the reason. Both are loaded on first
-use: text-only requests need only the tokenizer.
-
-The ids are the reference's: its processor expands, in ``"<|vision_start|><|image_pad|><|vision_end|>" × images +
-"<|vision_start|><|video_pad|><|vision_end|>" × videos + "\\n"``, each image's pad token to ``t·h·w / merge²``
-pad tokens (its grid from the processor), and each video's to, per temporal patch, ``"<{t:.1f} seconds>"`` +
-``<|vision_start|>`` + ``h·w / merge²`` video pad tokens + ``<|vision_end|>`` (``t`` the mean time of the
-patch's frames, from the video processor's frame indices and fps, 24 when the frames carry none); then tokenizes
-the text in one piece. ``mm_token_type_ids`` mark image (1) and video (2) pad tokens.
+Images go through the processor ``AutoImageProcessor`` picks (the reference's choice in the same environment),
+videos through Qwen3-VL's video processor (torchvision needed); both load on first use. The ids are the
+reference's, built from the processor's grids (:class:`MediaProcessor`): docs/format.md §7.
 """
 
 from __future__ import annotations

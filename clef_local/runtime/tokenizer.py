@@ -1,13 +1,8 @@
-"""The release's tokenizer, loaded the way the reference loads it, used through its fast backend.
+"""The release's tokenizer, loaded as the reference loads it (``AutoTokenizer``), used through its fast backend.
 
-``transformers`` does not always run the pipeline written in ``tokenizer.json``: for Qwen3.5 it rebuilds the
-normalizer and pre-tokenizer from vocab and merges. So the tokenizer is loaded with ``AutoTokenizer`` (as the
-reference's processor does), and its ``tokenizers`` backend encodes all prompt pieces of a request in one batch
-call, with no special tokens added: the same ids as ``tokenizer(piece, add_special_tokens=False)`` per piece.
-
-The release does not choose arbitrary code or pipelines: ``tokenizer_config.json`` must name a class of
-:data:`clef_local.formats.release.TOKENIZER_CLASSES` and carry no ``auto_map`` (checked before transformers reads
-it), transformers is told ``trust_remote_code=False``, and the class it builds must be one of :data:`LOADED_CLASSES`.
+``transformers`` may rebuild the pipeline of ``tokenizer.json`` (it does for Qwen3.5), so the reference's loader is
+used, then the ``tokenizers`` backend encodes every prompt piece of a request in one call (the same ids as one
+call per piece). The class checks that keep a release from choosing code or pipelines: docs/format.md §1.
 """
 
 from __future__ import annotations

@@ -1,15 +1,6 @@
-"""``clef-local serve``: the SystemOne HTTP API over the public Python API (docs/serving.md).
-
-    app.py        FastAPI routes, body handling, auth, error shapes, OpenAPI
-    body.py       Content-Type and Content-Encoding (zstd, gzip), size limits, safe JSON parsing
-    guard.py      Host and Origin checks (DNS rebinding, other web pages), shared with the UI
-    connections.py  header and body read deadlines, the connection cap (uvicorn's h11 protocol)
-    scheduler.py  dynamic batching on one inference thread
-    metrics.py    Prometheus text metrics
-    config.py     settings, model names and aliases, the bind warning
-    run.py        ``serve`` and a threaded server for tests and benchmarks
-
-Importing this package is cheap; FastAPI and uvicorn load only when an app is built or served.
+"""``clef-local serve``: the SystemOne HTTP API over the public Python API (docs/serving.md; the modules:
+docs/architecture.md#package-map). Importing this package is cheap: FastAPI and uvicorn load only when an app is
+built or served.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """The FastAPI application of ``clef-local serve`` (docs/serving.md): routes, body handling, auth and error shapes.
 
-Every route handler catches what it can cause: a ``ClefError`` becomes its status and ``detail`` (422 with a
-FastAPI-shaped list for validation, ``{"error_type", "message"}`` otherwise); anything else is a bug, logged
-with its traceback and answered 500. Bad input cannot get that far: a foreign ``Host`` or ``Origin`` is refused
-before any route runs (:mod:`.guard`); bodies must be JSON, are size-checked, decompressed with a bound, parsed,
-depth-, key- and Unicode-checked (:mod:`.body`), then encoded once (``ClefModel.encode``: validated, measured
-against the context before tokenizing, media decoded) on the encode thread, off the event loop, before they are
-queued; and the inference thread answers each request's own errors separately (:mod:`.scheduler`).
+:meth:`ServerState.prepare` decodes, parses, validates and encodes a body (``ClefModel.encode``) on the encode thread,
+never on the event loop, before it is queued (:mod:`.scheduler`). A ``ClefError`` becomes its status and ``detail``;
+anything else is a bug, logged with its traceback and answered 500.
 """
 
 from __future__ import annotations

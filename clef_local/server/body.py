@@ -1,13 +1,9 @@
 """Request bodies, from bytes on the wire to a JSON value, with every failure a 4xx (no web framework here).
 
-Size is bounded twice: the raw body (``max_bytes``, 413 before anything is decoded) and the decompressed body
-(the same limit, enforced while decompressing, so a small zstd bomb cannot expand past it). JSON that Python
-would accept but the rest of the pipeline could not handle is refused here, at the door: ``NaN``/``Infinity``,
-nesting deeper than :data:`MAX_DEPTH`, lone UTF-16 surrogates (``"\\ud800"``), which the tokenizer cannot
-encode, and duplicate keys (``{"q": 1, "q": 2}``), which parsers resolve differently (Python keeps the last,
-others the first), so that two readers of one body could see two requests. What is refused here never reaches
-the inference thread. The body must be declared ``application/json`` (:func:`check_content_type`): a web page can
-send ``text/plain`` or form bodies to a local server without the browser asking first, never JSON.
+The size is bounded before and while decompressing (a small zstd bomb cannot expand past it), only JSON is read (a
+web page can send ``text/plain`` or forms without the browser asking, never JSON), and JSON the pipeline cannot use
+is refused at the door: ``NaN``, nesting over :data:`MAX_DEPTH`, lone surrogates, duplicate keys (parsers disagree on
+which wins, so two readers could see two requests). docs/serving.md ("Bodies").
 """
 
 from __future__ import annotations

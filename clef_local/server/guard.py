@@ -1,16 +1,8 @@
 """Who may talk to a local server: the ``Host`` and ``Origin`` checks of ``serve`` and ``ui`` (no framework here).
 
-A server on 127.0.0.1 is reachable from every web page the user opens: a page can POST to it (a form, or
-``fetch`` with ``mode: "no-cors"``), and with DNS rebinding (``evil.example`` resolving to 127.0.0.1) it can even
-read the answers, since the browser then thinks the server *is* ``evil.example``. Two checks close that:
-
-- ``Host`` must name this server: ``localhost``, ``127.0.0.1`` or ``[::1]`` (any port), the address it is bound
-  to, or a name given with ``--allowed-host``. A rebinding page's requests carry its own name: 400.
-- ``Origin``, which browsers add to every cross-origin request (and to same-origin POSTs), must be the server's
-  own origin or one given with ``--cors-origin``: 403 otherwise, before anything runs. Clients that are not
-  browsers send no ``Origin`` and are not affected.
-
-:class:`HostGuard` is a plain ASGI middleware, so the Gradio app uses the same one (``clef_local/app/ui.py``).
+Every web page the user opens can post to 127.0.0.1, and with DNS rebinding read the answers; so ``Host`` must name
+this server (else 400) and a browser's ``Origin`` must be its own or a ``--cors-origin`` (else 403), before anything
+runs. :class:`HostGuard` is plain ASGI, so the Gradio app uses it too. docs/serving.md ("Who may call").
 """
 
 from __future__ import annotations

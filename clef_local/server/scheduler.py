@@ -1,20 +1,10 @@
-"""Dynamic batching: concurrent requests become padded batches of one model's ``run`` on a single inference thread.
+"""Dynamic batching: queued encoded requests become ``ClefModel.run`` batches on one inference thread
+(docs/serving.md#batching).
 
-The event loop never runs a model. ``submit`` puts an encoded request (``ClefModel.encode`` ran on the server's
-encode thread) on a queue and awaits its answer; one collector task takes the first waiting request, keeps
-collecting until ``max_batch`` are in hand or ``max_wait_ms`` have passed since the first, groups them by model and
-hands each group to ONE worker thread (torch is not safe for concurrent forwards on one model), where
-``ClefModel.run`` cuts it into batches of similar lengths by the device's padding budget. While that thread
-computes, new requests queue up and form the next batch. A full queue raises :class:`QueueFullError` (HTTP 429
-with ``Retry-After``).
-
-Threads: the inference thread's forwards use :func:`clef_local.planning.hardware.thread_plan` intra-op threads
-(physical cores minus one for the event loop, ``threads=`` or ``$CLEF_LOCAL_THREADS`` to override) and one inter-op
-thread, set when the scheduler starts and restored when it stops: torch's default of one thread per core
-oversubscribes a server whose event loop needs a core too (docs/serving.md).
-
-Errors stay with the request that caused them: if a batch fails (out of memory, anything the model refuses), its
-requests are re-run one by one, so each gets its own answer or its own error.
+The event loop never runs a model: one collector task gathers up to ``max_batch`` requests or waits ``max_wait_ms``,
+groups them by model and hands each group to the single inference thread (torch is not safe for concurrent forwards
+on one model), sized by :func:`~clef_local.planning.hardware.thread_plan`. A failed batch is re-run one request at
+a time, so each gets its own answer or error; a full queue is :class:`QueueFullError` (429).
 """
 
 from __future__ import annotations

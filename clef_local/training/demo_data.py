@@ -1,19 +1,7 @@
-"""The demo data (``train-head --data demo``): synthetic requests built from real labels of training splits only
-(BANKING77 ``train.csv``, NLU++ banking folds 0–15).
-
-Clef's head learns to decide *any* schema, so its training records vary what the answer must not depend on:
-question ids (random strings half the time), instruction wordings, option descriptions (present or not), option
-subsets and order, and which other questions share the record. Labels come from the data only.
-
-- BANKING77: a choice over 2–``max_options`` intents holding the gold one (a share of them with the gold's nearest
-  intents as distractors), plus noul questions "is the customer asking about <intent>?" with balanced answers.
-- NLU++ banking folds: noul questions from the ontology's descriptions (multi-label truth), and a score question
-  "how many of these intents does the message carry" over three listed intents (a real ordinal label).
-- Twins (:func:`twin_records`): a mixed record and the same record with ids renamed, questions reordered, unrelated
-  questions added or one removed. Labelled questions carry their labels; generic questions without labels only
-  have to get the same answer in both.
-- Canonical records (:func:`demo_universe`): BANKING77 training rows asked as the evaluation asks it, over all
-  77 intents.
+"""The demo data (``train-head --data demo``): synthetic requests from real labels of training splits only
+(BANKING77 ``train.csv``, NLU++ banking folds 0–15), varying what an answer must not depend on (ids, wordings,
+descriptions, option subsets and order, the other questions), with twins (:func:`twin_records`) and the evaluation's
+77-way records (:func:`demo_universe`). The mix: docs/demo-model.md ("How its head was trained").
 """
 
 from __future__ import annotations

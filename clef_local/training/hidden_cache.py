@@ -1,13 +1,9 @@
-"""The caches of head training: what a frozen backbone computes, once per record.
+"""The caches of head training: what a frozen backbone computes, once per record (:func:`cache_hidden_states`,
+:func:`question_means`).
 
-- :func:`cache_hidden_states`: each record's final hidden states ``[T, hidden]`` (stored BF16).
-- :func:`question_means`: each record's question-span means of the un-affine layer norm ``[questions, hidden]``
-  (float32), computed over the record up to its last question span (causal attention: nothing after a span moves
-  its hidden states).
-
-Records are cached in blocks of consecutive records, named by the hash of their token ids (and the compute dtype)
-and written atomically: a larger training set reuses every block it shares with a smaller one, a killed run
-resumes at the first missing block (or chunk), and a stale cache cannot be picked up by mistake.
+Blocks of consecutive records, named by the hash of their token ids and the compute dtype and written atomically:
+a larger training set reuses a smaller one's blocks, a killed run resumes at the first missing block, and a stale
+cache cannot be picked up by mistake.
 """
 
 from __future__ import annotations

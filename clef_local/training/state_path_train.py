@@ -1,15 +1,8 @@
 """``clef-local train-head``: a state-path head (:mod:`.state_path`) trained on a frozen backbone's cached outputs.
 
-Two resumable stages under a work directory:
-
-1. :func:`prepare` encodes the records, cuts the validation split and computes (or reads) three caches
-   (:mod:`.hidden_cache`): the prefix + state hidden states of every distinct state (``states/``), the distractor
-   records' schema hidden states (``distractors/``), and the question-span means of the records that hold a noul or
-   a score (``question-means/``). ``train-head --cache-only`` stops here.
-2. :func:`train` trains the head on them, records as units (a twin's two records together), each record's state
-   as its memory followed by a stretch of another record's schema; a checkpoint after every epoch
-   (``checkpoint.pt``) lets a killed run resume. A temperature fitted on the validation questions and the choice
-   dominance are folded into the weights, and the head files are written: a release head that loads strictly.
+Two resumable stages under a work directory: :func:`prepare` encodes the records, cuts the validation split and
+computes the caches (:mod:`.hidden_cache`; ``--cache-only`` stops there); :func:`train` trains the head on them,
+checkpointed every epoch, then folds the temperature and the choice dominance into the weights it writes.
 """
 
 from __future__ import annotations

@@ -1,22 +1,9 @@
 """Qwen3.5's Gated DeltaNet (linear-attention) layers as ONNX Runtime's ``com.microsoft`` ``GatedDeltaNet`` node.
 
-transformers' PyTorch fallback of the gated delta rule (``torch_chunk_gated_delta_rule``) cannot be exported with a
-dynamic sequence axis: it loops over a number of 64-token chunks that depends on the sequence length, and its export
-path unrolls a 64-step substitution per layer (the exporter then runs for many minutes). Written as torch's ``scan``
-it fails in the exporter's type-promotion pass (torch 2.13). ONNX Runtime (1.32) has the recurrence as one contrib
-op, ``GatedDeltaNet`` (CPU, CUDA, WebGPU kernels), whose recurrence per value head is exactly transformers':
-
-    S_t = exp(g_t) S_{t-1} + k_t (beta_t (v_t - exp(g_t) S_{t-1}^T k_t))^T,    o_t = scale · S_t^T q_t
-
-So, during the export only (:func:`gated_delta_patch`), the fallback is replaced by a function that does the cheap
-parts in torch as transformers does (grouped heads repeated, float32, ``l2norm`` with eps 1e-6) and calls the custom
-op ``clef_onnx::gated_delta_rule`` (eager: the per-token recurrence above; fake: the output shape), which the
-translation table (:data:`TRANSLATION`) turns into one ``GatedDeltaNet`` node with a zero initial state, rank-4
-``[batch, sequence, heads, dim]`` inputs, ``update_rule="gated_delta"`` and the default ``scale = 1/sqrt(dk)``.
-Right padding needs nothing: the recurrence is causal, so padded tokens never reach a real one.
-
-The ``onnx`` package has no schema for this contrib op, so it is described here (:data:`SCHEMA`), only as far as
-the exporter needs to emit the node.
+transformers' PyTorch fallback does not export with a dynamic sequence axis, so during the export only
+(:func:`gated_delta_patch`) it is replaced by a custom op that :data:`TRANSLATION` turns into one ``GatedDeltaNet``
+node; :data:`SCHEMA` describes the contrib op as far as the exporter needs. Why, and the recurrence both compute:
+docs/hardware.md#onnx-runtime.
 """
 
 from __future__ import annotations

@@ -1,18 +1,7 @@
-"""Validation of an ONNX export (optimum's habit): the exported graph against the torch backend, per output.
-
-Both backends run the same directory (the export's own release files: the source's weights, or the variant's), the
-torch one in float32, on the probe set of :func:`clef_local.data.probes.probe_requests`, in padded batches of 8
-(so the dynamic batch axis is exercised with real padding), plus one probe alone and inside a batch of 3 (the
-``batch_consistency`` check). Outputs and tolerances (:data:`TOLERANCES`):
-
-- ``last_hidden_state``: max |Δh| over real tokens divided by max |h| of the reference (relative, so one number
-  fits every backbone): ≤ 1e-4 for fp32/int8/int4 (the same weights, float32 arithmetic: kernel noise only), ≤ 1e-2
-  for fp16.
-- ``probabilities``: max |Δp| over every option ≤ 1e-3 (fp16: 2e-2); mean KL and decision flips are reported (a
-  flip needs a reference margin under 2·max |Δp|, so near-ties may flip within tolerance).
-- ``batch_consistency``: max |Δh| of one record alone vs padded among 3, relative, ≤ 1e-4 (fp16 1e-2).
-
-A tolerance exceeded raises :class:`clef_local.export.validate.ValidationFailed`.
+"""Validation of an ONNX export (optimum's habit): the exported graph against the torch backend in float32, per
+output (``last_hidden_state``, probabilities, one record alone vs padded in a batch), on the same files and the probe
+set. The tolerances (:data:`TOLERANCES`) and why they are relative: docs/hardware.md#onnx-runtime; one exceeded
+raises :class:`clef_local.export.validate.ValidationFailed`.
 """
 
 from __future__ import annotations

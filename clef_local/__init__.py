@@ -3,8 +3,6 @@
     >>> import clef_local
     >>> model = clef_local.load("path/to/release")          # or clef_local.default_model_path()
     >>> model.decide({"model": "clef", "state": "...", "questions": {...}})
-
-Heavy modules (torch, transformers) load on first use, so importing this package is instant.
 """
 
 from __future__ import annotations
@@ -20,6 +18,7 @@ if TYPE_CHECKING:
     from clef_local.model import ClefModel, Prediction, load
 
 
+# lazy, so that importing clef_local loads neither torch nor transformers
 def __getattr__(name: str) -> Any:
     if name in ("load", "ClefModel", "Prediction"):
         from clef_local import model

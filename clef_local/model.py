@@ -1,9 +1,8 @@
 """The public runtime: ``load`` a release, then ``decide`` SystemOne requests, one at a time or batched.
 
-Every request takes one path: :meth:`ClefModel.encode` (validation, size, media, tokens: :mod:`.runtime.encoder`),
-then :meth:`ClefModel.run`, the one generator that batches encoded records, runs the backend and turns logits into
-probabilities. ``decide``, ``decide_batch``, ``predict``, the server, ``batch``, ``eval`` and ``drift`` all go
-through it.
+Every request takes one path: :meth:`ClefModel.encode` (:mod:`.runtime.encoder`), then :meth:`ClefModel.run`, the
+one generator that batches encoded records, runs the backend and turns logits into probabilities; ``decide``,
+``decide_batch``, ``predict``, the server, ``batch``, ``eval`` and ``drift`` all go through it.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""Tiny random Clef releases, for tests and user smoke tests (no download, a few seconds on a CPU).
-
-:func:`build_tiny_release` writes a directory in the exact release layout of docs/format.md: a byte-level BPE tokenizer
-with Qwen3.5's special tokens, a tiny random backbone (a ``Qwen3_5ForConditionalGeneration`` with a vision tower, or
-a ``LlamaForCausalLM`` like the demo model's), a random joint schema head whose every parameter matters, and the
-legal files, including a ``joint_schema_model.py`` canary that raises if anything ever imports it. The numbers mean
-nothing; the files go through the very same code path as a real release's. The same seed gives the same bytes.
+"""Tiny random Clef releases for tests and smoke tests (no download, seconds on a CPU): :func:`build_tiny_release`
+writes the exact release layout (docs/format.md) with a random Qwen3.5 or Llama backbone and head, and a
+``joint_schema_model.py`` canary that raises if anything imports it; the same seed gives the same bytes.
+:func:`build_shaped_release` writes any config's full shapes (:mod:`clef_local.synthetic`).
 """
 
 from __future__ import annotations

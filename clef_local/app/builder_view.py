@@ -1,9 +1,7 @@
-"""The schema builder's components, rendered again whenever the list of questions changes shape.
-
-The rendered inputs hold the truth while the user types; structural edits (add, remove, move) read every input,
-apply the edit to the drafts and store them, which re-renders the builder. Each question's inputs have stable
-``elem_id``s: ``q{i}-id``, ``q{i}-type``, ``q{i}-instructions``, ``q{i}-options``, ``q{i}-true``, ``q{i}-false``,
-and its buttons ``q{i}-up``, ``q{i}-down``, ``q{i}-remove``.
+"""The schema builder's components, rendered again whenever the list of questions changes shape: the inputs hold the
+truth while the user types, and structural edits (add, remove, move) read every input, apply the edit to the drafts
+and store them. Stable ``elem_id``s per question: ``q{i}-id``, ``-type``, ``-instructions``, ``-options``,
+``-true``, ``-false``, and the buttons ``q{i}-up``, ``-down``, ``-remove``.
 """
 
 from __future__ import annotations

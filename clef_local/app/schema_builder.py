@@ -1,11 +1,8 @@
 """The schema builder's state and its two-way mapping to a SystemOne request (pure functions, no Gradio).
 
-A question in the builder is a :class:`QuestionDraft` of plain strings, the way the page holds it. Options are
-typed one per line: ``label`` or ``label: description`` for choice questions, one level text per line (level 0
-first) for score questions. Any text field whose content is valid JSON starting with ``{``, ``[`` or ``"`` is
-read as that JSON value, so structured instructions and descriptions, labels containing ``": "`` and texts with
-leading spaces survive a round trip; everything else is plain text. ``null`` in a noul description means "this
-option has no description" (an absent key means the default one).
+A :class:`QuestionDraft` holds plain strings, as the page does; options are one per line (``label: description``,
+or one level per line for a score). A field that is valid JSON starting with ``{``, ``[`` or ``"`` is read as that
+value, so structured texts survive a round trip; ``null`` in a noul description means "no description".
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
-"""``clef-local ui``: a Gradio app to build schemas, run them, read the probabilities and compare a variant.
+"""``clef-local ui`` (docs/ui.md): a Gradio app to build schemas, run them, read the probabilities, compare a variant.
 
-Local by default (127.0.0.1, no share link), behind the server's ``Host`` / ``Origin`` guard
-(:mod:`clef_local.server.guard`) and Gradio's ``strict_cors``. It calls only the public Python API and the quality
-functions; its stable ``elem_id``s (``q0-id``, ``add-question``, ``run``, ``results`` …) are the browser test's
-contract. docs/ui.md.
+Local by default, behind the server's ``Host`` / ``Origin`` guard (:mod:`clef_local.server.guard`) and Gradio's
+``strict_cors``; it calls only the public Python API and the quality functions. Its stable ``elem_id``s (``q0-id``,
+``add-question``, ``run``, ``results`` …) are the browser test's contract.
 """
 
 from __future__ import annotations

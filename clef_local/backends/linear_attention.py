@@ -1,9 +1,8 @@
 """Which implementation runs Qwen3.5's gated-delta-net (linear attention) layers, three of every four in Clef.
 
-transformers picks, once at import, ``flash-linear-attention``'s Triton kernel or a PyTorch loop over 64-token
-chunks for the gated delta rule, and ``causal-conv1d`` or ``F.conv1d`` for the convolution; the fallbacks are
-correct but much slower on a GPU. :func:`linear_attention_paths` reads what was picked, for the load log and
-``inspect``. Which extra brings which: docs/hardware.md#the-gated-delta-nets-kernels.
+transformers picks, once at import, ``flash-linear-attention``'s kernel or a PyTorch loop over 64-token chunks, and
+``causal-conv1d`` or ``F.conv1d``; the fallbacks are correct but much slower on a GPU. :func:`linear_attention_paths`
+reads the choice for the load log and ``inspect`` (docs/hardware.md#the-gated-delta-nets-kernels).
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
-"""Where the torch backend's modules live: one device, host embeddings, a pipeline split over several devices, and
-the allocator cap of ``--max-memory`` on CUDA (docs/hardware.md).
-
-A pipeline split (:func:`place_pipeline`) puts consecutive runs of decoder layers on the devices the planner chose
-(:mod:`clef_local.planning.split`), everything before the layers (embeddings unless they stay on the host, the
-rotary embedding, the vision tower) on the first device, and the final norm on the last one (where the head runs).
-transformers' text model then runs unchanged: a forward pre-hook on each layer moves the layer's inputs to its
-device. The hidden states change device once per boundary; the tensors every layer receives (the rotary cos/sin,
-the attention masks) are moved once per device per forward and reused (a per-forward memo), not once per layer.
+"""Where the torch backend's modules live: one device, host embeddings, a pipeline split (:func:`place_pipeline`:
+forward pre-hooks move each layer's inputs, the rotary cos/sin and masks once per device per forward), and the CUDA
+allocator cap of ``--max-memory``. docs/hardware.md#two-cards and #memory-caps.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Quantized linear layers of the torch backend, swapped in before a variant's weights are loaded (docs/format.md §6).
 
-Two-phase loading (gpt-fast's pattern): built on the meta device, each quantized ``nn.Linear`` becomes its scheme's
-module (:func:`swap_linears`) with buffers of the stored names, shapes and dtypes, and the packed tensors are
-assigned as stored; no full-precision copy is made. :func:`prepare_quantized` then picks each layer's kernel once,
-on its device; the kernel table and why a CPU dequantizes: docs/quantization.md#kernels.
+Two-phase loading (gpt-fast's pattern): on the meta device each quantized ``nn.Linear`` becomes its scheme's module
+(:func:`swap_linears`) and the packed tensors are assigned as stored, so no full-precision copy is made; then
+:func:`prepare_quantized` picks each layer's kernel once (the table and why a CPU dequantizes: docs/quantization.md).
 """
 
 from __future__ import annotations

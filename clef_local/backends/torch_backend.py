@@ -1,11 +1,6 @@
-"""The PyTorch backend: the backbone's text model through ``transformers``, the head in float32.
-
-Real Clef releases are ``Qwen3_5ForConditionalGeneration`` (text model + vision tower); any Hugging Face causal
-LM (Llama, Qwen3, ...) works as a backbone too, which is what small test and demo releases use.
-
-A quantized variant (``config.json`` with a ``quantization_config`` holding a ``clef_local`` member, docs/format.md §6)
-is loaded in two phases (:func:`load_variant_backbone`): the model is built on the meta device, its quantized linears
-are swapped for :mod:`clef_local.backends.quantized` modules, and the shards' tensors are assigned as stored.
+"""The PyTorch backend: the backbone through ``transformers`` (a Qwen3.5 release with its vision tower, or any causal
+LM), the head in float32 (:mod:`clef_local.heads.torch_head`). A quantized variant is built on the meta device with
+its quantized linears swapped in (:func:`load_variant_backbone`, :mod:`clef_local.backends.quantized`).
 """
 
 from __future__ import annotations

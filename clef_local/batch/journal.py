@@ -1,9 +1,8 @@
 """Committed chunks and their journal: what makes a batch job resumable and exact-once.
 
-A decided chunk's answers and errors are renamed into ``OUT.parts/`` whole, then one appended ``journal.jsonl``
-line commits it; a rerun of the same job (checked against the journal's first line: input, model fingerprint,
-schema, options) keeps the committed chunks whose hashes still match and decides the rest, so the assembled output
-is the same bytes however often the job was interrupted (docs/batch.md#resuming-exactly-once).
+A decided chunk's files are renamed into ``OUT.parts/`` whole, then one appended ``journal.jsonl`` line commits it;
+a rerun of the same job (checked against the journal's first line) keeps the committed chunks whose hashes match
+and decides the rest, so the output is the same bytes however often it was interrupted (docs/batch.md).
 """
 
 from __future__ import annotations

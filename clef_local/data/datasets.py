@@ -1,9 +1,7 @@
-"""Labelled evaluation data as SystemOne requests: BANKING77 (choice) and NLU++ banking (noul per intent).
+"""Labelled evaluation data as SystemOne requests: BANKING77 (a choice) and NLU++ banking (a noul per intent).
 
-The files ship inside the package (``clef_local/data/banking77`` and ``clef_local/data/nlupp``, CC BY 4.0, see
-``clef_local/data/README.md``); ``$CLEF_LOCAL_DATASETS`` may name another folder with the same layout. Nothing is
-downloaded. Each :class:`Example` is a request plus the gold answer of each question (``labels``: the option id
-of a choice, ``True``/``False`` of a noul, the level index of a score).
+The files ship in the package (CC BY 4.0, ``clef_local/data/README.md``; ``$CLEF_LOCAL_DATASETS`` may name another
+folder of the same layout); nothing is downloaded. An :class:`Example` is a request and each question's gold label.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Fixed probe requests drawn from the packaged BANKING77 / NLU++ data.
-
-The same mixed request set serves export validation (:mod:`clef_local.export.validate`, the ONNX parity check),
-``clef-local drift``'s built-in probe set and, from the training splits, GPTQ's calibration requests
-(:mod:`clef_local.export.gptq_calibration`). It lives here, beside the data, so a reader of probes does not import
-the export package.
+"""Fixed probe requests drawn from the packaged BANKING77 / NLU++ data: export validation
+(:mod:`clef_local.export.validate`, the ONNX check), ``drift``'s built-in set and, from the training splits, GPTQ's
+calibration requests. Here, beside the data, so that a reader of probes does not import the export package.
 """
 
 from __future__ import annotations

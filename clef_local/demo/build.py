@@ -1,9 +1,8 @@
 """The embedded default model, ``clef-demo-135m``, built into the user cache on first use (docs/demo-model.md).
 
-The converted backbone (:mod:`clef_local.demo.backbone`, plus a shipped adapter merged by
-:mod:`clef_local.demo.adapter`), the packaged head checked against its hashes and a manifest, written into a
-temporary sibling and renamed into place. An older head is replaced in place on upgrade; a file that does not match
-its manifest is corruption and is named, never repaired silently.
+The converted backbone (:mod:`clef_local.demo.backbone`, plus a shipped adapter, :mod:`clef_local.demo.adapter`),
+the packaged head checked against its hashes and a manifest, renamed into place when complete. An older head is
+replaced on upgrade; a file that does not match its manifest is corruption, named and never repaired silently.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
-"""``clef-local quantize --calibrate``: GPTQ's inputs, collected one decoder layer at a time.
+"""``clef-local quantize --calibrate``: GPTQ's inputs, one decoder layer at a time.
 
-Calibration requests from the training splits (:func:`calibration_requests`), one forward pass that records every
-decoder layer's call, then each layer replayed with hooks summing ``x xᵀ`` at its quantized linears, so only one
-layer's Hessians exist at once; each layer sees the reference's inputs by default (``sequential=True``: the
-quantized layers' outputs). Why that default and the memory it takes: docs/quantization.md#gptq---calibrate.
+Calibration requests from the training splits (:func:`calibration_requests`) run once through the model, recording
+every decoder layer's call; each layer is then replayed with hooks summing ``x xᵀ`` at its quantized linears, so only
+one layer's Hessians exist at once. Whose inputs each layer sees, and why: docs/quantization.md#gptq---calibrate.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """``clef-local quantize``: write a quantized variant of a release, streaming, atomically, validated.
 
-The variant's layout, config and manifest: docs/format.md §6; usage, GPTQ (``--calibrate``,
-:mod:`clef_local.export.gptq_calibration`) and the validation: docs/quantization.md. The source is read shard by
-shard and each output shard is written before the next is read, so the peak is about one shard plus its quantized
-copy; :mod:`clef_local.export.staging` makes the output appear whole or not at all.
+The layout, config and manifest: docs/format.md §6; usage, GPTQ and the validation: docs/quantization.md. Shard by
+shard, each output shard written before the next is read, so the peak is about one shard and its quantized copy;
+:mod:`clef_local.export.staging` makes the output appear whole or not at all.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""Reading a Clef release directory (docs/format.md): configs, weight files, and the joint schema head, strictly.
+"""Reading a Clef release directory (docs/format.md §1): configs, weight files, and the joint schema head, strictly.
 
-A release never runs code (docs/format.md §1): its own ``joint_schema_model.py`` is Cloudflare's reference code and
-is never imported or executed; a config that names code for transformers to import (``auto_map``) is refused here,
-at read time, and so is a ``tokenizer_class`` outside :data:`TOKENIZER_CLASSES`. Every transformers call that reads
-a release also passes ``trust_remote_code=False``.
+A release never runs code: its ``joint_schema_model.py`` is never imported, a config naming code to import
+(``auto_map``) is refused at read time, and so is a ``tokenizer_class`` outside :data:`TOKENIZER_CLASSES`.
 """
 
 from __future__ import annotations

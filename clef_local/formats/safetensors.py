@@ -1,9 +1,8 @@
 """The one reader of safetensors headers, the one dtype table, and raw arrays over a memory map (numpy only).
 
-:func:`read_header` makes safetensors' own checks once, before any tensor is read (docs/format.md §1), so a file
-that passes loads there too and one that fails is a one-line :class:`SafetensorsError` naming the file and tensor.
-:data:`DTYPES` gives each dtype's item size, numpy dtype of the stored bits (BF16 and F8 as unsigned bit patterns)
-and torch name; :func:`read_arrays` maps tensors as read-only numpy arrays (pages never touched are never read).
+:func:`read_header` makes safetensors' own checks once, before any tensor is read (docs/format.md §1): a file that
+fails is a one-line :class:`SafetensorsError` naming it. :data:`DTYPES` maps each dtype to its item size, stored bits
+(BF16 and F8 as unsigned bit patterns) and torch name; :func:`read_arrays` maps tensors without copying them.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""The joint schema head (docs/format.md §4) in numpy float32: the ONNX Runtime backend's head, so that a decision
-there never imports torch. Laid out like :mod:`clef_local.heads.torch_head` (the same steps under the same names);
-``tests/test_heads.py`` holds the three engines to the same numbers.
-
-GELU is the exact (erf) one of ``nn.GELU()``; numpy has no ``erf``, so :func:`_erf` is W. J. Cody's rational
-approximation, computed in float64 and rounded, which is float32-exact.
+"""The joint schema head (docs/format.md §4) in numpy float32, for the ONNX Runtime backend (no torch), laid out like
+:mod:`clef_local.heads.torch_head`. GELU is ``nn.GELU()``'s exact erf form; numpy has no ``erf``, so :func:`_erf` is
+W. J. Cody's rational approximation in float64, float32-exact once rounded.
 """
 
 from __future__ import annotations

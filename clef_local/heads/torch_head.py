@@ -1,10 +1,8 @@
 """The joint schema head (docs/format.md §4) in torch: the torch backend's head and the one training trains.
 
-Cloudflare's reference loops over records, questions and options in Python; this computes the same numbers batched
-(span means as one sparse matmul, padded option tensors, masked softmaxes), so 64 questions × 255 options cost little
-more than one question. Module names are the release's state-dict names: ``JointSchemaHead(config).state_dict()``
-has exactly the keys of ``joint_head.safetensors``. :mod:`.mlx_head` and :mod:`.numpy_head` are the same steps under
-the same names on the other engines.
+The reference's per-record loops become batched steps (span means as one sparse matmul, padded option tensors,
+masked softmaxes); module names are the release's state-dict names, so ``JointSchemaHead(config).state_dict()`` has
+exactly the keys of ``joint_head.safetensors``. :mod:`.mlx_head` and :mod:`.numpy_head` take the same steps.
 """
 
 from __future__ import annotations

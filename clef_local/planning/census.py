@@ -1,9 +1,7 @@
-"""Weight bytes of a release or variant, by role, without loading a tensor (the memory planner's first half).
-
-Exact from the safetensors headers (:func:`census_from_release`; other schemes from the stored shapes with the byte
-formulas of docs/quantization.md#schemes, :func:`quantized_bytes`), or from a bare config.json built on the meta
-device (:func:`census_from_config`). The roles (quantizable linears, the rest of the text model, ``embed_tokens``,
-``lm_head``, the vision tower, the head): docs/hardware.md#clef-local-plan.
+"""Weight bytes of a release or variant, by role, without loading a tensor (the memory planner's first half): exact
+from the safetensors headers (:func:`census_from_release`; other schemes by the byte formulas of
+docs/quantization.md#schemes), or from a bare config.json built on the meta device (:func:`census_from_config`).
+The roles: docs/hardware.md#clef-local-plan.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""Choosing the backend, device, dtype and kernel that run a release's backbone, and checking that it fits.
-
-A pure function of the hardware (:mod:`clef_local.planning.hardware`), the variant's scheme, the planner's footprint
-(:mod:`clef_local.planning.planner`) and the installed backends: :func:`plan_load` (one device), :func:`plan_split`
-(several). The rules, the kernel table and the memory check: docs/hardware.md#the-loader. The backends are only
-names here; :mod:`clef_local.backends.loader` builds them.
+"""Choosing the backend, device, dtype and kernel that run a release's backbone, and checking that it fits: a pure
+function of the hardware (:mod:`clef_local.planning.hardware`), the scheme, the planner's footprint and the installed
+backends, :func:`plan_load` for one device and :func:`plan_split` for several (docs/hardware.md#the-loader). The
+backends are only names here; :mod:`clef_local.backends.loader` builds them.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""What this machine can run on (docs/hardware.md): a CUDA GPU, Apple silicon, or the CPU.
-
-:func:`detect` never fails on a missing package: torch and mlx are imported lazily and only to probe. Named devices
-(:func:`named_device`: ``rtx4090``, ``a100-80g``, ``h200``, ``mac-36``, ``"24GiB"``, ...) describe machines that are
-not this one, so the planner can answer "would it fit there?". :func:`physical_cores` and :func:`thread_plan` size
-the inference threads (the server's torch threads, ONNX Runtime sessions) so that they never oversubscribe the cores.
+"""What this machine can run on (docs/hardware.md): a CUDA GPU, Apple silicon, or the CPU. :func:`detect` never fails
+on a missing package; :func:`named_device` describes machines that are not this one (``rtx4090``, ``mac-36``,
+``"24GiB"``) so the planner can answer "would it fit there?"; :func:`thread_plan` sizes inference threads so that they
+never oversubscribe the cores (docs/hardware.md#threads).
 """
 
 from __future__ import annotations

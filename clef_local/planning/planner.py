@@ -1,9 +1,7 @@
-"""``clef-local plan``: will a release or variant fit a device, in which format, before loading a tensor.
-
-:func:`footprint_from_release` and :func:`footprint_from_config` are the library entry points: weights from
-:mod:`clef_local.planning.census`, activations, overhead and the verdict from :mod:`clef_local.planning.estimate`;
-the Clef and Clef-flash shapes ship in ``clef_local/planning/configs`` (:func:`packaged_config`). Usage:
-docs/hardware.md#clef-local-plan.
+"""``clef-local plan``: will a release or variant fit a device, in which format, before loading a tensor
+(docs/hardware.md#clef-local-plan). :func:`footprint_from_release` and :func:`footprint_from_config` are the library
+entry points: weights from :mod:`clef_local.planning.census`, activations, overhead and the verdict from
+:mod:`clef_local.planning.estimate`; the Clef and Clef-flash shapes ship in ``clef_local/planning/configs``.
 """
 
 from __future__ import annotations

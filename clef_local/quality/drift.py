@@ -1,9 +1,7 @@
-"""Drift of a candidate (a quantized variant) against its reference on the same requests (docs/quality.md#drift).
-
-Public API, imported lazily by the UI: :func:`question_drift` (one question), :func:`compare_predictions`,
-:func:`summarize` (the names ``--gate`` uses), :func:`run_drift` (both models over the requests) and
-:func:`drift_from_predictions` (one reference pass for many candidates). The result types are
-:mod:`clef_local.quality.results`; the command line is :mod:`clef_local.quality.drift_cli`.
+"""Drift of a candidate (a quantized variant) against its reference on the same requests (docs/quality.md#drift):
+:func:`question_drift`, :func:`compare_predictions`, :func:`summarize` (the names ``--gate`` uses), :func:`run_drift`
+and :func:`drift_from_predictions` (one reference pass, many candidates); imported lazily by the UI. The result
+types are :mod:`clef_local.quality.results`, the command line :mod:`clef_local.quality.drift_cli`.
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
-"""``clef-local eval``: offline evaluation of a model on labelled requests (air-gapped by default).
-
-Per question type (noul, choice, score, and all together): accuracy, macro-F1, NLL, Brier, ECE (15 equal-width
-bins) and adaptive ECE (15 equal-count bins), from :mod:`clef_local.quality.metrics`; plus latency percentiles of each
-batch, time per request and throughput (requests, questions and tokens per second).
-
-    clef-local eval --model DIR --data b77.jsonl --limit 100 --batch-size 8 --json m.json --report r.html
+"""``clef-local eval``: a model on labelled requests, offline. Per question type, accuracy, macro-F1, NLL, Brier, ECE
+and adaptive ECE (:mod:`clef_local.quality.metrics`), and each batch's latency and throughput (docs/quality.md#eval).
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""The report's plots as base64 PNG strings (matplotlib, Agg backend, imported only when a plot is drawn).
-
-Each function takes named series and returns the PNG bytes base64-encoded, ready for ``<img src="data:...">``:
-reliability diagrams (accuracy against confidence per equal-width bin), a histogram of per-question KL,
-a scatter of reference against candidate probabilities, and confidence–accuracy curves (accuracy of the
-questions answered at or above each confidence threshold, against the share answered).
+"""The report's plots as base64 PNG strings (matplotlib, Agg backend, imported only when a plot is drawn), ready for
+``<img src="data:...">``: reliability diagrams, a histogram of per-question KL, reference against candidate
+probabilities, and confidence–accuracy curves (accuracy of the questions answered at or above each threshold).
 """
 
 from __future__ import annotations

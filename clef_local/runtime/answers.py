@@ -1,9 +1,6 @@
-"""From option logits to SystemOne answers (docs/format.md §5).
-
-Probabilities are a float32 softmax over each question's options. Confidence follows Jev's definition by default
-(how far the distribution is from uniform, or how concentrated a score distribution is around its mode); the
-reference implementation's peak probability is available as ``confidence="reference"``. Values keep full
-precision here; :func:`round_floats` rounds them for the wire.
+"""From option logits to SystemOne answers (docs/format.md §5): a float32 softmax per question, Jev's confidence by
+default (``confidence="reference"``: the reference's peak probability), full precision here; :func:`round_floats`
+rounds for the wire.
 """
 
 from __future__ import annotations

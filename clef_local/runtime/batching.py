@@ -1,10 +1,8 @@
-"""Padded batches that stay tight: requests of similar length together, and how much padding a device can afford.
+"""Padded batches that stay tight: requests of similar length together, within what padding costs on the device.
 
-A right-padded batch runs every row to the longest row's length. On an accelerator those extra positions are
-nearly free until the device is saturated, so batching wins even with some padding. A CPU prefill is compute-bound:
-every padded position costs as much as a real one, and a padding mask moves attention off the unmasked causal
-kernel (8 × 850 tokens of the demo backbone: 8 one by one 19.7 s, one batch 21.7 s, the same batch with 1% padding
-24.2 s), so on a CPU only requests of equal length share a batch (``python benchmarks/batching.py``).
+On an accelerator padded positions are nearly free until it is saturated; a CPU prefill is compute-bound, every
+padded position costs as much as a real one and a padding mask moves attention off the unmasked causal kernel, so on
+a CPU only equal lengths share a batch (docs/benchmarks.md, "Padded batches on a CPU").
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Encode a SystemOne request into token ids and spans, exactly as Clef was trained (docs/format.md §2).
 
-Every piece of the prompt is tokenized on its own (BPE merges never cross pieces) and the ids are concatenated.
-The question span is the rendered instructions; each option span is the rendered ``{"option_id", "description"}``
-object. Identical pieces (``"OPTION 3: "``, ``"\\n"``, ...) are tokenized once per request, and all pieces of a
-request go to the tokenizer in one batch call.
+Every prompt piece is tokenized on its own (BPE merges never cross pieces) and the ids concatenated; the question
+span is the rendered instructions, each option span the rendered ``{"option_id", "description"}``. A request's
+distinct pieces go to the tokenizer in one batch call.
 """
 
 from __future__ import annotations

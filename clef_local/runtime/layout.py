@@ -1,11 +1,6 @@
-"""Index tensors that let the head work on a whole padded batch at once.
-
-The reference head walks records, questions and options in Python. Here every question and option of the batch
-gets a flat index, and the tokens of every question and option span are listed span after span (CSR row
-offsets + flat token positions), so means over spans become one sparse-dense matmul and per-question softmaxes
-one masked softmax over a ``[Q, K]`` tensor.
-
-The layout is built with numpy (no torch import) so every backend can convert it to its own arrays.
+"""Index arrays that let the head work on a whole padded batch at once (docs/format.md §4, "Batched"): a flat index
+per question and option, and the tokens of every span listed span after span (CSR), so span means are one
+sparse-dense matmul. Built with numpy, so every backend converts it to its own arrays.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
-"""Wire types of the SystemOne API (docs/format.md §5, §3) and validation of requests against configurable limits.
+"""Wire types of the SystemOne API (docs/format.md §2, §5) and validation of requests against configurable limits.
 
-``validate_request`` is the only way a request body enters clef-local: it never lets a pydantic exception out.
-Structural problems raise :class:`~clef_local.errors.RequestValidationError` (HTTP 422, FastAPI-shaped
-``errors``); counts over the configured :class:`Limits` raise :class:`LimitValidationError`, which is both a
-``RequestValidationError`` and a :class:`~clef_local.errors.LimitExceededError`, so it is served as 422 too.
+``validate_request`` is the only way a request body enters clef-local and never lets a pydantic exception out:
+structural problems are :class:`~clef_local.errors.RequestValidationError` (422, FastAPI-shaped), counts over the
+:class:`Limits` :class:`LimitValidationError`, also a ``RequestValidationError`` and so served as 422 too.
 """
 
 from __future__ import annotations

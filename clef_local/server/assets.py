@@ -1,10 +1,6 @@
-"""``multipart/form-data`` bodies of ``POST /v1/systemone`` (what typesafe-sdk sends for its ``Image`` assets;
-docs/serving.md, Media).
-
-A multipart body (RFC 7578) holds the request JSON as the part named ``request`` and each image's bytes as a part
-that one asset names (``"assets": {"<placeholder>": {"type": "image", "part": "asset-0"}}``). The body is read and
-decompressed under the same 13 MiB limit as a JSON body, then split here (a malformed body is a 422 naming the
-problem); ``ClefModel.encode`` decodes the images with the served model's limits before the request is queued.
+"""``multipart/form-data`` bodies of ``POST /v1/systemone``, what typesafe-sdk sends for its ``Image`` assets: the
+request JSON in the part ``request``, each image in a part an asset names. :func:`split_multipart` only splits (a
+malformed body is a 422); ``ClefModel.encode`` decodes the images. docs/serving.md#media.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""Request bodies, from bytes on the wire to a JSON value, with every failure a 4xx (no web framework here).
-
-The size is bounded before and while decompressing (a small zstd bomb cannot expand past it), only JSON is read (a
-web page can send ``text/plain`` or forms without the browser asking, never JSON), and JSON the pipeline cannot use
-is refused at the door: ``NaN``, nesting over :data:`MAX_DEPTH`, lone surrogates, duplicate keys (parsers disagree on
-which wins, so two readers could see two requests). docs/serving.md ("Bodies").
+"""Request bodies, from bytes on the wire to a JSON value, every failure a 4xx (no web framework here): the size is
+bounded before and while decompressing (a small zstd bomb cannot expand past it), only JSON is read (a web page can
+send forms without the browser asking, never JSON), and ``NaN``, nesting over :data:`MAX_DEPTH`, lone surrogates and
+duplicate keys (parsers disagree on which wins) are refused at the door. docs/serving.md ("Bodies").
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Prometheus metrics for ``clef-local serve``, hand-written (text exposition format 0.0.4, no dependency).
-
-Requests by route and status, request latency, batch sizes, inference time per batch, the scheduler's queue
-depth, and each served model's state cache (hits, misses, evictions, bytes against the budget). Routes are labelled
-by their template (``/v1/systemone``), never by the raw path, so a client cannot grow the label set; anything that
-matched no route is ``other``.
+"""Prometheus metrics for ``clef-local serve``, hand-written (text exposition format 0.0.4, no dependency); the list
+is docs/serving.md#metrics. Routes are labelled by their template (``/v1/systemone``), never by the raw path, so a
+client cannot grow the label set; anything that matched no route is ``other``.
 """
 
 from __future__ import annotations

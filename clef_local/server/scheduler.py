@@ -1,10 +1,7 @@
-"""Dynamic batching: queued encoded requests become ``ClefModel.run`` batches on one inference thread
-(docs/serving.md#batching).
-
-The event loop never runs a model: one collector task gathers up to ``max_batch`` requests or waits ``max_wait_ms``,
-groups them by model and hands each group to the single inference thread (torch is not safe for concurrent forwards
-on one model), sized by :func:`~clef_local.planning.hardware.thread_plan`. A failed batch is re-run one request at
-a time, so each gets its own answer or error; a full queue is :class:`QueueFullError` (429).
+"""Dynamic batching: queued encoded requests become ``ClefModel.run`` batches on one inference thread, never on the
+event loop (torch is not safe for concurrent forwards on one model); its threads follow
+:func:`~clef_local.planning.hardware.thread_plan`. A failed batch is re-run one request at a time, so errors stay
+per request; a full queue is :class:`QueueFullError` (429). docs/serving.md#batching.
 """
 
 from __future__ import annotations

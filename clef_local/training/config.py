@@ -1,9 +1,6 @@
-"""The settings of ``clef-local train-head``: the head's shape and the recipe that trained the shipped demo head
-(``clef_local/demo/head/MODEL_CARD.md``), one dataclass, every default with the reason it has that value.
-
-Each field is also a ``train-head`` flag (``batch_records`` → ``--batch-records``) whose help is that reason. The
-reasons quote what was measured while the recipe was built (2026-11-30 to 2026-12-02, docs/demo-model.md and
-docs/benchmarks.md).
+"""The settings of ``clef-local train-head``: the head's shape and the shipped demo head's recipe in one dataclass,
+every default with the reason it has that value. Each field is also a flag (``batch_records`` → ``--batch-records``)
+whose help is that reason; the measurements behind them are in docs/demo-model.md and docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""The losses of head training: per-question supervision, twin consistency, and a prior on where evidence lies.
-
-- :func:`question_loss`: label-smoothed cross-entropy + Brier per question, as Clef was trained.
-- :func:`twin_loss`: symmetric KL between the answers of twin questions (renamed, reordered, in other company).
-- :func:`state_mass_loss`: ``-log`` of the routing layers' attention mass on prefix + state.
-- :func:`logit_temperature`: the calibration temperature of least validation NLL.
+"""The losses of head training: :func:`question_loss` (label-smoothed cross-entropy + Brier, as Clef was trained),
+:func:`twin_loss` (symmetric KL between twin questions), :func:`state_mass_loss` (``-log`` of the routing layers'
+attention on prefix + state) and :func:`logit_temperature` (the temperature of least validation NLL).
 """
 
 from __future__ import annotations

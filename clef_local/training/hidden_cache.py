@@ -1,9 +1,7 @@
 """The caches of head training: what a frozen backbone computes, once per record (:func:`cache_hidden_states`,
-:func:`question_means`).
-
-Blocks of consecutive records, named by the hash of their token ids and the compute dtype and written atomically:
-a larger training set reuses a smaller one's blocks, a killed run resumes at the first missing block, and a stale
-cache cannot be picked up by mistake.
+:func:`question_means`), in blocks named by the hash of their token ids and the compute dtype and written
+atomically: a larger training set reuses a smaller one's blocks, a killed run resumes at the first missing block,
+and a stale cache cannot be picked up by mistake.
 """
 
 from __future__ import annotations

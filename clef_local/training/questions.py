@@ -1,10 +1,6 @@
-"""The question table of a training run and its validation split.
-
-Every question of every record is a row (its span mean, type, gold and options as rows of the
-:class:`~.records.LexicalTable`). A choice's answer depends on its state and options only, so one whose gold is in
-an option universe (the demo data: the 77 BANKING77 intents) is also asked over all of it as an extra row, a
-*full view*: the 77-way question the evaluation asks, for no backbone pass. Units are what trains together: a
-record's rows, or both records of a twin (for the consistency term); the validation split is cut from them.
+"""The question table of a training run and its validation split. Every question of every record is a row; a
+choice whose gold lies in an option universe (the 77 BANKING77 intents) is also asked over all of it, a *full view*
+that costs no backbone pass. Units (a record, or both records of a twin) train together and are what the split cuts.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""``clef-local train-head``: the command line of head training.
-
-``clef-local train-head --backbone DIR --out HEAD`` trains a state-path head (:mod:`.state_path_train`) with the
-recipe of the shipped demo head: every :class:`~.config.TrainConfig` field is a flag whose default is that recipe's.
-``--adapters r=16[,alpha=32,layers=10]`` instead trains LoRA adapters on the backbone together with a whole-record
-head (:mod:`.adapter_train`, :class:`~.adapter_train.AdapterConfig`). A flag the chosen recipe does not use is
-refused before any work.
+"""``clef-local train-head``: the command line of head training. By default the shipped head's recipe
+(:mod:`.state_path_train`, every :class:`~.config.TrainConfig` field a flag); ``--adapters r=16[,alpha=32,layers=10]``
+trains LoRA adapters with a whole-record head instead (:mod:`.adapter_train`). A flag the chosen recipe does not use
+is refused before any work.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Qwen3.5's Gated DeltaNet (linear-attention) layers as ONNX Runtime's ``com.microsoft`` ``GatedDeltaNet`` node.
 
 transformers' PyTorch fallback does not export with a dynamic sequence axis, so during the export only
-(:func:`gated_delta_patch`) it is replaced by a custom op that :data:`TRANSLATION` turns into one ``GatedDeltaNet``
-node; :data:`SCHEMA` describes the contrib op as far as the exporter needs. Why, and the recurrence both compute:
-docs/hardware.md#onnx-runtime.
+(:func:`gated_delta_patch`) it becomes a custom op that :data:`TRANSLATION` turns into that node (:data:`SCHEMA`
+describes it for the exporter). Why, and the recurrence both compute: docs/hardware.md#onnx-runtime.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The flagship scenarios on a GPU, from synthetic full-size releases (run by benchmarks/gpu_check.sh; issue 29).
+"""The flagship scenarios on a GPU, from synthetic full-size releases (run by benchmarks/gpu_check.sh).
 
     python benchmarks/flagship.py --out OUT                  # on a CUDA machine (an H200: ≤ 8 minutes)
     python benchmarks/flagship.py --out OUT --dry-run        # tiny shapes on the CPU: the whole script, in CI time

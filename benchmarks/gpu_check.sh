@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every check that needs a CUDA GPU, as one prepared run: the flagship scenarios of issue 29 on synthetic full-size
+# Every check that needs a CUDA GPU, as one prepared run: the flagship desks' scenarios on synthetic full-size
 # releases (benchmarks/flagship.py: (a) Clef 27B int4 under a 24 GiB cap at 4K / 16K, (b) Clef 27B int8 on two
 # simulated 24 GiB cards at 16K, (c) Clef-flash BF16 / int4 on the whole card, the gated delta net's two paths,
 # the quantized kernels per layer, (d) the tests marked cuda). Prints one table, writes it to $OUT/flagship.md.

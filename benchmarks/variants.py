@@ -8,7 +8,7 @@
 BANKING77 test rows (77-way choice) through the reference and each variant: mean KL(ref‖var), flip rate, accuracy
 and ECE (15 bins) of both; the same drift on ``quantize``'s 64 validation probes; then a 3-question request:
 median latency (of 10) and the peak RSS of a fresh process that loads the model and answers it. One table.
-Targets (issue 4): int8/fp8 mean KL ≤ 0.002 and flips ≤ 1%;
+Targets (the export's validation thresholds): int8/fp8 mean KL ≤ 0.002 and flips ≤ 1%;
 int4/nf4 mean KL ≤ 0.03 and flips ≤ 5%.
 Tables in docs/benchmarks.md#quantized-variants-of-the-demo-model and docs/benchmarks.md#gptq---calibrate.
 """
@@ -72,7 +72,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, help="the BF16 reference release (default: the default model)")
     parser.add_argument("--variants", nargs="*", default=[], metavar="SCHEME=DIR", help="existing variants")
-    parser.add_argument("--rows", type=int, default=500, help="BANKING77 test rows (issue 4: the first 500)")
+    parser.add_argument("--rows", type=int, default=500, help="BANKING77 test rows (the first N; the tables use 500)")
     parser.add_argument("--dtype", default="auto", help="compute dtype for every model (auto: as stored)")
     parser.add_argument("--schemes", default=",".join(SCHEMES),
                         help="schemes exported beside the release when not given in --variants (default: all four; "

@@ -78,7 +78,7 @@ _TABLES: dict[tuple[float, str], np.ndarray] = {}  # filled in the main thread, 
 
 
 def _normal_table(std: float, dtype: str) -> np.ndarray:
-    """65,536 N(0, std) values in ``dtype`` (bit patterns for BF16): sampling by index is 4× faster than sampling."""
+    """65,536 N(0, std) values in ``dtype`` (bit patterns for BF16): sampling by index is cheaper than sampling."""
     key = (std, dtype)
     if key not in _TABLES:
         values = np.random.default_rng(_TABLE_SEED).standard_normal(1 << 16).astype(np.float32) * np.float32(std)

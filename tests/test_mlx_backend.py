@@ -1,4 +1,4 @@
-"""The MLX backend against the torch backend on the same releases and variants (issue 5, item 4).
+"""The MLX backend against the torch backend on the same releases and variants.
 
 Tolerance: float32 on both sides, max |Δp| per question ≤ 1e-4 (measured ≤ 4e-7 on the tiny releases), no decision
 flip on the probe set. Skipped when ``mlx`` is not installed (``.ci/run`` installs it).

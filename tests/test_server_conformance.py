@@ -75,7 +75,7 @@ def test_jevcompat_on_the_demo_model(demo_release: Path, tmp_path: Path) -> None
     """Every protocol MUST passes on a real backbone; only the model-quality ``semantics.*`` checks may fail.
 
     jevcompat's semantics checks (renaming ids, reordering or adding questions moves no probability by > 0.05) judge
-    the head, not the server (issue 3: the demo head's nouls still move by more than 0.05 in some requests).
+    the head, not the server (the demo head's nouls still move by more than 0.05 in some requests).
     Any other failure is a server bug and fails this test.
     """
     app = create_app({"clef-local": clef_local.load(demo_release)}, ServerConfig())

@@ -1,4 +1,4 @@
-"""What ``clef-local serve`` refuses before it costs anything (issue 30): oversized text, foreign hosts and pages,
+"""What ``clef-local serve`` refuses before it costs anything: oversized text, foreign hosts and pages,
 non-JSON bodies, duplicate keys. Loopback only; the tiny Llama (8,192-token context, tokens of at most 48 bytes)."""
 
 from __future__ import annotations

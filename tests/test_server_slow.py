@@ -1,4 +1,4 @@
-"""Slow and surplus clients of ``clef-local serve`` (issue 30): slowloris connections are dropped on time while
+"""Slow and surplus clients of ``clef-local serve``: slowloris connections are dropped on time while
 normal requests are answered, and connections beyond ``--max-connections`` get 503 at once. Loopback only."""
 
 from __future__ import annotations

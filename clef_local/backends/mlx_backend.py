@@ -135,8 +135,8 @@ class ExactQuantizedLinear(nn.QuantizedLinear):
     the output is multiplied by it per output feature (the int8 mapping of :mod:`mlx_weights`).
 
     ``kernel``: :data:`QUANTIZED_MATMUL` (``mx.quantized_matmul``, Metal's fast path) or :data:`DEQUANTIZE_MATMUL`
-    (``x @ mx.dequantize(...).T`` per call, the same weights: MLX's Linux CPU ``quantized_matmul`` measured ~10×
-    slower than dequantize + an OpenBLAS matmul on a 339×576 @ 576×1536 product, 650 vs 70 ms).
+    (``x @ mx.dequantize(...).T`` per call, the same weights: on MLX's Linux CPU build much faster than its
+    ``quantized_matmul``, docs/benchmarks.md#backends).
     """
 
     def __init__(self, arrays: Mapping[str, mx.array], group_size: int, bits: int,

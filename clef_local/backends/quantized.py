@@ -120,7 +120,7 @@ def repack_int4(packed: dict[str, torch.Tensor], group_size: int, dtype: torch.d
     step = max(64, rows // (words * int4.PACK) // 64 * 64)
     weight: torch.Tensor | None = None
     scales_and_zeros: torch.Tensor | None = None
-    for start in range(0, out_f, step):  # written into preallocated tensors: a list + cat left 15 MiB more RSS
+    for start in range(0, out_f, step):  # preallocated: a list + cat would leave its copy resident
         block = convert({k: v[start:start + step] for k, v in packed.items()}, group_size, dtype)
         if weight is None or scales_and_zeros is None:  # the kernel layouts' leading dimension is proportional
             per_row = block.weight.shape[0] / min(step, out_f)  # to the rows (1 or 1/8 per row)

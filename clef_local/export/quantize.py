@@ -126,8 +126,8 @@ def release_memory() -> None:
     """Hand freed heap memory back to the OS (glibc ``malloc_trim``; a no-op elsewhere).
 
     glibc raises its mmap threshold after large frees, so later transient buffers come from the heap, where the
-    small long-lived outputs between them keep the freed space resident: without this, a 1-shard export's RSS grew
-    to ~3× the shard instead of ~1.4×.
+    small long-lived outputs between them keep the freed space resident: without this, a one-shard export's RSS
+    grows to a multiple of the shard (docs/benchmarks.md, export size and memory).
     """
     global _LIBC
     if _LIBC is None:
@@ -244,7 +244,7 @@ def first_quantized_weight(source: Path, shards: list[str]) -> torch.Tensor | No
 def already_4bit(weight: torch.Tensor) -> bool:
     """Whether a 2-D weight already lies on a 4-bit affine grid per 32 input columns — a dequantized GGUF
     Q4_0/Q4_1 model, such as the demo backbone: int4 g32 (mse grid) then gives it back up to its dtype's rounding
-    (relative error ~0.004 in bf16, against ~0.07 for Gaussian weights)."""
+    (an order of magnitude below Gaussian weights' error, docs/benchmarks.md, int4 grids)."""
     import torch
 
     from clef_local.quant import int4

@@ -22,7 +22,7 @@ from clef_local.runtime.layout import HeadLayout
 
 __all__ = ["HeadConfig", "HeadInputs", "JointSchemaHead", "load_head", "padded_logits"]
 
-# Span means use a CSR matmul (8-14x faster than index_add_ on CPU); torch's "beta" notice about it is noise here.
+# Span means use a CSR matmul (much faster than index_add_ on a CPU); torch's "beta" notice about it is noise here.
 # It is filtered around the op only, never in the process's filters; torch gives it once per process, so after the
 # first CSR tensor the op runs without catch_warnings (whose every use re-arms Python's once-per-place warnings).
 _CSR_NOTICES = ("Sparse CSR tensor support is in beta", "Sparse invariant checks are implicitly disabled")

@@ -60,9 +60,9 @@ def cache_hidden_states(backbone_dir: Path, encoded: Sequence[EncodedRecord], ca
 
     Records are cached in blocks of ``block_records`` consecutive records, each in a directory named by the hash of
     its token ids (and the compute dtype): growing the training set (or resuming a killed run) computes only the
-    blocks not yet there. The backbone computes in BF16 on an accelerator and on a CPU with AMX (0.4 vs 1.0 ms per
-    token in float32 for SmolLM2-135M on 2 cores), else in float32 (faster than BF16 without AMX). BF16 is also
-    what ``clef_local.load`` runs there, so the head trains on the hidden states it will see.
+    blocks not yet there. The backbone computes in BF16 on an accelerator and on a CPU with AMX (well over twice as
+    fast as float32 there, docs/benchmarks.md#head-training), else in float32 (faster than BF16 without AMX). BF16
+    is also what ``clef_local.load`` runs there, so the head trains on the hidden states it will see.
     """
     from clef_local.backends.torch_backend import TorchBackbone
 

@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 @contextlib.contextmanager
 def flush_denormals() -> Iterator[None]:
     """Denormal floats flushed to zero while the block runs (CPU). Denormals are below 1.2e-38, so no result
-    changes, but x86 handles them in microcode: a step of the packaged head took 3.9 s instead of 1.3 s."""
+    changes, but x86 handles them in microcode, several times slower (docs/benchmarks.md#head-training)."""
     torch.set_flush_denormal(True)
     try:
         yield

@@ -126,7 +126,7 @@ def units_to_batches(units: Sequence[Sequence[int]], batch_records: int,
     """Units (a record, or a twin's two records) grouped into batches of about ``batch_records`` records.
 
     With ``lengths``, units are sorted by length within pools of ``pool`` batches (so a batch pads to a similar
-    length, not to the longest record in the data: ~2x less work) and the batches are shuffled back; the order
+    length, not to the longest record in the data) and the batches are shuffled back; the order
     stays random from epoch to epoch because ``units`` arrive shuffled.
     """
     if lengths is not None:

@@ -31,7 +31,7 @@ class Limits:
     # The documented SystemOne maximum (jevcompat checks that 10 is accepted).
     max_score_levels: int = 10
     # Ids and labels are names, not text: a few hundred bytes name anything, and a megabyte id is an attack on
-    # the tokenizer, refused here before it costs anything. (Texts are bounded by the context: ClefModel.check_size.)
+    # the tokenizer, refused before it costs anything. (Texts are bounded by the context: RequestEncoder.check_size.)
     max_question_id_bytes: int = 256
     max_label_bytes: int = 256
 

@@ -79,11 +79,11 @@ class ReleaseTokenizer:
     def max_token_bytes(self) -> int:
         """At most how many bytes of UTF-8 text one token can stand for: ``tokens(text) >= bytes(text) / this``.
 
-        It lets a request too large for the context be refused before it is tokenized (``ClefModel.check_size``):
-        tokenizing megabytes only to fail would hold the inference thread for seconds and grow the process by
-        gigabytes. The longest vocabulary token in bytes of the text it covers (a byte-level BPE token's
-        characters are bytes: 81 for SmolLM2), times how far the normalizer can shrink text before the model sees
-        it (:data:`NORMALIZER_SHRINK`: NFC composes three Hangul jamo, 9 bytes, into one 3-byte syllable).
+        It lets a request too large for the context be refused before it is tokenized (``RequestEncoder.check_size``):
+        tokenizing megabytes only to fail would hold a thread for seconds and grow the process by gigabytes. The longest
+        vocabulary token in bytes of the text it covers (a byte-level BPE token's characters are bytes: 81 for SmolLM2),
+        times how far the normalizer can shrink text before the model sees it (:data:`NORMALIZER_SHRINK`: NFC composes
+        three Hangul jamo, 9 bytes, into one 3-byte syllable).
         :data:`FALLBACK_TOKEN_BYTES` when the vocabulary cannot be listed or the normalizer may shrink text
         without bound (a ``Replace``, ``Strip`` or precompiled normalizer).
         """

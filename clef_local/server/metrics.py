@@ -164,8 +164,8 @@ class ServerMetrics:
                                  LATENCY_BUCKETS, ("route",))
         self.bodies = Counter("clef_request_bodies_total", "POST bodies read, by Content-Encoding.", ("encoding",))
         self.batch_size = Histogram("clef_batch_size", "Requests per inference batch.", BATCH_BUCKETS)
-        self.inference = Histogram("clef_batch_inference_seconds", "Time of one decide_batch call in seconds.",
-                                   LATENCY_BUCKETS)
+        self.inference = Histogram("clef_batch_inference_seconds",
+                                   "Time of one model group on the inference thread in seconds.", LATENCY_BUCKETS)
         self.queue_depth = Gauge("clef_queue_depth", "Requests waiting for the inference thread.", queue_depth)
         self.in_flight = Gauge("clef_requests_in_batch", "Requests in the batch being computed now.", in_flight)
         self.state_caches: list[Collected] = []

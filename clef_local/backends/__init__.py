@@ -1,1 +1,2 @@
-"""Backends that run the backbone (torch today; MLX and ONNX Runtime later) and feed the joint schema head."""
+"""Backends that run the backbone and the joint schema head on a device: torch, MLX and ONNX Runtime behind one
+protocol (:mod:`.base`), built by :mod:`.loader`."""

@@ -74,7 +74,7 @@ class EvidenceRoutingLayer(nn.Module):
             if attention is not None:
                 attention.append(weights)
         else:
-            routed = _attend(self.attention, self.query_norm(queries), normed_memory, memory_pad)
+            routed = attend(self.attention, self.query_norm(queries), normed_memory, memory_pad)
         queries = queries + self.attention_dropout(routed)
         return queries + self.feedforward(self.feedforward_norm(queries))
 
@@ -144,9 +144,9 @@ class JointSchemaHead(nn.Module):
             hidden=hidden,
             # no mask at all when nothing is padded: attention then takes its fastest kernel
             memory_pad=None if bool(attention_mask.all()) else attention_mask == 0,
-            question=_span_mean(flat, layout.question_token_index, layout.question_token_offsets),
-            option_context=_span_mean(flat, layout.option_token_index, layout.option_token_offsets),
-            option_lexical=_span_mean(lexical_rows.to(dtype), lexical_index, layout.option_token_offsets),
+            question=span_mean(flat, layout.question_token_index, layout.question_token_offsets),
+            option_context=span_mean(flat, layout.option_token_index, layout.option_token_offsets),
+            option_lexical=span_mean(lexical_rows.to(dtype), lexical_index, layout.option_token_offsets),
             last=flat[layout.record_last_index])
 
     def logits(self, x: HeadInputs, layout: HeadLayout, *,
@@ -161,7 +161,7 @@ class JointSchemaHead(nn.Module):
             + self.option_lexical_projection(x.option_lexical)
             + self.option_question_projection(x.question)[layout.option_question]
         )
-        routed = _scatter_padded(queries, layout.option_record, layout.option_record_slot, batch,
+        routed = scatter_padded(queries, layout.option_record, layout.option_record_slot, batch,
                                  layout.max_options_per_record)
         for layer in self.evidence_layers:
             routed = layer(routed, memory, x.memory_pad, routing_attention)
@@ -171,7 +171,7 @@ class JointSchemaHead(nn.Module):
         base_fields = self.question_projection(x.question)  # [Q, w]
         scores = (routed * base_fields[layout.option_question]).sum(-1) / math.sqrt(routed.shape[-1])
         weights = _padded_softmax(scores, layout)  # [Q, K]
-        per_question = _scatter_padded(routed, layout.option_question, layout.option_slot,
+        per_question = scatter_padded(routed, layout.option_question, layout.option_slot,
                                        layout.num_questions, layout.max_options)
         summary = torch.einsum("qk,qkw->qw", weights, per_question)
         fields_ = (
@@ -182,7 +182,7 @@ class JointSchemaHead(nn.Module):
         )
 
         # Field transformer: each record's questions as one sequence, memory as cross-attention input.
-        seq = _scatter_padded(fields_, layout.question_record, layout.question_slot, batch,
+        seq = scatter_padded(fields_, layout.question_record, layout.question_slot, batch,
                               layout.max_questions_per_record)
         field_pad = _padding_mask(layout.question_record, layout.question_slot, batch,
                                   layout.max_questions_per_record)
@@ -192,7 +192,7 @@ class JointSchemaHead(nn.Module):
             if self.training:
                 seq = layer(seq, memory, tgt_key_padding_mask=field_pad, memory_key_padding_mask=x.memory_pad)
             else:
-                seq = _decoder_layer(layer, seq, memory, field_pad, x.memory_pad)
+                seq = decoder_layer(layer, seq, memory, field_pad, x.memory_pad)
         fields_ = self.field_norm(seq[layout.question_record, layout.question_slot])  # [Q, w]
 
         # Option logits.
@@ -229,7 +229,7 @@ def padded_logits(option_values: torch.Tensor, option_question: torch.Tensor, op
     return out
 
 
-def _attend(attention: nn.MultiheadAttention, query: torch.Tensor, memory: torch.Tensor,
+def attend(attention: nn.MultiheadAttention, query: torch.Tensor, memory: torch.Tensor,
             key_pad: torch.Tensor | None, self_attention: bool = False) -> torch.Tensor:
     """``nn.MultiheadAttention`` at inference (batch_first, no dropout), as a few fused ops: the module's own
     parameters, one projection for K and V (or Q, K and V), and ``scaled_dot_product_attention``. The module's
@@ -250,16 +250,16 @@ def _attend(attention: nn.MultiheadAttention, query: torch.Tensor, memory: torch
     return F.linear(out.transpose(1, 2).flatten(2), attention.out_proj.weight, attention.out_proj.bias)
 
 
-def _decoder_layer(layer: nn.TransformerDecoderLayer, x: torch.Tensor, memory: torch.Tensor,
+def decoder_layer(layer: nn.TransformerDecoderLayer, x: torch.Tensor, memory: torch.Tensor,
                    field_pad: torch.Tensor | None, memory_pad: torch.Tensor | None) -> torch.Tensor:
-    """``nn.TransformerDecoderLayer(norm_first=True, activation="gelu")`` at inference, with :func:`_attend`."""
+    """``nn.TransformerDecoderLayer(norm_first=True, activation="gelu")`` at inference, with :func:`attend`."""
     h = layer.norm1(x)
-    x = x + _attend(layer.self_attn, h, h, field_pad, self_attention=True)
-    x = x + _attend(layer.multihead_attn, layer.norm2(x), memory, memory_pad)
+    x = x + attend(layer.self_attn, h, h, field_pad, self_attention=True)
+    x = x + attend(layer.multihead_attn, layer.norm2(x), memory, memory_pad)
     return x + layer.linear2(F.gelu(layer.linear1(layer.norm3(x))))
 
 
-def _span_mean(values: torch.Tensor, index: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def span_mean(values: torch.Tensor, index: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Mean of ``values`` rows over each span: row ``s`` averages ``values[index[offsets[s]:offsets[s + 1]]]``.
 
     One CSR matrix of weights ``1/len`` times ``values``; every span is non-empty by construction.
@@ -286,7 +286,7 @@ def _csr_matrix(offsets: torch.Tensor, index: torch.Tensor, weights: torch.Tenso
     return matrix
 
 
-def _scatter_padded(
+def scatter_padded(
     rows: torch.Tensor, group: torch.Tensor, slot: torch.Tensor, num_groups: int, width: int
 ) -> torch.Tensor:
     out = rows.new_zeros(num_groups, width, rows.shape[-1])

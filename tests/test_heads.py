@@ -81,7 +81,8 @@ def _engines(release: Any) -> dict[str, Engine]:
 
 def disagreements(engines: dict[str, Engine], hidden: np.ndarray, mask: np.ndarray, lexical: np.ndarray,
                   layout: HeadLayout) -> list[str]:
-    """Every engine whose logits differ from torch's beyond :data:`TOLERANCE`, with its max difference."""
+    """Every engine whose logits differ from torch's beyond :data:`TOLERANCE`, with its max difference (each
+    engine's is printed: ``pytest -s``)."""
     reference = engines["torch"](hidden, mask, lexical, layout)
     finite = np.isfinite(reference)
     scale = max(1.0, float(np.abs(reference[finite]).max()))
@@ -92,6 +93,7 @@ def disagreements(engines: dict[str, Engine], hidden: np.ndarray, mask: np.ndarr
             problems.append(f"{name}: shape {got.shape} or padding differs from torch's {reference.shape}")
             continue
         worst = float(np.abs(got[finite] - reference[finite]).max()) / scale
+        print(f"{name}: max |Δlogit| / scale {worst:.1e} over {int(finite.sum())} logits")
         if worst > TOLERANCE:
             problems.append(f"{name}: max |Δlogit| / scale {worst:.2e} > {TOLERANCE:.0e}")
     return problems

@@ -1,8 +1,9 @@
 """Chunked prefill (docs/hardware.md#chunked-prefill) gives the one pass's probabilities (float32, ≤ 1e-5): the tiny
 Qwen3.5 release (a 262,144-token backbone, so the default context is 65,536) at 16K and 32K tokens (64K:
-tests/test_context_memory.py, end to end through ``clef-local decide``), padded batches, the tiny Llama, a record with an image (its first chunk holds the media), and the state cache (a chunked
-state pass, then chunked continuations over it). Each test counts the backbone's forward calls, so that a pass that
-silently ran in one piece would fail."""
+tests/test_context_memory.py, end to end through ``clef-local decide``), padded batches, the tiny Llama, a record
+with an image (its first chunk holds the media), and the state cache (a chunked state pass, then chunked
+continuations over it). Each test counts the backbone's forward calls, so that a pass that silently ran in one piece
+would fail."""
 
 from __future__ import annotations
 

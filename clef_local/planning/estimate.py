@@ -271,8 +271,9 @@ def plan(census: WeightCensus, dims: ModelDims, hardware: Hardware, *, context: 
     :mod:`clef_local.planning.vision` for requests with images. ``state_cache``: a state cache's budget in bytes; the
     plan adds it and one entry at ``context``. ``chunking``: the backend can run the prefill in chunks
     (:func:`chunked_activations`); when the one pass does not fit, the plan counts the longest chunk that does
-    (:func:`fit_chunk`), or the shortest one when none does; ``chunk``: count chunks of that many tokens instead
-    (a chunk length asked for, ``load(prefill_chunk=…)``).
+    (:func:`fit_chunk`); when none does, chunks of :data:`PREFILL_MAX_CHUNK` (or the one pass, when that is less):
+    what a device just large enough would run. ``chunk``: count chunks of that many tokens instead (a chunk length
+    asked for, ``load(prefill_chunk=…)``).
     """
     if state_cache < 0:
         raise ValueError(f"state_cache is a budget in bytes, got {state_cache}")
@@ -296,8 +297,11 @@ def plan(census: WeightCensus, dims: ModelDims, hardware: Hardware, *, context: 
     elif chunking:
         room = activation_room(hardware.free_bytes, device_weights, overhead, cache)
         chunk = fit_chunk(dims, context, batch, dtype, room)
-        if chunk is not None:
-            acts = chunked_activations(dims, context, batch, dtype, chunk or PREFILL_STEP)
+        if chunk:
+            acts = chunked_activations(dims, context, batch, dtype, chunk)
+        elif chunk == 0:  # nothing fits here: what a device just large enough would run, in full-length chunks
+            longest = chunked_activations(dims, context, batch, dtype, PREFILL_MAX_CHUNK)
+            acts = longest if longest.total < acts.total and context > PREFILL_MAX_CHUNK else acts
     margin = int(MARGIN * (device_weights + max(acts.total, vision_activations)))
     return Plan(fmt=census.fmt, census=census, hardware=hardware, context=context, batch=batch, dtype=dtype,
                 host_embeddings=host_embeddings, media=media, device_weights=device_weights,

@@ -316,8 +316,13 @@ def held_weights(census: WeightCensus, dtype: str) -> WeightCensus:
     scale = DTYPE_SIZE[dtype] / 2
     if scale == 1:
         return census
-    cast = ["text_other", "embed_tokens", "lm_head", "vision"] + (["quantized_linears"] if census.fmt == "bf16" else [])
-    return replace(census, **{name: int(getattr(census, name) * scale) for name in cast})
+    def held(stored: int) -> int:
+        return int(stored * scale)
+
+    return replace(census, text_other=held(census.text_other), embed_tokens=held(census.embed_tokens),
+                   lm_head=held(census.lm_head), vision=held(census.vision),
+                   quantized_linears=held(census.quantized_linears) if census.fmt == "bf16"
+                   else census.quantized_linears)
 
 
 def auto_state_cache(p: Plan, dims: ModelDims) -> int:

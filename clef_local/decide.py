@@ -12,6 +12,7 @@ from typing import Any
 from clef_local.errors import ApiUsageError
 from clef_local.options import (
     add_confidence_flag,
+    add_max_length_flag,
     add_media_flags,
     add_model_flags,
     add_network_flag,
@@ -69,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     source.add_argument("--request", help="request JSON file, or - for standard input")
     source.add_argument("--example", choices=EXAMPLES, help="a built-in example request")
     add_confidence_flag(parser)
+    add_max_length_flag(parser)
     parser.add_argument("--truncate-state", action="store_true",
                         help="drop the end of a state that does not fit instead of failing")
     parser.add_argument("--full-precision", action="store_true", help="do not round floats to 4 decimals")

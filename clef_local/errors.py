@@ -69,6 +69,18 @@ class MaxTokensExceededError(ClefError, ValueError):
         super().__init__(message)
 
 
+class RequestMemoryError(MaxTokensExceededError):
+    """A request within the context whose backbone pass the memory left after the weights cannot hold (HTTP 413,
+    ``max_tokens_exceeded``, like every request too long for where it runs). ``max_tokens`` is the longest request
+    that fits there; ``need_bytes`` and ``budget_bytes`` are the pass's activations and the memory left for them."""
+
+    def __init__(self, message: str, *, input_tokens: int, max_tokens: int, need_bytes: int,
+                 budget_bytes: int) -> None:
+        self.need_bytes = need_bytes
+        self.budget_bytes = budget_bytes
+        super().__init__(message, input_tokens=input_tokens, max_tokens=max_tokens)
+
+
 class ReleaseError(ClefError):
     """A release directory that is missing files, has unknown config keys or mis-shaped tensors."""
 

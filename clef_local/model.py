@@ -22,7 +22,7 @@ from clef_local.formats.release import Release, read_release
 from clef_local.runtime.answers import CONFIDENCE_MODES, Confidence, build_response, softmax_rows
 from clef_local.runtime.batching import device_pad_waste, split_by_length
 from clef_local.runtime.encoder import MediaSupport, RequestEncoder
-from clef_local.runtime.encoding import REFERENCE_MAX_LENGTH, EncodedRecord
+from clef_local.runtime.encoding import REFERENCE_MAX_LENGTH, EncodedRecord, checked_max_length
 from clef_local.runtime.layout import build_layout
 from clef_local.runtime.media import DEFAULT_MEDIA_LIMITS, MediaLimits
 from clef_local.runtime.processor import MediaProcessor
@@ -113,11 +113,10 @@ class ClefModel:
         self.release = release
         self.backend = backend
         self.tokenizer = tokenizer
-        context = release.max_position_embeddings or REFERENCE_MAX_LENGTH
         pad_ids = frozenset(v for k in ("image_token_id", "video_token_id")
                             if isinstance(v := release.config.get(k), int))
         self.encoder = RequestEncoder(
-            tokenizer, max_length=max_length or min(REFERENCE_MAX_LENGTH, context), limits=limits,
+            tokenizer, max_length=checked_max_length(max_length, release.max_position_embeddings), limits=limits,
             media=_media_support(release, backend, tokenizer, media_limits), media_limits=media_limits,
             pad_ids=pad_ids)
         self.confidence: Confidence = _checked_confidence(confidence)
@@ -148,8 +147,13 @@ class ClefModel:
     def encode(self, request: Request, *, truncate_state: bool = False,
                parts: Mapping[str, bytes] | None = None) -> EncodedRecord:
         """Validate a request and encode it (:class:`~clef_local.runtime.encoder.RequestEncoder`); raises the
-        schema / size / media errors of :mod:`clef_local.errors`. ``parts``: a multipart body's parts."""
-        return self.encoder.encode(request, truncate_state=truncate_state, parts=parts)
+        schema / size / media errors of :mod:`clef_local.errors`, and :class:`~clef_local.errors.RequestMemoryError`
+        (413) for a request within the context whose backbone pass the memory left cannot hold
+        (:mod:`clef_local.planning.prefill`). ``parts``: a multipart body's parts."""
+        record = self.encoder.encode(request, truncate_state=truncate_state, parts=parts)
+        if self.backend.prefill is not None:
+            self.backend.prefill.check(len(record.input_ids), self.max_length)
+        return record
 
     def run(self, records: Sequence[EncodedRecord], *, batch_size: int = 8
             ) -> Iterator[tuple[list[int], list[Prediction]]]:
@@ -157,12 +161,13 @@ class ClefModel:
 
         Batches hold up to ``batch_size`` records sorted by length, cut where padding would cost more than
         ``self.pad_waste`` times the rows' own tokens (:mod:`clef_local.runtime.batching`): on a CPU, where padding
-        is pure loss, only equal lengths share one.
+        is pure loss, only equal lengths share one; and cut again to the rows whose prefill fits the memory left
+        (:meth:`PrefillBudget.rows <clef_local.planning.prefill.PrefillBudget.rows>`).
         """
         if batch_size < 1:
             raise ValueError(f"batch_size must be ≥ 1, got {batch_size}")
         cache = self.state_cache if self.state_cache.enabled else None
-        for chunk in split_by_length([len(r.input_ids) for r in records], self.pad_waste, max_size=batch_size):
+        for chunk in self._batches(records, batch_size):
             batch = [records[i] for i in chunk]
             layout = build_layout(batch, max(len(r.input_ids) for r in batch))
             logits = self.backend.logits(batch, layout, self.tokenizer.pad_token_id, cache)
@@ -176,6 +181,16 @@ class ClefModel:
                                                        for i, q in enumerate(record.questions)]))
                 row += len(record.questions)
             yield chunk, predictions
+
+    def _batches(self, records: Sequence[EncodedRecord], batch_size: int) -> Iterator[list[int]]:
+        """:func:`split_by_length`'s batches, each cut into runs of as many rows as one prefill may hold."""
+        prefill = self.backend.prefill
+        for group in split_by_length([len(r.input_ids) for r in records], self.pad_waste, max_size=batch_size):
+            rows = len(group)
+            if prefill is not None and rows > 1:
+                rows = prefill.rows(max(len(records[i].input_ids) for i in group), rows)
+            for start in range(0, len(group), rows):
+                yield group[start:start + rows]
 
     def predict(self, requests: Sequence[Request], *, truncate_state: bool = False, batch_size: int = 8,
                 progress: Callable[[int, int], None] | None = None,
@@ -241,6 +256,7 @@ class ClefModel:
             "tokenizer_vocab": self.tokenizer.vocab_size,
             "confidence": self.confidence,
             "state_cache": {"budget_bytes": self.state_cache.budget, "spill_bytes": self.state_cache.spill},
+            **({"prefill": prefill.describe(self.max_length)} if (prefill := self.backend.prefill) else {}),
             **self.backend.describe(),
             **({"loader": decision.to_json()} if (decision := self.backend.load_decision) else {}),
         }
@@ -250,7 +266,7 @@ def load(path: str | Path, *, device: str = "auto", dtype: str | None = None, ba
          max_length: int | None = None, confidence: Confidence = "jev",
          limits: Limits = DEFAULT_LIMITS, max_memory: str | dict[str, Any] | None = None,
          media_limits: MediaLimits = DEFAULT_MEDIA_LIMITS, state_cache: int | str | None = None,
-         state_cache_spill: int | str = 0) -> ClefModel:
+         state_cache_spill: int | str = 0, prefill_chunk: int | None = None) -> ClefModel:
     """Load a Clef release (or variant) directory.
 
     ``backend`` is ``"auto"``, ``"torch"``, ``"mlx"`` or ``"onnx"`` and ``device`` ``"auto"``, ``"cpu"``, ``"cuda"``
@@ -259,8 +275,14 @@ def load(path: str | Path, *, device: str = "auto", dtype: str | None = None, ba
     (``{"cuda:0": "24GiB"}``, ``"cuda:0=24GiB"``, or ``"24GiB"`` for every device): a model that does not fit under
     the cap is refused before loading, and on CUDA the allocator is capped too (docs/hardware.md).
     ``dtype`` is the backbone's compute dtype (``None``: as stored, BF16 for real releases; ``"float32"`` for
-    exact comparisons); the joint schema head always runs in float32. ``max_length`` defaults to the smaller of
-    the reference's 16,384 and the backbone's context. ``media_limits`` bounds the images and videos a request may
+    exact comparisons); the joint schema head always runs in float32. ``max_length``, the longest request in tokens,
+    defaults to the smaller of 65,536 (the window Clef is published with) and the backbone's context, and may be
+    anything up to the backbone's context (above it: ``ApiUsageError``). The planner counts memory at it: an asked
+    ``max_length`` that does not fit is refused (``InsufficientMemoryError``); the default, when it does not fit,
+    is planned at 16,384 tokens instead (a warning), and a request whose pass does not fit the memory left is refused
+    when it is encoded (``RequestMemoryError``, 413). A pass that does not fit in one piece runs in chunks
+    (chunked prefill, torch; the planner picks the chunk length, ``prefill_chunk`` forces one: a multiple of 64, 0
+    for one pass; docs/hardware.md#chunked-prefill). ``media_limits`` bounds the images and videos a request may
     carry (:class:`~clef_local.runtime.media.MediaLimits`).
 
     ``state_cache``: bytes or a size (``"512MiB"``, ``"2GiB"``) for the cache of states (a second schema on the same
@@ -272,12 +294,14 @@ def load(path: str | Path, *, device: str = "auto", dtype: str | None = None, ba
 
     cache_budget, spill = parse_size(state_cache), parse_size(state_cache_spill) or 0
     release = read_release(path)
+    context = checked_max_length(max_length, release.max_position_embeddings)
     started = time.perf_counter()
     runner = build_backend(release, backend=backend, device=device, dtype=dtype, max_memory=max_memory,
-                           state_cache=cache_budget)
+                           state_cache=cache_budget, context=context, prefill_chunk=prefill_chunk,
+                           min_context=None if max_length is not None else min(REFERENCE_MAX_LENGTH, context))
     if runner.load_decision is not None:
         cache_budget = runner.load_decision.state_cache_bytes
-    model = ClefModel(release, runner, ReleaseTokenizer(release.path), max_length=max_length,
+    model = ClefModel(release, runner, ReleaseTokenizer(release.path), max_length=context,
                       confidence=confidence, limits=limits, media_limits=media_limits, state_cache=cache_budget or 0,
                       state_cache_spill=spill)
     cache = model.state_cache

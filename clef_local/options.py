@@ -43,6 +43,16 @@ def add_runtime_flags(parser: argparse.ArgumentParser, *, backend: bool = True, 
         parser.add_argument("--max-memory", help=MAX_MEMORY_HELP)
 
 
+MAX_LENGTH_HELP = ("the longest request in tokens, up to the backbone's context (default: 65,536, the window Clef is "
+                   "published with, or the backbone's context when shorter); the memory check at load counts it, "
+                   "and a longer request is refused (413)")
+
+
+def add_max_length_flag(parser: argparse.ArgumentParser) -> None:
+    """``--max-length N`` for commands that load a model for requests (``load(max_length=N)``)."""
+    parser.add_argument("--max-length", type=int, metavar="N", help=MAX_LENGTH_HELP)
+
+
 def add_network_flag(parser: argparse.ArgumentParser) -> None:
     """``--allow-network``: commands that load a model run air-gapped unless it is given."""
     parser.add_argument("--allow-network", action="store_true",
@@ -65,6 +75,8 @@ def load_options(args: argparse.Namespace) -> dict[str, Any]:
         out["device"] = args.device
     if getattr(args, "max_memory", None):
         out["max_memory"] = args.max_memory
+    if getattr(args, "max_length", None) is not None:
+        out["max_length"] = args.max_length
     return out
 
 

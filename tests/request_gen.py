@@ -89,3 +89,29 @@ def max_dp(a: list[Any], b: list[Any]) -> float:
     requests, over every question."""
     return max(float(np.abs(x - y).max()) for p, q in zip(a, b, strict=True)
                for x, y in zip(p.probabilities, q.probabilities, strict=True))
+
+
+LONG_WORDS = (
+    "the", "card", "was", "declined", "again", "at", "the", "store", "and", "nobody", "could", "tell", "me", "why",
+    "so", "I", "called", "the", "bank", "twice", "refund", "my", "money", "please", "this", "is", "the", "third",
+    "time", "my", "transfer", "failed", "the", "balance", "looks", "wrong", "Überweisung", "été", "转账", "😀",
+)
+LONG_QUESTIONS: dict[str, Any] = {
+    "intent": {"type": "choice", "instructions": "What does the customer want?",
+               "criteria": {"refund": "Money back", "card": "A card problem", "other": None}},
+    "urgent": {"type": "noul", "instructions": "Is it urgent?"},
+    "tone": {"type": "score", "criteria": ["calm", "annoyed", "angry"]},
+}
+
+
+def long_state(chars: int, seed: int = 0) -> str:
+    """Random sentences of :data:`LONG_WORDS`, at least ``chars`` characters: a state of tens of thousands of
+    tokens (cut to an exact length with ``truncate_state``)."""
+    rng = random.Random(seed)
+    words: list[str] = []
+    size = 0
+    while size < chars:
+        word = rng.choice(LONG_WORDS)
+        words.append(word)
+        size += len(word) + 1
+    return " ".join(words)

@@ -57,6 +57,7 @@ class ModelStore:
     reference: Path
     variants: list[Path]
     dtype: str | None = None
+    max_length: int | None = None  # each model's longest request (None: its default)
     _models: dict[Path, Any] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -80,7 +81,7 @@ class ModelStore:
 
                 if progress is not None:
                     progress(0.1, f"loading {key.name}")
-                self._models[key] = clef_local.load(key, dtype=self.dtype)
+                self._models[key] = clef_local.load(key, dtype=self.dtype, max_length=self.max_length)
                 if progress is not None:
                     progress(1.0, f"loaded {key.name}")
             return self._models[key]

@@ -21,7 +21,7 @@ from clef_local.app.models import ModelStore, find_variants, is_release
 from clef_local.app.results import COMPARE_HEADERS, SUMMARY_HEADERS
 from clef_local.app.schema_builder import EXAMPLES, STATE_MODES, QuestionDraft
 from clef_local.errors import ApiUsageError
-from clef_local.options import add_model_flags
+from clef_local.options import add_max_length_flag, add_model_flags
 
 if TYPE_CHECKING:
     import gradio as gr
@@ -65,13 +65,14 @@ def _resolve_models(model_path: str | Path | None, compare_path: str | Path | No
 
 
 def build_app(model_path: str | Path | None = None, compare_path: str | Path | None = None, *,
-              dtype: str | None = None) -> gr.Blocks:
+              dtype: str | None = None, max_length: int | None = None) -> gr.Blocks:
     """The app's Blocks (not launched). ``model_path`` defaults to the demo model; ``compare_path`` preselects a
-    variant to compare with (variants beside the model are listed too)."""
+    variant to compare with (variants beside the model are listed too); ``max_length``: the longest request in
+    tokens (``clef_local.load(max_length=…)``)."""
     import gradio as gr
 
     reference, variants = _resolve_models(model_path, compare_path)
-    store = ModelStore(reference, variants, dtype=dtype)
+    store = ModelStore(reference, variants, dtype=dtype, max_length=max_length)
     handlers = Handlers(store)
     first_example = next(iter(EXAMPLES))
     initial, initial_mode, initial_state = schema_builder.request_to_drafts(
@@ -230,6 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="clef-local ui", description="Open the desktop app (a local web page): "
                                      "build schemas, run them, read the probabilities, compare a variant.")
     add_model_flags(parser, backend=False, device=False)
+    add_max_length_flag(parser)
     parser.add_argument("--compare", help="a variant (or any release) to compare with, preselected in the page")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, this machine only)")
     parser.add_argument("--port", type=int, default=7860, help="port (default 7860)")
@@ -244,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     require_ui_extra()  # before the models resolve and load: a missing extra is a one-line error
     try:
-        demo = build_app(args.model, args.compare, dtype=None if args.dtype == "auto" else args.dtype)
+        demo = build_app(args.model, args.compare, dtype=None if args.dtype == "auto" else args.dtype,
+                         max_length=args.max_length)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
     from clef_local.formats.release import Release
     from clef_local.planning.choice import LoadDecision
+    from clef_local.planning.prefill import PrefillBudget
     from clef_local.runtime.encoding import EncodedRecord
     from clef_local.runtime.layout import HeadLayout
     from clef_local.runtime.state_cache import StateCache
@@ -28,6 +29,9 @@ class Backend(Protocol):
     release: Release
     device: Any  # the framework's own device object; str() names it ("cpu", "cuda:0", ...)
     load_decision: LoadDecision | None  # what the loader chose and why (set by build_backend)
+    # how each prefill fits the memory left: chunk lengths, the 413 for a request that cannot fit (set by
+    # build_backend; None: built without the loader, no check and one pass)
+    prefill: PrefillBudget | None
     accepts_media: bool  # runs the vision tower (images and videos in the state, docs/format.md §7)
     # why this backend cannot continue a pass from a cached state (None: it can; docs/serving.md#the-state-cache)
     state_cache_blocker: str | None

@@ -33,18 +33,24 @@ log = logging.getLogger(__name__)
 
 def build_backend(release: Release, *, backend: str = "auto", device: str = "auto", dtype: Any = None,
                   context: int | None = None, check_memory: bool = True,
-                  max_memory: str | dict[str, Any] | None = None, state_cache: int | None = None) -> Backend:
+                  max_memory: str | dict[str, Any] | None = None, state_cache: int | None = None,
+                  min_context: int | None = None, prefill_chunk: int | None = None) -> Backend:
     """The backend for ``release``: chosen by :func:`clef_local.planning.choice.plan_load` for this machine
     (``device`` ``auto``, ``cpu``, ``cuda[:N]``, ``mps``, or several for a pipeline split of the layers:
-    ``cuda:0,cuda:1``), checked against the planner at ``context`` tokens (default: the model's context, at most
-    16,384) under the ``max_memory`` caps (``{"cuda:0": "24GiB"}`` or ``"cuda:0=24GiB"``,
+    ``cuda:0,cuda:1``), checked against the planner at ``context`` tokens (default: the model's default
+    ``max_length``, 65,536 at most) under the ``max_memory`` caps (``{"cuda:0": "24GiB"}`` or ``"cuda:0=24GiB"``,
     :mod:`clef_local.planning.caps`; on CUDA the allocator is capped too) with a state cache of ``state_cache``
     bytes (``None``: sized by the planner), logged, and recorded as ``backend.load_decision``
     (``state_cache_bytes``: the cache's budget). ``auto`` on a machine with several CUDA cards splits the layers
-    over all of them when the model does not fit on the first one alone."""
+    over all of them when the model does not fit on the first one alone. ``min_context``: when the model does not
+    fit at ``context``, plan at this many tokens instead (a warning; longer requests are refused one by one, 413),
+    and refuse only when it does not fit there either. ``backend.prefill`` is the budget each prefill is cut to
+    (:mod:`clef_local.planning.prefill`; ``prefill_chunk`` forces a chunk length, 0 one pass)."""
     from clef_local.planning.census import stored_format
     from clef_local.planning.hardware import detect
-    from clef_local.planning.planner import DEFAULT_CONTEXT, footprint_from_release
+    from clef_local.planning.planner import footprint_from_release
+    from clef_local.planning.prefill import prefill_budget
+    from clef_local.runtime.encoding import default_max_length
 
     try:
         caps = parse_max_memory(max_memory)
@@ -56,24 +62,35 @@ def build_backend(release: Release, *, backend: str = "auto", device: str = "aut
     scheme = stored_format(release.config)
     split = len(devices) > 1
     footprint = footprint_from_release(release.path) if check_memory or split else None
-    context = context or min(DEFAULT_CONTEXT, release.max_position_embeddings or DEFAULT_CONTEXT)
+    context = context or default_max_length(release.max_position_embeddings)
     onnx_export = (Path(release.path) / "onnx").is_dir()
     kwargs: dict[str, Any] = dict(backend=backend, dtype=dtype, installed=installed_backends(),
                                   bitsandbytes=importable("bitsandbytes"), check_memory=check_memory,
                                   source=str(release.path))
-    if split:
-        decision = plan_split(devices, scheme, footprint, context=context, **kwargs)
-    else:
+
+    def decide(tokens: int) -> LoadDecision:
+        if split:
+            return plan_split(devices, scheme, footprint, context=tokens, **kwargs)
         try:
-            decision = plan_load(hardware, scheme, footprint, context=context, onnx_export=onnx_export,
-                              onnx_cuda=hardware.kind == "cuda" and (backend == "onnx" or onnx_export) and onnx_cuda(),
-                              state_cache=state_cache, **kwargs)
+            return plan_load(hardware, scheme, footprint, context=tokens, onnx_export=onnx_export,
+                             onnx_cuda=hardware.kind == "cuda" and (backend == "onnx" or onnx_export) and onnx_cuda(),
+                             state_cache=state_cache, **kwargs)
         except InsufficientMemoryError:
             cards = _other_cards(hardware, caps) if device == "auto" and backend in ("auto", "torch") else []
             if not cards:
                 raise
-            decision = plan_split([hardware, *cards], scheme, footprint, context=context, **kwargs)
             log.info("the model does not fit on %s alone: split over %d cards", hardware.device, len(cards) + 1)
+            return plan_split([hardware, *cards], scheme, footprint, context=tokens, **kwargs)
+
+    try:
+        decision = decide(context)
+    except InsufficientMemoryError as exc:
+        if min_context is None or min_context >= context:
+            raise
+        decision = decide(min_context)  # raises when not even min_context tokens fit
+        log.warning("%s; planned at %s tokens instead: longer requests are refused one by one (413) when their "
+                    "pass does not fit (max_length= asks for a context and refuses the load when it does not fit)",
+                    exc, f"{min_context:,}")
     _log_decision(decision)
     if state_cache is not None and state_cache > 0 and decision.state_cache_bytes == 0:
         log.warning("state cache: off: the %s backend%s runs every state in full (docs/serving.md)",
@@ -88,6 +105,7 @@ def build_backend(release: Release, *, backend: str = "auto", device: str = "aut
     runner: Backend = cls(release, device=decision.device,
                           dtype=decision.dtype if decision.backend != "onnx" or asked else None, **options)
     runner.load_decision = decision
+    runner.prefill = prefill_budget(decision, release.config, release.head_config.width, prefill_chunk)
     return runner
 
 

@@ -26,6 +26,7 @@ from clef_local.runtime.layout import HeadLayout, pad_batch
 
 if TYPE_CHECKING:
     from clef_local.planning.choice import LoadDecision
+    from clef_local.planning.prefill import PrefillBudget
     from clef_local.runtime.encoding import EncodedRecord
     from clef_local.runtime.state_cache import StateCache
 
@@ -276,6 +277,7 @@ class MLXBackend:
     accepts_media = False  # no vision tower here: a media request is refused, naming --backend torch
     state_cache_blocker = "the MLX backend runs every state in full (the state cache is torch's)"
     load_decision: LoadDecision | None = None  # set by clef_local.backends.loader
+    prefill: PrefillBudget | None = None  # set by clef_local.backends.loader
 
     def __init__(self, release: Release, *, device: str = "auto", dtype: str | None = None) -> None:
         self.release = release

@@ -23,6 +23,7 @@ from clef_local.runtime.layout import pad_batch
 
 if TYPE_CHECKING:
     from clef_local.planning.choice import LoadDecision
+    from clef_local.planning.prefill import PrefillBudget
     from clef_local.runtime.encoding import EncodedRecord
     from clef_local.runtime.layout import HeadLayout
     from clef_local.runtime.state_cache import StateCache
@@ -84,6 +85,7 @@ class OnnxBackend:
     accepts_media = False  # the export holds the text model only: a media request is refused, naming --backend torch
     state_cache_blocker = "the ONNX Runtime backend runs every state in full (the state cache is torch's)"
     load_decision: LoadDecision | None = None  # set by clef_local.backends.loader
+    prefill: PrefillBudget | None = None  # set by clef_local.backends.loader
 
     def __init__(self, release: Release, *, device: str = "cpu", dtype: str | None = None) -> None:
         import onnxruntime as ort

@@ -18,6 +18,7 @@ from clef_local.backends.linear_attention import log_linear_attention_paths
 from clef_local.backends.placement import Stage, place_pipeline, to_device_except
 from clef_local.backends.quantized import kernel_counts, prepare_quantized, quantized_prefixes, swap_linears
 from clef_local.backends.torch_cache import cache_blocker, cached_hidden_states, is_out_of_memory
+from clef_local.backends.torch_chunked import chunked_hidden_states
 from clef_local.errors import ReleaseError, one_line
 from clef_local.formats.release import QWEN3_5, SINGLE_WEIGHTS, WEIGHTS_INDEX, Release, find_weight_files
 from clef_local.formats.safetensors import DTYPES as SAFETENSORS_DTYPES
@@ -30,6 +31,7 @@ from clef_local.units import format_size
 
 if TYPE_CHECKING:
     from clef_local.planning.choice import LoadDecision
+    from clef_local.planning.prefill import PrefillBudget
     from clef_local.runtime.encoding import EncodedRecord
 
 log = logging.getLogger(__name__)
@@ -141,15 +143,18 @@ class TorchBackbone:
                                     else "the layers are split over several devices")
 
     def hidden_states(self, records: Sequence[EncodedRecord], input_ids: torch.Tensor,
-                      attention_mask: torch.Tensor) -> torch.Tensor:
+                      attention_mask: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
         """The final (normed) hidden states ``[B, T, hidden]`` of a right-padded batch of ``records``: the text
         model's (docs/format.md §3), or for records with media the whole multimodal model's (``model.model``: the
         vision tower's features in place of the pad tokens, Qwen's multimodal rope; docs/format.md §7).
 
         A text-only record holding a vision pad token as text would be taken for a placeholder by the multimodal
         model, so such records run through the text model on their own (the same numbers: a text-only record's
-        multimodal positions are its text positions).
+        multimodal positions are its text positions). ``chunk``: a batch longer than that many tokens runs in chunks
+        of it (:mod:`clef_local.backends.torch_chunked`; None: one pass).
         """
+        if chunk is not None and input_ids.shape[1] > chunk:
+            return chunked_hidden_states(self, records, input_ids, attention_mask, chunk)
         if not any(r.media is not None for r in records):
             return self.forward(input_ids, attention_mask)
         with torch.inference_mode():
@@ -242,6 +247,7 @@ class TorchBackend:
     name = "torch"
     accepts_media = True
     load_decision: LoadDecision | None = None  # set by clef_local.backends.loader
+    prefill: PrefillBudget | None = None  # set by clef_local.backends.loader
 
     def __init__(self, release: Release, *, device: str = "cpu", dtype: str | torch.dtype | None = None,
                  split: Sequence[Stage] = ()) -> None:
@@ -270,7 +276,8 @@ class TorchBackend:
             input_ids, attention_mask = collate(records, pad_token_id, self.device)
             hidden = None if cache is None else self._cached(records, cache, pad_token_id)
             if hidden is None:
-                hidden = self.backbone.hidden_states(records, input_ids, attention_mask)
+                chunk = self.chunk_for(input_ids.shape[1], len(records))
+                hidden = self.backbone.hidden_states(records, input_ids, attention_mask, chunk)
             device_layout = layout.map(lambda a: torch.from_numpy(a).to(self.device))
             lexical = self.backbone.lexical_rows(device_layout.option_token_ids)
             return self.head(hidden, attention_mask, lexical, device_layout).float().cpu().numpy()
@@ -279,7 +286,8 @@ class TorchBackend:
         """The batch's hidden states through ``cache``; None after running out of memory, once the cache (what can
         be given back) is emptied, so that the caller runs the batch cold."""
         try:
-            return cached_hidden_states(self.backbone, records, cache, self.state_identity, pad_token_id)
+            return cached_hidden_states(self.backbone, records, cache, self.state_identity, pad_token_id,
+                                        self.chunk_for)
         except RuntimeError as exc:
             if not is_out_of_memory(exc):
                 raise
@@ -289,6 +297,10 @@ class TorchBackend:
             log.warning("out of memory with %s of cached states (%s); cleared the state cache, running the batch of "
                         "%d again without it", format_size(freed), str(exc).splitlines()[0][:200], len(records))
             return None
+
+    def chunk_for(self, tokens: int, rows: int) -> int | None:
+        """The chunk length of a prefill of ``rows`` × ``tokens`` (None: one pass), from :attr:`prefill`."""
+        return None if self.prefill is None else self.prefill.chunk(tokens, rows)
 
     def describe(self) -> dict[str, Any]:
         params = sum(p.numel() for p in self.backbone.model.parameters())

@@ -2,34 +2,32 @@
 work at the end of a state (:class:`TorchState`), a **continuation** runs a schema's tokens over it.
 
 What is kept, why a hit is exact, the rope offset after media and which backbones qualify (:func:`cache_blocker`):
-docs/serving.md#the-state-cache and docs/format.md §7.
+docs/serving.md#the-state-cache and docs/format.md §7. A long state pass or continuation runs in chunks, through
+:mod:`clef_local.backends.torch_chunked`'s loop.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cache as memoized
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from clef_local.backends.torch_chunked import Backbone, media_chunks, new_cache, run_chunks
 from clef_local.runtime.state_cache import StateCache, state_key
 
 if TYPE_CHECKING:
     from clef_local.runtime.encoding import EncodedRecord
 
 
-class Backbone(Protocol):
-    """What the passes need of :class:`clef_local.backends.torch_backend.TorchBackbone`."""
+# (tokens, rows) → the chunk length of a pass of rows × tokens (None: one piece; clef_local.planning.prefill)
+ChunkFor = Callable[[int, int], "int | None"]
 
-    device: torch.device
-    text_model: Any
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, cache: Any = None,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor: ...
-
-    def media_state(self, record: EncodedRecord, end: int, cache: Any) -> tuple[torch.Tensor, int]: ...
+def _one_pass(tokens: int, rows: int) -> int | None:
+    return None
 
 
 @dataclass(frozen=True)
@@ -112,13 +110,6 @@ def _layer_classes() -> tuple[Any, Any]:
     return DynamicLayer, LinearAttentionLayer
 
 
-def new_cache(config: Any) -> Any:
-    """An empty ``transformers`` ``DynamicCache`` laid out for ``config`` (one layer object per decoder layer)."""
-    from transformers import DynamicCache
-
-    return DynamicCache(config=config)
-
-
 def cache_blocker(config: Any) -> str | None:
     """Why the state cache cannot run on a text model of ``config`` (None: it can). Every layer of its cache must be
     a plain full-attention ``DynamicLayer`` or a ``LinearAttentionLayer``: the layouts :func:`snapshot` reads and
@@ -160,8 +151,9 @@ def _past_layer_class() -> type:
     dynamic, _ = _layer_classes()
 
     class _PastLayer(dynamic):  # type: ignore[misc, valid-type]
-        """A full-attention layer over a saved past: attention gets past + new keys/values, nothing is stored
-        (the past is shared by every continuation and must never change)."""
+        """A full-attention layer over a saved past: attention gets past + new keys/values. The past is shared by
+        every continuation and never changes; the continuation's own keys/values are kept beside it, for its next
+        chunk when it runs in chunks."""
 
         def __init__(self, past: AttentionPast, rows: int) -> None:
             super().__init__()
@@ -169,12 +161,20 @@ def _past_layer_class() -> type:
             self.device, self.dtype = past.keys.device, past.keys.dtype
             self.is_initialized = True
             self.rows = rows
+            self.added: tuple[torch.Tensor, torch.Tensor] | None = None
 
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
                    ) -> tuple[torch.Tensor, torch.Tensor]:
+            if self.added is not None:
+                key_states = torch.cat([self.added[0], key_states], dim=-2)
+                value_states = torch.cat([self.added[1], value_states], dim=-2)
+            self.added = (key_states, value_states)
             keys = self.keys.expand(self.rows, -1, -1, -1)
             values = self.values.expand(self.rows, -1, -1, -1)
             return torch.cat([keys, key_states], dim=-2), torch.cat([values, value_states], dim=-2)
+
+        def get_seq_length(self) -> int:
+            return int(self.keys.shape[-2]) + (0 if self.added is None else int(self.added[0].shape[-2]))
 
     return _PastLayer
 
@@ -215,36 +215,26 @@ def record_state_key(identity: str, record: EncodedRecord) -> str:
     return state_key(identity, record.input_ids[: state_end(record)], media=media)
 
 
-def state_pass(backbone: Backbone, record: EncodedRecord) -> TorchState:
+def state_pass(backbone: Backbone, record: EncodedRecord, chunk: int | None = None) -> TorchState:
     """Run a record's prefix + media + state and save the pass (:class:`TorchState`): the text model for a
     text-only record, the multimodal model (vision tower, multimodal rope) for one with media, whose rope offset the
-    state keeps for its continuations."""
+    state keeps for its continuations; in chunks of ``chunk`` tokens (None: one pass;
+    :mod:`clef_local.backends.torch_chunked`)."""
     end = state_end(record)
     cache = new_cache(backbone.text_model.config)
     if record.media is not None:
-        hidden, offset = backbone.media_state(record, end, cache)
+        hidden, offset = media_chunks(backbone, record, chunk, cache, end=end)
         return snapshot(cache, hidden, backbone.device, position_offset=offset)
     tokens = torch.tensor([list(record.input_ids[:end])], dtype=torch.long, device=backbone.device)
-    out = backbone.forward(tokens, torch.ones_like(tokens), cache=cache)
+    out = run_chunks(backbone, tokens, torch.ones_like(tokens), cache, chunk)
     return snapshot(cache, out[0], backbone.device)
 
 
-def continuation_positions(state: TorchState, rows: int, length: int) -> torch.Tensor:
-    """Position ids of ``length`` tokens after ``state`` for ``rows`` records: ``[rows, length]`` token indices
-    after a text state; after a media state (offset ≠ 0) Qwen3.5's ``[4, rows, length]``: the text row keeps the
-    token index (what the text model gives a cache position), the three mrope rows (temporal, height, width) add
-    the state's rope offset: after the media, text positions are equal on every axis."""
-    index = torch.arange(state.tokens, state.tokens + length, device=state.home).expand(rows, length)
-    if state.position_offset == 0:
-        return index
-    rope = index + state.position_offset
-    return torch.stack([index, rope, rope, rope])
-
-
 def continuation(backbone: Backbone, state: TorchState, tails: Sequence[Sequence[int]],
-                 pad_token_id: int) -> torch.Tensor:
+                 pad_token_id: int, chunk: int | None = None) -> torch.Tensor:
     """Final hidden states ``[rows, longest tail, hidden]`` of each tail (a record's tokens after the state) run
-    after ``state``; tails are right-padded, the padding's states are left as computed (the head masks them)."""
+    after ``state``, in chunks of ``chunk`` tokens (None: one piece); tails are right-padded, the padding's states
+    are left as computed (the head masks them)."""
     rows, longest, past = len(tails), max(len(t) for t in tails), state.tokens
     device = backbone.device
     ids = torch.full((rows, longest), pad_token_id, dtype=torch.long)
@@ -253,16 +243,17 @@ def continuation(backbone: Backbone, state: TorchState, tails: Sequence[Sequence
     for row, tail in enumerate(tails):
         ids[row, : len(tail)] = torch.tensor(list(tail), dtype=torch.long)
         mask[row, past : past + len(tail)] = 1
-    positions = continuation_positions(state, rows, longest)
     cache = past_cache(backbone.text_model.config, state, rows)
-    return backbone.forward(ids.to(device), mask.to(device), cache=cache, position_ids=positions)
+    return run_chunks(backbone, ids.to(device), mask.to(device), cache, chunk, past=past,
+                      offset=state.position_offset)
 
 
 def cached_hidden_states(backbone: Backbone, records: Sequence[EncodedRecord], cache: StateCache,
-                         identity: str, pad_token_id: int) -> torch.Tensor:
+                         identity: str, pad_token_id: int, chunk_for: ChunkFor = _one_pass) -> torch.Tensor:
     """The hidden states ``[records, longest, hidden]`` of a right-padded batch, each record's state from ``cache``
     (run and stored on a miss) and only its schema tokens run; positions past a record's end are zero. Records
-    that share a state run as one continuation batch; each distinct state is one lookup."""
+    that share a state run as one continuation batch; each distinct state is one lookup. ``chunk_for(tokens,
+    rows)``: the chunk length of each pass (a state pass of one row, a continuation of its rows over the past)."""
     longest = max(len(r.input_ids) for r in records)
     groups: dict[str, list[int]] = {}
     for row, record in enumerate(records):
@@ -271,13 +262,14 @@ def cached_hidden_states(backbone: Backbone, records: Sequence[EncodedRecord], c
     for key, rows in groups.items():
         state = cache.get(key, uses=len(rows))
         if state is None:
-            state = state_pass(backbone, records[rows[0]])
+            state = state_pass(backbone, records[rows[0]], chunk_for(state_end(records[rows[0]]), 1))
             cache.put(key, state)
         if not isinstance(state, TorchState):
             raise TypeError(f"the state cache holds a {type(state).__name__}, not a TorchState")
         start = state.tokens
         tails = [records[row].input_ids[start:] for row in rows]
-        hidden = continuation(backbone, state, tails, pad_token_id)
+        longest_tail = max(len(tail) for tail in tails)
+        hidden = continuation(backbone, state, tails, pad_token_id, chunk_for(start + longest_tail, len(rows)))
         if out is None:
             out = hidden.new_zeros((len(records), longest, hidden.shape[-1]))
         for j, (row, tail) in enumerate(zip(rows, tails, strict=True)):

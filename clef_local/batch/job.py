@@ -34,7 +34,14 @@ from clef_local.batch.journal import JOURNAL, Journal, file_sha256, model_finger
 from clef_local.batch.ray_runner import RaySettings, add_ray_flags, check_reach, ray_settings
 from clef_local.batch.work import ChunkResult, ChunkSettings, EncodedChunk, decide_encoded, encode_chunk
 from clef_local.errors import BatchError
-from clef_local.options import add_confidence_flag, add_model_flags, add_network_flag, load_options, model_path
+from clef_local.options import (
+    add_confidence_flag,
+    add_max_length_flag,
+    add_model_flags,
+    add_network_flag,
+    load_options,
+    model_path,
+)
 
 if TYPE_CHECKING:
     from clef_local.model import ClefModel
@@ -125,6 +132,8 @@ def _identity(job: BatchJob, questions: dict[str, Any] | None) -> dict[str, Any]
         "digits": s.digits,
         # as the flags say them (None and "auto" are the same request)
         **{key: job.load_options.get(key) or "auto" for key in ("backend", "device", "dtype")},
+        # which rows fit is part of the answers: None is the model's default context
+        "max_length": job.load_options.get("max_length"),
     }
 
 
@@ -267,6 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"rows per committed chunk (default {DEFAULT_CHUNK_ROWS})")
     parser.add_argument("--batch-size", type=int, default=8, help="requests per forward pass (default 8)")
     add_confidence_flag(parser)
+    add_max_length_flag(parser)
     parser.add_argument("--truncate-state", action="store_true",
                         help="drop the end of a state that does not fit instead of refusing the row")
     parser.add_argument("--full-precision", action="store_true", help="do not round floats to 4 decimals")

@@ -17,6 +17,7 @@ from clef_local.errors import ApiUsageError, InsufficientMemoryError
 from clef_local.planning.census import WeightCensus
 from clef_local.planning.estimate import DTYPE_SIZE, Plan, auto_state_cache, best_fit, max_context, plan
 from clef_local.planning.hardware import Hardware
+from clef_local.planning.prefill import CHUNKED_PREFILL_BACKENDS
 from clef_local.planning.split import SplitPlan, split_plan
 from clef_local.units import GiB
 
@@ -68,6 +69,10 @@ class LoadDecision:
     available_bytes: int | None = None
     split: tuple[tuple[str, int, int], ...] = ()  # (device, first layer, end layer) per pipeline stage
     state_cache_bytes: int = 0  # the state cache's budget on the device (0: off)
+    context: int | None = None  # the tokens per record the plan was made at
+    # activation bytes one prefill may use beside the weights, runtime, margin and state cache (None: no plan);
+    # clef_local.planning.prefill sizes each batch's chunks and refuses a request with it
+    activation_room: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -236,7 +241,8 @@ def plan_load(hardware: Hardware, scheme: str, footprint: Any, *, context: int, 
                 f"free on {target.device}; ask for at most {room / GiB:.2f} GiB (state_cache=, --state-cache) "
                 f"or 0 (off)")
         mine = with_cache
-    return replace(decision, need_bytes=mine.need, available_bytes=mine.available, state_cache_bytes=cache)
+    return replace(decision, need_bytes=mine.need, available_bytes=mine.available, state_cache_bytes=cache,
+                   context=context, activation_room=mine.activation_room)
 
 
 def resident_plan(census: WeightCensus, footprint: Any, hardware: Hardware, decision: LoadDecision,
@@ -245,7 +251,7 @@ def resident_plan(census: WeightCensus, footprint: Any, hardware: Hardware, deci
     cache of ``state_cache`` bytes."""
     return plan(resident_census(census, decision.backend), footprint.dims, hardware, context=context,
                 dtype=decision.dtype, host_embeddings=_host_embeddings(decision), media=decision.backend == "torch",
-                state_cache=state_cache)
+                state_cache=state_cache, chunking=decision.backend in CHUNKED_PREFILL_BACKENDS)
 
 
 def plan_split(devices: list[Hardware], scheme: str, footprint: Any, *, context: int, backend: str = "auto",
@@ -309,7 +315,8 @@ def refusal(mine: Plan, plans: Mapping[str, Plan], footprint: Any, hardware: Har
     census = resident_census(mine.census, decision.backend)
     longest = max_context(census, footprint.dims, hardware, dtype=decision.dtype,
                           host_embeddings=_host_embeddings(decision),
-                          media=decision.backend == "torch", limit=context)
+                          media=decision.backend == "torch", limit=context,
+                          chunking=decision.backend in CHUNKED_PREFILL_BACKENDS)
     hints = []
     if mine.fmt in ("bf16", "int8", "fp8") and mine.fmt == footprint.stored:
         hints.append("a 4-bit variant of the source (clef-local quantize --bits 4)")

@@ -5,7 +5,7 @@ entries. Pure functions; the formulas, term by term: docs/hardware.md#the-memory
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from clef_local.planning.census import FORMATS, WeightCensus
@@ -18,6 +18,12 @@ DTYPE_SIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 RUNTIME_OVERHEAD = {"cuda": GiB // 2, "apple": GiB // 2, "cpu": GiB // 2}
 MARGIN = 0.05
 CHUNK = 64  # the gated delta rule's chunk length in transformers' PyTorch fallback
+# Chunked prefill (docs/hardware.md#chunked-prefill): chunk lengths are multiples of this, so that every chunk boundary
+# is also one of the gated delta rule's own 64-token chunks (the same arithmetic as one pass, block for block)
+PREFILL_STEP = 256
+# the longest chunk the planner picks: past a few thousand tokens a longer chunk runs no faster (the matmuls are
+# already large), while the memory it takes is what a state cache could have had
+PREFILL_MAX_CHUNK = 8192
 
 
 @dataclass(frozen=True)
@@ -96,7 +102,8 @@ def state_entry_bytes(dims: ModelDims, tokens: int, dtype: str) -> int:
 
 @dataclass(frozen=True)
 class Activations:
-    """A prefill's activation bytes and its terms."""
+    """A prefill's activation bytes and its terms; ``chunk``: the chunk length of a chunked prefill (None: one
+    pass), whose ``kept`` bytes (the output states, every attention layer's keys and values) live across chunks."""
 
     total: int
     per_token: int
@@ -105,6 +112,8 @@ class Activations:
     rope: int
     terms: dict[str, int]
     dominant: str
+    chunk: int | None = None
+    kept: int = 0
 
 
 def activations(dims: ModelDims, context: int, batch: int, dtype: str) -> Activations:
@@ -119,6 +128,68 @@ def activations(dims: ModelDims, context: int, batch: int, dtype: str) -> Activa
     rope = tokens * terms["rope"]
     return Activations(total=tokens * per_token + mask + rope, per_token=per_token, tokens=tokens, mask=mask,
                        rope=rope, terms=terms, dominant=layer if backbone >= terms["head"] else "head")
+
+
+def chunked_activations(dims: ModelDims, context: int, batch: int, dtype: str, chunk: int) -> Activations:
+    """Peak activation bytes of one prefill of ``batch`` records of ``context`` tokens run in chunks of ``chunk``
+    tokens, each chunk over the keys, values and linear states of the ones before it (docs/hardware.md#chunked-prefill).
+
+    Across the pass live the output states and every full-attention layer's keys and values (``kept``, per token of
+    the context); within a chunk, the one-pass terms of its tokens. An attention layer also holds, over the whole
+    context, its keys and values grown by the chunk beside the old ones, SDPA's repeated heads (grouped heads: the
+    padding mask keeps SDPA off its grouped path) and the boolean mask of the chunk over the context. The head reads
+    every position after the backbone's cache is freed.
+    """
+    d = DTYPE_SIZE[dtype]
+    terms = dims.per_token(d)
+    chunk = max(1, min(chunk, context))
+    tokens, local = context * batch, chunk * batch
+    q, kv = dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim
+    kept = d * (dims.hidden + (dims.layers - dims.linear_layers) * 2 * kv)
+    grown = d * (2 * kv + (2 * q if dims.kv_heads < dims.heads else 0))
+    mask = batch * chunk * context if context > chunk or batch > 1 else 0
+    attention = local * (terms["carried"] + terms["attention"]) + tokens * grown + mask
+    layer = max(("mlp", "linear"), key=lambda k: terms[k])
+    other = local * (terms["carried"] + terms[layer])
+    states = batch * linear_state_bytes(dims, d)
+    rope = local * terms["rope"]
+    backbone = tokens * kept + states + max(attention, other) + rope
+    head = tokens * terms["head"]
+    dominant = "head" if head > backbone else "attention" if attention >= other else layer
+    return Activations(total=max(backbone, head), per_token=kept, tokens=tokens, mask=mask, rope=rope, terms=terms,
+                       dominant=dominant, chunk=chunk, kept=tokens * kept)
+
+
+def linear_state_bytes(dims: ModelDims, d: int) -> int:
+    """One record's conv and recurrent (float32) states over every linear-attention layer."""
+    if not dims.linear_layers:
+        return 0
+    conv_width = 2 * dims.linear_k_heads * dims.linear_k_dim + dims.linear_v_heads * dims.linear_v_dim
+    recurrent = dims.linear_v_heads * dims.linear_k_dim * dims.linear_v_dim
+    return dims.linear_layers * (d * conv_width * dims.linear_conv_kernel + 4 * recurrent)
+
+
+def fit_chunk(dims: ModelDims, context: int, batch: int, dtype: str, room: int) -> int | None:
+    """How to run a prefill of ``batch`` × ``context`` tokens in ``room`` bytes of activations: None when the
+    one pass fits (no chunking), else the longest chunk (a multiple of :data:`PREFILL_STEP`, shorter than the
+    context, at most :data:`PREFILL_MAX_CHUNK`) whose chunked pass fits, 0 when not even :data:`PREFILL_STEP`
+    tokens do."""
+    if activations(dims, context, batch, dtype).total <= room:
+        return None
+    lo, hi = 0, min(context - 1, PREFILL_MAX_CHUNK) // PREFILL_STEP
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if chunked_activations(dims, context, batch, dtype, mid * PREFILL_STEP).total <= room:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * PREFILL_STEP
+
+
+def activation_room(available: int, device_weights: int, overhead: int, state_cache: int = 0) -> int:
+    """The most activation bytes with which ``device_weights`` + activations + ``overhead`` + the margin + a
+    ``state_cache`` still fit in ``available`` (0 when nothing is left)."""
+    return max(0, int((available - overhead - state_cache) / (1 + MARGIN)) - device_weights)
 
 
 @dataclass(frozen=True)
@@ -141,6 +212,16 @@ class Plan:
     visual_tokens: int = 0  # of the context, filled by images (clef_local.planning.vision)
     vision_activations: int = 0  # the vision tower's peak, freed before the text layers run
     state_cache: int = 0  # a state cache's budget + one entry at the context (0: no cache)
+
+    @property
+    def chunk(self) -> int | None:
+        """The chunk length of the prefill this plan counts (None: one pass)."""
+        return self.activations.chunk
+
+    @property
+    def activation_room(self) -> int:
+        """Activation bytes that still fit beside this plan's weights, overhead, margin and state cache."""
+        return activation_room(self.available, self.device_weights, self.overhead, self.state_cache)
 
     @property
     def need(self) -> int:
@@ -170,6 +251,7 @@ class Plan:
             "backbone_bytes": self.census.backbone, "head_bytes": self.census.head,
             "device_weight_bytes": self.device_weights, "host_weight_bytes": self.host_weights,
             "activation_bytes": self.activations.total, "activation_terms_per_token": self.activations.terms,
+            "prefill_chunk": self.chunk, "activation_room_bytes": self.activation_room,
             "overhead_bytes": self.overhead, "margin_bytes": self.margin, "state_cache_bytes": self.state_cache,
             "need_bytes": self.need,
             "visual_tokens": self.visual_tokens, "vision_activation_bytes": self.vision_activations,
@@ -179,14 +261,19 @@ class Plan:
 
 def plan(census: WeightCensus, dims: ModelDims, hardware: Hardware, *, context: int, batch: int = 1,
          dtype: str = "bfloat16", host_embeddings: bool = True, media: bool = False, visual_tokens: int = 0,
-         vision_activations: int = 0, state_cache: int = 0) -> Plan:
+         vision_activations: int = 0, state_cache: int = 0, chunking: bool = False,
+         chunk: int | None = None) -> Plan:
     """The memory plan of ``census`` on ``hardware``.
 
     ``host_embeddings``: ``embed_tokens`` and ``lm_head`` stay in host memory (only gathered, docs/hardware.md); it
     matters only on a CUDA card. ``media``: the vision tower is resident (else it is not loaded at all, or stays on the
     host). ``visual_tokens`` (of the context) and ``vision_activations`` (bytes) come from
     :mod:`clef_local.planning.vision` for requests with images. ``state_cache``: a state cache's budget in bytes; the
-    plan adds it and one entry at ``context``.
+    plan adds it and one entry at ``context``. ``chunking``: the backend can run the prefill in chunks
+    (:func:`chunked_activations`); when the one pass does not fit, the plan counts the longest chunk that does
+    (:func:`fit_chunk`); when none does, chunks of :data:`PREFILL_MAX_CHUNK` (or the one pass, when that is less):
+    what a device just large enough would run. ``chunk``: count chunks of that many tokens instead (a chunk length
+    asked for, ``load(prefill_chunk=…)``).
     """
     if state_cache < 0:
         raise ValueError(f"state_cache is a budget in bytes, got {state_cache}")
@@ -194,20 +281,48 @@ def plan(census: WeightCensus, dims: ModelDims, hardware: Hardware, *, context: 
         raise ValueError(f"context and batch must be positive, got context={context}, batch={batch}")
     if dtype not in DTYPE_SIZE:
         raise ValueError(f"unknown compute dtype {dtype!r}; use one of {', '.join(DTYPE_SIZE)}")
+    held = held_weights(census, dtype)
     if hardware.shares_host_memory:
-        device_weights = census.device_weights(host_embeddings=False, media=media)
+        device_weights = held.device_weights(host_embeddings=False, media=media)
         host_weights = 0
     else:
-        device_weights = census.device_weights(host_embeddings=host_embeddings, media=media)
-        host_weights = census.host_weights(host_embeddings=host_embeddings, media=media)
-    acts = activations(dims, context, batch, dtype)
+        device_weights = held.device_weights(host_embeddings=host_embeddings, media=media)
+        host_weights = held.host_weights(host_embeddings=host_embeddings, media=media)
     overhead = RUNTIME_OVERHEAD[hardware.kind]
-    margin = int(MARGIN * (device_weights + max(acts.total, vision_activations)))
     cache = state_cache + state_entry_bytes(dims, context, dtype) if state_cache else 0
+    acts = activations(dims, context, batch, dtype)
+    if chunk is not None:
+        if chunk < context:
+            acts = chunked_activations(dims, context, batch, dtype, chunk)
+    elif chunking:
+        room = activation_room(hardware.free_bytes, device_weights, overhead, cache)
+        chunk = fit_chunk(dims, context, batch, dtype, room)
+        if chunk:
+            acts = chunked_activations(dims, context, batch, dtype, chunk)
+        elif chunk == 0:  # nothing fits here: what a device just large enough would run, in full-length chunks
+            longest = chunked_activations(dims, context, batch, dtype, PREFILL_MAX_CHUNK)
+            acts = longest if longest.total < acts.total and context > PREFILL_MAX_CHUNK else acts
+    margin = int(MARGIN * (device_weights + max(acts.total, vision_activations)))
     return Plan(fmt=census.fmt, census=census, hardware=hardware, context=context, batch=batch, dtype=dtype,
                 host_embeddings=host_embeddings, media=media, device_weights=device_weights,
                 host_weights=host_weights, activations=acts, overhead=overhead, margin=margin,
                 visual_tokens=visual_tokens, vision_activations=vision_activations, state_cache=cache)
+
+
+def held_weights(census: WeightCensus, dtype: str) -> WeightCensus:
+    """``census`` as a backend holds it computing in ``dtype``: a release's floating tensors (stored in BF16) are
+    cast to the compute dtype at load, so float32 doubles them; a variant's packed linears stay as stored and its
+    head is float32 either way."""
+    scale = DTYPE_SIZE[dtype] / 2
+    if scale == 1:
+        return census
+    def held(stored: int) -> int:
+        return int(stored * scale)
+
+    return replace(census, text_other=held(census.text_other), embed_tokens=held(census.embed_tokens),
+                   lm_head=held(census.lm_head), vision=held(census.vision),
+                   quantized_linears=held(census.quantized_linears) if census.fmt == "bf16"
+                   else census.quantized_linears)
 
 
 def auto_state_cache(p: Plan, dims: ModelDims) -> int:
@@ -227,11 +342,11 @@ def best_fit(plans: Mapping[str, Plan]) -> Plan | None:
 
 def max_context(census: WeightCensus, dims: ModelDims, hardware: Hardware, *, batch: int = 1,
                 dtype: str = "bfloat16", host_embeddings: bool = True, media: bool = False,
-                limit: int = 1 << 20) -> int:
+                limit: int = 1 << 20, chunking: bool = False) -> int:
     """The longest context (tokens, a multiple of 256) that fits, 0 when not even 256 tokens do."""
     def fits(context: int) -> bool:
         return plan(census, dims, hardware, context=context, batch=batch, dtype=dtype,
-                    host_embeddings=host_embeddings, media=media).fits
+                    host_embeddings=host_embeddings, media=media, chunking=chunking).fits
 
     lo, hi = 0, limit // 256
     while lo < hi:
@@ -253,6 +368,9 @@ def explain(p: Plan) -> list[str]:
         f"text model {g(c.text_other)} + embed_tokens {g(c.embed_tokens)} + lm_head {g(c.lm_head)} + vision "
         f"{g(c.vision)} = backbone {g(c.backbone)}; joint head (float32) {g(c.head)}",
     ]
+    if DTYPE_SIZE[p.dtype] != 2:
+        lines.append(f"  computing in {p.dtype}: the {'weights' if c.fmt == 'bf16' else 'unquantized tensors'} are "
+                     f"held at {DTYPE_SIZE[p.dtype]} bytes per value (stored in BF16)")
     if p.hardware.shares_host_memory:
         lines.append(f"  one memory pool ({p.hardware.kind}): every weight counts"
                      + ("" if p.media else ", the vision tower is not loaded without media")
@@ -266,7 +384,12 @@ def explain(p: Plan) -> list[str]:
         f"activations ({p.dtype}, d={d}) for N = {p.context:,} × {p.batch} = {a.tokens:,} tokens, per token: "
         f"carried 4h·d = {t['carried']:,} B + max(mlp 3I·d = {t['mlp']:,} B, attention {t['attention']:,} B, "
         f"linear attention {t['linear']:,} B) [{a.dominant}]; head {t['head']:,} B",
-        f"  N × {a.per_token:,} B + mask {g(a.mask)} + rope {g(a.rope)} = {g(a.total)}",
+        *([f"  N × {a.per_token:,} B + mask {g(a.mask)} + rope {g(a.rope)} = {g(a.total)}"] if a.chunk is None else [
+            f"  the one pass does not fit: chunked prefill in {a.chunk:,}-token chunks "
+            "(docs/hardware.md#chunked-prefill): kept across chunks N × "
+            f"{a.per_token:,} B (output states, keys and values) = {g(a.kept)}, the chunk's own terms, the chunk's "
+            f"mask over the context {g(a.mask)}; the larger of that and the head over N [{a.dominant}] = "
+            f"{g(a.total)}"]),
         *([f"  images: {p.visual_tokens:,} visual tokens of the context; the vision tower's pass before it "
            f"{g(p.vision_activations)} (clef_local/planning/vision.py); the larger of the two counts"]
           if p.vision_activations else []),

@@ -28,10 +28,11 @@ from clef_local.planning.estimate import DTYPE_SIZE, ModelDims, Plan, best_fit, 
 from clef_local.planning.hardware import Hardware, resolve_device
 from clef_local.planning.split import SplitPlan, render_split, split_plan
 from clef_local.planning.vision import ImageLoad, VisionDims, image_load, parse_image_size, vision_activation_bytes
+from clef_local.runtime.encoding import PUBLISHED_CONTEXT, default_max_length
 from clef_local.runtime.processor import ImageGeometry
 from clef_local.units import GiB
 
-DEFAULT_CONTEXT = 16_384  # the reference's max_length (docs/format.md §2)
+DEFAULT_CONTEXT = PUBLISHED_CONTEXT  # what a model loads with: Clef's published window (docs/format.md §2)
 CONFIGS_DIR = Path(__file__).resolve().parent / "configs"  # NAME.config.json + NAME.joint_head_config.json
 PACKAGED_CONFIGS = ("clef", "clef-flash")  # the published shapes of Cloudflare/clef and Cloudflare/clef-flash
 
@@ -77,14 +78,15 @@ class Footprint:
         return image_load(self.geometry, width, height, images)
 
     def plans(self, hardware: Hardware, *, context: int, batch: int = 1, dtype: str = "bfloat16",
-              host_embeddings: bool = True, media: bool = False, images: ImageLoad | None = None
-              ) -> dict[str, Plan]:
+              host_embeddings: bool = True, media: bool = False, images: ImageLoad | None = None,
+              chunking: bool = False) -> dict[str, Plan]:
         vision = 0
         if images is not None and self.vision is not None:
             vision = vision_activation_bytes(self.vision, images, batch, DTYPE_SIZE[dtype])
         return {fmt: plan(c, self.dims, hardware, context=context, batch=batch, dtype=dtype,
                           host_embeddings=host_embeddings, media=media or images is not None,
-                          visual_tokens=images.visual_tokens if images else 0, vision_activations=vision)
+                          visual_tokens=images.visual_tokens if images else 0, vision_activations=vision,
+                          chunking=chunking)
                 for fmt, c in self.censuses.items()}
 
     def splits(self, devices: list[Hardware], *, context: int, batch: int = 1, dtype: str = "bfloat16",
@@ -136,6 +138,12 @@ def default_dtype(hardware: Hardware) -> str:
     return "bfloat16" if hardware.fast_bf16 else "float32"
 
 
+def chunked_prefill(hardware: Hardware) -> bool:
+    """Whether the backend that runs on ``hardware`` chunks a prefill that does not fit in one pass: torch (CUDA, a
+    CPU) does, MLX (Apple silicon) does not (docs/hardware.md#chunked-prefill)."""
+    return hardware.kind != "apple"
+
+
 def _gib(n: int) -> str:
     return f"{n / GiB:.1f}"
 
@@ -159,7 +167,8 @@ def render(footprint: Footprint, plans: dict[str, Plan], *, show_explain: bool,
              f"{'format':<7}{'weights':>9}{'host':>7}{'activ.':>8}{'overhead':>10}{'need':>8}  verdict (GiB)"]
     for fmt, p in plans.items():
         lines.append(f"{fmt:<7}{_gib(p.device_weights):>9}{_gib(p.host_weights):>7}{_gib(p.activations.total):>8}"
-                     f"{_gib(p.overhead + p.margin):>10}{_gib(p.need):>8}  {'fits' if p.fits else 'does not fit'}")
+                     f"{_gib(p.overhead + p.margin):>10}{_gib(p.need):>8}  {'fits' if p.fits else 'does not fit'}"
+                     + (f" (prefill in {p.chunk:,}-token chunks)" if p.chunk else ""))
     best = best_fit(plans)
     lines.append("")
     if best is not None:
@@ -167,7 +176,8 @@ def render(footprint: Footprint, plans: dict[str, Plan], *, show_explain: bool,
     else:
         smallest = min(plans.values(), key=lambda p: p.need)
         longest = max_context(smallest.census, footprint.dims, hw, batch=smallest.batch, dtype=smallest.dtype,
-                              host_embeddings=smallest.host_embeddings, media=smallest.media)
+                              host_embeddings=smallest.host_embeddings, media=smallest.media,
+                              chunking=chunked_prefill(hw))
         hint = f"; {smallest.fmt} fits up to {longest:,} tokens (--context)" if longest else ""
         lines.append(f"nothing fits: the smallest, {smallest.fmt}, needs {_gib(smallest.need)} GiB{hint}")
     if show_explain:
@@ -245,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ClefError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    context = args.context or min(DEFAULT_CONTEXT, footprint.dims.max_context or DEFAULT_CONTEXT)
+    context = args.context or default_max_length(footprint.dims.max_context)
     images = None
     try:
         if args.image_size:
@@ -263,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return _main_split(args, footprint, devices, context)
     plans = footprint.plans(hardware, context=context, batch=args.batch, dtype=args.dtype or default_dtype(hardware),
-                            host_embeddings=not args.embeddings_on_device, media=args.media, images=images)
+                            host_embeddings=not args.embeddings_on_device, media=args.media, images=images,
+                            chunking=chunked_prefill(hardware))
     best = best_fit(plans)
     if args.json:
         print(json.dumps({"model": footprint.name, "architecture": footprint.architecture,

@@ -30,8 +30,29 @@ NOUL_DEFAULTS = {
     "true": "The proposition is true or the answer is yes.",
     "false": "The proposition is false or the answer is no.",
 }
-# The reference implementation's context limit; a backbone with a shorter context lowers it.
+# The reference implementation's default request limit (`systemone(max_length=16384)`, which cuts the state to it);
+# encode_request's default. clef-local's default is the window Clef and Clef-flash are published with (docs/format.md
+# §2), lowered to a backbone with a shorter context.
 REFERENCE_MAX_LENGTH = 16384
+PUBLISHED_CONTEXT = 65536
+
+
+def default_max_length(backbone_context: int | None) -> int:
+    """The request limit when none is asked for: :data:`PUBLISHED_CONTEXT`, at most the backbone's context."""
+    return min(PUBLISHED_CONTEXT, backbone_context or PUBLISHED_CONTEXT)
+
+
+def checked_max_length(max_length: int | None, backbone_context: int | None) -> int:
+    """``max_length`` (None: :func:`default_max_length`), refused (``ApiUsageError``) when not positive or above the
+    backbone's context, naming both."""
+    if max_length is None:
+        return default_max_length(backbone_context)
+    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
+        raise ApiUsageError(f"max_length must be a positive number of tokens, got {max_length!r}")
+    if backbone_context is not None and max_length > backbone_context:
+        raise ApiUsageError(f"max_length {max_length:,} is above the backbone's context of {backbone_context:,} "
+                            f"tokens (max_position_embeddings); ask for at most {backbone_context:,}")
+    return max_length
 
 
 class PieceTokenizer(Protocol):

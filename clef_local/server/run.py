@@ -56,12 +56,15 @@ def uvicorn_options(config: ServerConfig) -> dict[str, Any]:
 
 
 def load_models(specs: Mapping[str, Path], *, dtype: str | None = None, device: str | None = None,
-                confidence: str = "jev", media_limits: Any = None, state_cache: int | None = None) -> dict[str, Any]:
+                confidence: str = "jev", media_limits: Any = None, state_cache: int | None = None,
+                max_length: int | None = None) -> dict[str, Any]:
     """Load each ``{name: release directory}`` with the public API (``clef_local.load``); ``state_cache``: bytes
-    of state cache per model (None: sized by the planner)."""
+    of state cache per model (None: sized by the planner); ``max_length``: each model's longest request (None: its
+    default)."""
     import clef_local
 
-    kwargs: dict[str, Any] = {"dtype": dtype, "confidence": confidence, "state_cache": state_cache}
+    kwargs: dict[str, Any] = {"dtype": dtype, "confidence": confidence, "state_cache": state_cache,
+                              "max_length": max_length}
     if media_limits is not None:
         kwargs["media_limits"] = media_limits
     if device:
@@ -79,11 +82,12 @@ def serve(model_specs: Sequence[str] = (), *, host: str = "127.0.0.1", port: int
           allowed_hosts: Sequence[str] = (), cors_origins: Sequence[str] = (),
           header_timeout: float = HEADER_TIMEOUT_S, body_timeout: float = BODY_TIMEOUT_S,
           max_connections: int = MAX_CONNECTIONS, threads: int | None = None, media_limits: Any = None,
-          state_cache: int | None = None) -> int:
+          state_cache: int | None = None, max_length: int | None = None) -> int:
     """Load the models and serve them until interrupted (SIGINT/SIGTERM finish in-flight requests first).
 
     ``model_specs`` are ``NAME=DIR`` strings; none means the default model, served as ``clef-local``.
-    ``media_limits`` (:class:`~clef_local.runtime.media.MediaLimits`) bound each request's images and videos.
+    ``media_limits`` (:class:`~clef_local.runtime.media.MediaLimits`) bound each request's images and videos;
+    ``max_length``: the longest request in tokens (``clef_local.load(max_length=…)``).
     """
     require_serve_extra()
     import uvicorn
@@ -102,7 +106,8 @@ def serve(model_specs: Sequence[str] = (), *, host: str = "127.0.0.1", port: int
     if warning := bind_warning(host, api_key):
         print(warning, file=sys.stderr)
     models = load_models(specs, dtype=None if dtype in (None, "auto") else dtype, device=device,
-                         confidence=confidence, media_limits=media_limits, state_cache=config.state_cache)
+                         confidence=confidence, media_limits=media_limits, state_cache=config.state_cache,
+                         max_length=max_length)
     from clef_local.server.app import create_app
 
     app = create_app(models, config)
@@ -114,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     """Serve the SystemOne HTTP API (POST /v1/systemone) with dynamic batching."""
     from clef_local.options import (
         add_confidence_flag,
+        add_max_length_flag,
         add_media_flags,
         add_network_flag,
         add_runtime_flags,
@@ -151,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="memory per model for cached states (512MiB, 2GiB; 0: off; default: sized from the free "
                              "memory): a second schema on the same state runs only its own tokens (torch only)")
     add_confidence_flag(parser)
+    add_max_length_flag(parser)
     add_runtime_flags(parser, backend=False)
     add_media_flags(parser)
     add_network_flag(parser)
@@ -167,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
                      log_level="debug" if logging.getLogger().getEffectiveLevel() <= logging.DEBUG else "info",
                      allowed_hosts=args.allowed_host, cors_origins=args.cors_origin,
                      header_timeout=args.header_timeout, body_timeout=args.body_timeout,
-                     max_connections=args.max_connections, threads=args.threads)
+                     max_connections=args.max_connections, threads=args.threads, max_length=args.max_length)
 
 
 def _state_cache_size(text: str) -> int | None:

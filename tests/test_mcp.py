@@ -5,6 +5,7 @@ subprocess, two tiny releases): the tools and their schemas, every answer agains
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -13,7 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
-from mcp_client import QUESTIONS, STATE, McpSession, close, digest_of, stdio_parameters
+from mcp_client import QUESTIONS, ROOT, STATE, McpSession, close, digest_of, stdio_parameters
 
 import clef_local
 from clef_local.mcp.tools import inline_schema
@@ -128,7 +129,9 @@ def test_models_says_what_is_loaded(session: McpSession, qwen: Any) -> None:
     first = listing["models"][0]
     assert first["context_tokens"] == qwen.max_length and first["path"] == str(qwen.path)
     assert first["question_types"] == ["noul", "choice", "score"] and first["limits"]["max_questions"] == 64
-    assert first["image_formats"] == [] and "no vision tower" in first["media"]  # the tiny Qwen reads text only
+    assert first["image_formats"] == ["PNG", "JPEG", "WEBP", "GIF", "BMP"] and first["media"]["images"] == "accepted"
+    text_only = listing["models"][1]  # the tiny Llama has no vision tower
+    assert text_only["image_formats"] == [] and "no vision tower" in text_only["media"]
     assert first["state_cache"]["budget"] == 64 * 1024 * 1024 and first["weights"]["dtype"] == "float32"
     assert listing["remembered_states"]["budget"] == "64.0 MiB"
 
@@ -150,8 +153,6 @@ BAD = [  # (tool, arguments, the field the error names, a phrase of its message)
     ("ask_yes_no", {"state": STATE, "question": "Card?", "images": ["not base64!"]}, "images.0", "base64"),
     ("ask_yes_no", {"state": STATE, "question": "Card?", "images": [{"type": "image", "data": 5}]}, "images.0",
      "an MCP image needs"),
-    ("decide", {"state": {"a": float("nan")}, "questions": QUESTIONS}, "arguments", "finite number"),
-    ("decide", {"state": "\ud800", "questions": QUESTIONS}, "arguments", "lone UTF-16 surrogate"),
 ]
 
 
@@ -167,8 +168,56 @@ def test_bad_arguments_are_tool_errors_naming_the_field(session: McpSession, too
     assert 400 <= error["status"] < 500
 
 
+def test_what_the_sdk_client_cannot_send_is_refused_too(qwen: Any, tiny_llama: Path, tmp_path: Path) -> None:
+    """``NaN``, lone surrogates, broken and 100,000-deep JSON, sent as raw lines (the SDK's client turns ``NaN`` into
+    null and cannot serialize a lone surrogate: its connection dies): each refused, as ``serve``'s body parser
+    refuses them, and the server still answers. A lone surrogate that reached an answer would stop the server's own
+    writer in the same way, so the tools refuse them too."""
+    from clef_local.mcp.server import ClefTools
+
+    tools = ClefTools({"clef-local": qwen})
+    for state, phrase in (({"a": float("nan")}, "finite number"), ("\ud800", "lone UTF-16 surrogate")):
+        refused = tools.prepare("decide", {"state": state, "questions": QUESTIONS})
+        assert not hasattr(refused, "record") and phrase in refused.message and refused.status == 422
+    call = '{"jsonrpc":"2.0","id":%d,"method":"tools/call","params":{"name":"decide","arguments":%s}}'
+    lines = [
+        json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+            "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "raw", "version": "0"}}}),
+        '{"jsonrpc":"2.0","method":"notifications/initialized"}',
+        call % (2, '{"state":"\\ud800 lone","questions":{"q":{"type":"noul"}}}'),
+        call % (3, '{"state":{"a":NaN},"questions":{"q":{"type":"noul"}}}'),
+        "this is not JSON at all",
+        call % (4, '{"state":' + "[" * 100_000 + "]" * 100_000 + ',"questions":{"q":{"type":"noul"}}}'),
+        call % (5, '{"state":"x","questions":{"q":{"type":"choice","criteria":{"\\udfff":null,"b":null}}}}'),
+        call % (6, json.dumps({"state": STATE, "questions": QUESTIONS})),
+    ]
+    command = [sys.executable, "-m", "clef_local.cli", "mcp", "--model", str(tiny_llama), "--dtype", "float32"]
+    with (tmp_path / "stderr.txt").open("w") as stderr, subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)}) as server:
+        assert server.stdin is not None and server.stdout is not None
+        server.stdin.write("\n".join(lines) + "\n")
+        server.stdin.flush()
+        replies: dict[Any, Any] = {}
+        while 6 not in replies:  # the last call answered (stdin stays open until then: EOF stops the server)
+            line = server.stdout.readline()
+            assert line, (tmp_path / "stderr.txt").read_text()[-3000:]
+            message = json.loads(line)
+            replies[message.get("id")] = message
+        server.stdin.close()
+        assert server.wait(60) == 0
+    assert "result" in replies[1] and not replies[6]["result"]["isError"]  # initialized, and the good call answered
+    for request_id in (2, 3, 4, 5):  # refused: a tool error, or the SDK's own JSON-RPC error for unparsable JSON
+        reply = replies.get(request_id)
+        assert reply is None or "error" in reply or reply["result"]["isError"], reply
+    # NaN reaches the tools (the SDK's parser reads it) and is refused there; lone surrogates and 100,000 levels the
+    # SDK's parser refuses itself, and drops the line (it cannot know its id)
+    assert "finite number" in replies[3]["result"]["content"][0]["text"]
+    assert "Traceback" not in (tmp_path / "stderr.txt").read_text()
+
+
 def test_an_image_for_a_text_only_model_is_refused_with_the_reason(session: McpSession, png: str) -> None:
-    result = session.call("ask_yes_no", {"state": STATE, "question": "Card?", "images": [png]})
+    result = session.call("ask_yes_no", {"model": "llama", "state": STATE, "question": "Card?", "images": [png]})
     assert result.is_error and result.structured_content["status"] == 400
     assert "has no vision tower" in result.content[0].text
 

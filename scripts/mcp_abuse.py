@@ -15,7 +15,8 @@ argument, huge strings (1 to 10 MB states, questions, labels, ids, model names),
 bytes, truncated PNGs, a 64-megapixel header, a 1:300 aspect, URLs, paths, text data URIs, broken MCP image
 blocks, too many), huge counts (65 questions, 256 options, 11 levels, 64 × 255 options, 65-deep JSON), ``ask_again``
 abuse (unknown and malformed digests, bad questions for a known one), unknown tools, and odd Unicode (NUL, control
-characters, lone surrogates).
+characters, combining marks, BOMs; not lone surrogates, which the SDK's client cannot send: tests/test_mcp.py sends
+them, with NaN and broken JSON, as raw lines).
 
 Prints, per kind, the calls sent and what came back (answers, tool errors by status, protocol errors, client
 exceptions); the 5xx tool errors and lost calls (both must be 0); server RSS before, after each quarter and at the
@@ -70,11 +71,14 @@ QUESTIONS = GOOD[0]["questions"]
 
 # ---------------------------------------------------------------- images
 
-def _png(size: tuple[int, int], mode: str = "RGB") -> bytes:
+def _png(size: tuple[int, int], mode: str = "RGB", noise: bool = False) -> bytes:
     from PIL import Image
 
     out = io.BytesIO()
-    Image.new(mode, size).save(out, format="PNG")
+    if noise:  # incompressible: a cut file misses pixel data, not only its end marker
+        Image.frombytes(mode, size, random.Random(1).randbytes(size[0] * size[1] * 3)).save(out, format="PNG")
+    else:
+        Image.new(mode, size).save(out, format="PNG")
     return out.getvalue()
 
 
@@ -86,7 +90,7 @@ def image(name: str) -> str:
     if not _IMAGES:
         png = _png((40, 30))
         _IMAGES.update({
-            "truncated": base64.b64encode(png[:70]).decode(),
+            "truncated": base64.b64encode(_png((64, 64), noise=True)[:6000]).decode(),
             "garbage": base64.b64encode(random.Random(0).randbytes(4096)).decode(),
             "bomb": base64.b64encode(_png((8000, 8000), "1")).decode(),  # 64 M pixels from a ~10 KB file
             "aspect": base64.b64encode(_png((1, 300))).decode(),
@@ -124,8 +128,20 @@ def malformed(rng: random.Random) -> Call:
     return rng.choice(variants)
 
 
+WRONG = [None, True, 0, -1, 3.5, 10 ** 30, [], [1, 2], {"a": {"b": []}}, ""]
+RIGHT = {  # the values of WRONG that are right for an argument (null for an optional one, JSON for a state)
+    "state": [[], [1, 2], {"a": {"b": []}}, ""], "model": [None], "images": [None, []], "videos": [None, []],
+    "criteria": [None], "question": [None, "", [], [1, 2], {"a": {"b": []}}],  # instructions are text or JSON
+}
+
+
+def _right(key: str, tool: str, value: Any) -> bool:
+    if key == "question" and tool == "ask_yes_no" and value is None:
+        return False  # required there
+    return any(type(value) is type(ok) and value == ok for ok in RIGHT.get(key, []))
+
+
 def wrong_types(rng: random.Random) -> Call:
-    value = rng.choice([None, True, 0, -1, 3.5, 10 ** 30, [], [1, 2], {"a": {"b": []}}, ""])
     tool, key = rng.choice([("decide", "state"), ("decide", "questions"), ("decide", "model"),
                             ("decide", "images"), ("decide", "videos"), ("ask_yes_no", "question"),
                             ("ask_yes_no", "criteria"), ("choose", "options"), ("rate", "levels"),
@@ -138,6 +154,7 @@ def wrong_types(rng: random.Random) -> Call:
         "rate": {"state": STATE, "levels": ["low", "high"]},
         "ask_again": {"state": "0" * 64, "questions": QUESTIONS},
     }
+    value = rng.choice([v for v in WRONG if not _right(key, tool, v)])
     return tool, {**base[tool], key: value}
 
 
@@ -217,8 +234,10 @@ def unknown_tools(rng: random.Random) -> Call:
 
 
 def odd_unicode(rng: random.Random) -> Call:
-    text = rng.choice(["\0\0\0", "\x1b[2J\x07", "\ud800 lone", "\udfff", "\u202e\u2066RTL", "\ufeff" * 1000,
-                       "🙂" * 5000, "\U0010ffff"])
+    # no lone surrogates: the SDK's client cannot serialize them (its connection dies); tests/test_mcp.py sends
+    # them as raw lines
+    text = rng.choice(["\0\0\0", "\x1b[2J\x07", "\u202e\u2066RTL", "\ufeff" * 1000, "🙂" * 5000, "\U0010ffff",
+                       "\u0301" * 3000, "\r\n" * 2000])
     return rng.choice([("decide", {"state": text, "questions": QUESTIONS}),
                        ("choose", {"state": STATE, "options": {text: None, "b": text}}),
                        ("ask_yes_no", {"state": STATE, "question": text})])
@@ -241,7 +260,9 @@ def free_port() -> int:
 
 
 def server_args(model: str, vision: str) -> list[str]:
-    return ["--model", f"clef-local={model}", "--model", f"vision={vision}", "--remember", "8MiB"]
+    # bounded caches (the answered odd-Unicode states fill them), so that RSS says whether anything else grows
+    return ["--model", f"clef-local={model}", "--model", f"vision={vision}", "--remember", "8MiB",
+            "--state-cache", "32MiB"]
 
 
 @asynccontextmanager

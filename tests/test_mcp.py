@@ -148,6 +148,8 @@ BAD = [  # (tool, arguments, the field the error names, a phrase of its message)
     ("ask_yes_no", {"state": STATE, "question": "Refund?", "questoin": "typo"}, "questoin", "not an argument"),
     ("rate", {"state": STATE, "levels": "low, high"}, "levels", "array of level texts"),
     ("rate", {"state": STATE, "levels": ["a", "b"], "question": 7}, "question", "instructions must be"),
+    ("ask_yes_no", {"state": STATE, "question": None}, "question", "question is required"),
+    ("models", {"verbose": True}, "verbose", "takes no arguments"),
     ("ask_again", {"state": "abc", "questions": QUESTIONS}, "state", "64-hex-digit digest"),
     ("ask_again", {"state": "0" * 64, "questions": QUESTIONS}, "state", "not known here"),
     ("ask_yes_no", {"state": STATE, "question": "Card?", "images": ["not base64!"]}, "images.0", "base64"),

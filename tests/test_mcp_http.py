@@ -145,7 +145,7 @@ def test_the_demo_model_answers_as_decide_and_ask_again_is_faster(demo_release: 
     want_one = round_floats(cold_model.decide({**request, "questions": {"answer": {
         "type": "choice", "instructions": None, "criteria": QUESTIONS["team"]["criteria"]}}}), 4)
     long_state = " ".join(f"Message {i}: my card payment {i} was declined twice at the shop and I was still "
-                          f"charged, please look into it." for i in range(60))
+                          f"charged, please look into it." for i in range(30))
     other_state = long_state.replace("declined", "refused")  # as long, another state: a cold pass
     with ThreadedServer(app, config=config, graceful_timeout_s=5) as server, \
             McpSession(http_transport(server.url + MCP_PATH)) as session:

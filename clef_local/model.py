@@ -27,7 +27,7 @@ from clef_local.runtime.layout import build_layout
 from clef_local.runtime.media import DEFAULT_MEDIA_LIMITS, MediaLimits
 from clef_local.runtime.processor import MediaProcessor
 from clef_local.runtime.schema import DEFAULT_LIMITS, QUESTION_TYPES, Limits, SystemOneRequest
-from clef_local.runtime.state_cache import StateCache, parse_size
+from clef_local.runtime.state_cache import StateCache, parse_size, record_state_key
 from clef_local.runtime.tokenizer import ReleaseTokenizer
 from clef_local.units import format_size
 
@@ -154,6 +154,13 @@ class ClefModel:
         if self.backend.prefill is not None:
             self.backend.prefill.check(len(record.input_ids), self.max_length)
         return record
+
+    def state_digest(self, record: EncodedRecord) -> str:
+        """The name of ``record``'s state for this loaded model (64 hex digits): SHA-256 of the model's identity
+        (release files, backend, device, compute dtype), the token ids of prefix + media + state and the media's
+        digest (:func:`~clef_local.runtime.state_cache.record_state_key`). Equal digests mean the same state of the
+        same model; on the torch backend it is the key the state cache keeps that state under."""
+        return record_state_key(self.backend.state_identity, record)
 
     def run(self, records: Sequence[EncodedRecord], *, batch_size: int = 8
             ) -> Iterator[tuple[list[int], list[Prediction]]]:

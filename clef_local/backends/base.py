@@ -35,6 +35,9 @@ class Backend(Protocol):
     accepts_media: bool  # runs the vision tower (images and videos in the state, docs/format.md §7)
     # why this backend cannot continue a pass from a cached state (None: it can; docs/serving.md#the-state-cache)
     state_cache_blocker: str | None
+    # what makes two loaded models compute the same states: the state cache's key prefix, and the model part of
+    # ClefModel.state_digest (runtime/state_cache.py model_identity)
+    state_identity: str
 
     def logits(self, records: Sequence[EncodedRecord], layout: HeadLayout, pad_token_id: int,
                cache: StateCache | None = None) -> np.ndarray:

@@ -23,6 +23,7 @@ from clef_local.errors import ReleaseError
 from clef_local.formats.release import Release
 from clef_local.heads.mlx_head import load_head
 from clef_local.runtime.layout import HeadLayout, pad_batch
+from clef_local.runtime.state_cache import model_identity
 
 if TYPE_CHECKING:
     from clef_local.planning.choice import LoadDecision
@@ -285,6 +286,8 @@ class MLXBackend:
         with mx.stream(self.device):
             self.backbone = MLXBackbone(release, resolve_dtype(dtype, release), default_kernel(self.device))
             self.head = load_head(release)
+        self.state_identity = model_identity(release.path, release.weight_files, backend=self.name,
+                                             device=str(self.device), dtype=_name(self.backbone.dtype))
         log.info("MLX %s backbone on %s in %s%s, rope_theta %s", self.backbone.kind, _name(self.device),
                  _name(self.backbone.dtype), f" ({self.backbone.scheme}, {self.backbone.kernel})"
                  if self.backbone.scheme else "", self.backbone.rope_theta)

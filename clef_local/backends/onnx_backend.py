@@ -20,6 +20,7 @@ from clef_local.formats.safetensors import bf16_to_float32
 from clef_local.heads.numpy_head import load_head
 from clef_local.planning.hardware import ThreadPlan, thread_plan
 from clef_local.runtime.layout import pad_batch
+from clef_local.runtime.state_cache import model_identity
 
 if TYPE_CHECKING:
     from clef_local.planning.choice import LoadDecision
@@ -114,6 +115,8 @@ class OnnxBackend:
         self.embedding = np.load(directory / embedding["file"], mmap_mode="r")
         self.embedding_dtype = embedding["dtype"]
         self.head = load_head(release)
+        self.state_identity = model_identity(release.path, [*release.weight_files, directory / self.config["model"]],
+                                             backend=self.name, device=self.device, dtype=str(self.config.get("dtype")))
         log.info("onnx backend: %s (%s) on %s; %s", directory / self.config["model"], self.format,
                  ", ".join(self.session.get_providers()), self.thread_plan.describe())
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from clef_local.backends.torch_chunked import Backbone, media_chunks, new_cache, run_chunks
-from clef_local.runtime.state_cache import StateCache, state_key
+from clef_local.runtime.state_cache import StateCache, record_state_key, state_end
 
 if TYPE_CHECKING:
     from clef_local.runtime.encoding import EncodedRecord
@@ -199,20 +199,6 @@ def past_cache(config: Any, state: TorchState, rows: int) -> Any:
             layer.recurrent_states[slot].copy_(recurrent_rows)
             layer.has_previous_state[slot] = True
     return cache
-
-
-def state_end(record: EncodedRecord) -> int:
-    """Positions of prefix + media + state: where a record's schema starts."""
-    return record.state_start + record.state_tokens
-
-
-def record_state_key(identity: str, record: EncodedRecord) -> str:
-    """The cache key of a record's state: its ids up to :func:`state_end` and, with media, the media's digest
-    (:attr:`MediaInputs.digest <clef_local.runtime.encoding.MediaInputs.digest>`: ids, modalities and every pixel
-    array's dtype, shape and bytes), so two pictures behind the same placeholder ids never share an entry. A
-    text-only record keys on its ids alone, even one that spells a vision pad token as text."""
-    media = b"" if record.media is None else bytes.fromhex(record.media.digest)
-    return state_key(identity, record.input_ids[: state_end(record)], media=media)
 
 
 def state_pass(backbone: Backbone, record: EncodedRecord, chunk: int | None = None) -> TorchState:

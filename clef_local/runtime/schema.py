@@ -105,9 +105,15 @@ class Question(BaseModel):
 
     model_config = ConfigDict(extra="ignore", strict=True)
 
-    type: QuestionType
-    instructions: Text | None = None
-    criteria: dict[str, Text | None] | list[Text] | None = Field(default=None, validate_default=True)
+    # The descriptions are what an agent reads in an MCP tool's input schema (clef_local.mcp) and /docs shows.
+    type: QuestionType = Field(description="noul: a yes/no question (the answer is P(true)); choice: pick one of "
+                                           "the criteria's labels; score: a level on the criteria's ordered scale")
+    instructions: Text | None = Field(default=None, description="the question, in words (text or JSON)")
+    criteria: dict[str, Text | None] | list[Text] | None = Field(
+        default=None, validate_default=True,
+        description="noul: optional {\"true\": ..., \"false\": ...} descriptions of the two answers; choice "
+                    "(required): {label: description or null}, at least two labels; score (required): an array of "
+                    "level descriptions, level 0 first, at least two")
 
     @field_validator("type", mode="before")
     @classmethod
@@ -191,12 +197,15 @@ class SystemOneRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore", strict=True)
 
-    model: str
-    state: Text
-    questions: dict[str, Question]
-    images: list[Any] | None = None
-    videos: list[Any] | None = None
-    assets: Any = None
+    model: str = Field(description="the served model's name")
+    state: Text = Field(description="what the questions are about: text, or JSON (an object or array)")
+    questions: dict[str, Question] = Field(description="the schema: question ids mapped to questions, all "
+                                                       "answered in one pass")
+    images: list[Any] | None = Field(default=None, description="images in the state, each a data URI "
+                                                               "(data:image/png;base64,...) or base64")
+    videos: list[Any] | None = Field(default=None, description="videos in the state, each an array of frames "
+                                                               "(images)")
+    assets: Any = Field(default=None, description="Jev SDK assets: images referred to by placeholders in the text")
 
     @field_validator("state", mode="before")
     @classmethod

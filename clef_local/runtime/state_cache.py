@@ -1,8 +1,9 @@
 """An exact cache of the backbone's work on a state, so a second schema on the same state costs only its own tokens.
 
-Backend-free: the key (:func:`state_key`, :func:`model_identity`: token ids, never text), size parsing and the LRU
-by exact bytes, thread-safe, with an optional host-memory spill. Entries are opaque (:class:`CachedState`): the
-backend counts their bytes and moves them. Why it is exact and how it is bounded: docs/serving.md#the-state-cache.
+Backend-free: the key (:func:`state_key`, :func:`record_state_key`, :func:`model_identity`: token ids, never text),
+size parsing and the LRU by exact bytes, thread-safe, with an optional host-memory spill. Entries are opaque
+(:class:`CachedState`): the backend counts their bytes and moves them. Why it is exact and how it is bounded:
+docs/serving.md#the-state-cache.
 """
 
 from __future__ import annotations
@@ -14,11 +15,14 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from clef_local import units
+
+if TYPE_CHECKING:
+    from clef_local.runtime.encoding import EncodedRecord
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +60,20 @@ def state_key(identity: str, token_ids: Sequence[int], media: bytes = b"") -> st
     digest.update(len(media).to_bytes(8, "little"))
     digest.update(media)
     return digest.hexdigest()
+
+
+def state_end(record: EncodedRecord) -> int:
+    """Positions of prefix + media + state: where a record's schema starts."""
+    return record.state_start + record.state_tokens
+
+
+def record_state_key(identity: str, record: EncodedRecord) -> str:
+    """The cache key of a record's state: its ids up to :func:`state_end` and, with media, the media's digest
+    (:attr:`MediaInputs.digest <clef_local.runtime.encoding.MediaInputs.digest>`: ids, modalities and every pixel
+    array's dtype, shape and bytes), so two pictures behind the same placeholder ids never share an entry. A
+    text-only record keys on its ids alone, even one that spells a vision pad token as text."""
+    media = b"" if record.media is None else bytes.fromhex(record.media.digest)
+    return state_key(identity, record.input_ids[: state_end(record)], media=media)
 
 
 class CachedState(Protocol):

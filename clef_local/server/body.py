@@ -7,6 +7,7 @@ duplicate keys (parsers disagree on which wins) are refused at the door. docs/se
 from __future__ import annotations
 
 import json
+import math
 import re
 import zlib
 from typing import Any
@@ -205,7 +206,8 @@ def parse_json(data: bytes) -> Any:
 
 
 def check_value(value: Any, *, surrogates: bool = True) -> None:
-    """Refuse nesting deeper than :data:`MAX_DEPTH` and (when ``surrogates``) strings with lone surrogates.
+    """Refuse nesting deeper than :data:`MAX_DEPTH`, (when ``surrogates``) strings with lone surrogates, and
+    ``NaN`` / infinite numbers (which :func:`parse_json` never lets in; other parsers do, such as the MCP SDK's).
 
     Iterative, so a hostile document cannot exhaust the stack here either.
     """
@@ -213,6 +215,7 @@ def check_value(value: Any, *, surrogates: bool = True) -> None:
         if surrogates:
             _check_text(value)
         return
+    _check_number(value)
     stack: list[tuple[Any, int]] = [(value, 1)] if isinstance(value, dict | list) else []
     while stack:
         node, depth = stack.pop()
@@ -226,6 +229,13 @@ def check_value(value: Any, *, surrogates: bool = True) -> None:
                         _check_text(text)
             if isinstance(child, dict | list):
                 stack.append((child, depth + 1))
+            else:
+                _check_number(child)
+
+
+def _check_number(value: Any) -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise _invalid(f"{value} is not a JSON number; send a finite number", "json_invalid")
 
 
 def _check_text(text: str) -> None:

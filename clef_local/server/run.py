@@ -115,29 +115,22 @@ def serve(model_specs: Sequence[str] = (), *, host: str = "127.0.0.1", port: int
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Serve the SystemOne HTTP API (POST /v1/systemone) with dynamic batching."""
+def add_server_flags(parser: argparse.ArgumentParser, *, port: int, model_help: str) -> None:
+    """The flags ``serve`` and ``mcp --http`` share: the models, where to listen, who may call (key, ``Host``,
+    ``Origin``), the connection limits, threads, the state cache, confidence, dtype / device, media limits and the
+    air gap. :func:`server_config` turns them into a :class:`ServerConfig`."""
     from clef_local.options import (
         add_confidence_flag,
         add_max_length_flag,
         add_media_flags,
         add_network_flag,
         add_runtime_flags,
-        media_limits,
     )
 
-    parser = argparse.ArgumentParser(prog="clef-local serve", description=main.__doc__)
-    parser.add_argument("--model", action="append", metavar="NAME=DIR",
-                        help="a release to serve under NAME (repeatable; the first also answers the Jev aliases "
-                             "jev-latest and jev-preview); default: the built-in default model as clef-local")
+    parser.add_argument("--model", action="append", metavar="NAME=DIR", help=model_help)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, this machine only)")
-    parser.add_argument("--port", type=int, default=8077, help="port (default 8077)")
+    parser.add_argument("--port", type=int, default=port, help=f"port (default {port})")
     parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: no auth)")
-    parser.add_argument("--max-batch", type=int, default=8, help="most requests in one batch (1: no batching)")
-    parser.add_argument("--max-wait-ms", type=float, default=5.0,
-                        help="how long a batch waits for more requests after its first (default 5)")
-    parser.add_argument("--max-queue", type=int, default=64,
-                        help="most requests waiting; beyond it the server answers 429 with Retry-After")
     parser.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
                         help="also answer requests whose Host is NAME (repeatable; localhost, 127.0.0.1, [::1] and "
                              "the --host address always are); any other Host gets 400")
@@ -161,6 +154,31 @@ def main(argv: list[str] | None = None) -> int:
     add_runtime_flags(parser, backend=False)
     add_media_flags(parser)
     add_network_flag(parser)
+
+
+def server_config(args: argparse.Namespace, **settings: Any) -> ServerConfig:
+    """The :class:`ServerConfig` of :func:`add_server_flags`' flags on ``args``, and ``settings`` (the batching
+    flags of ``serve``, the aliases): the checks of ``ServerConfig`` name the bad flag."""
+    return ServerConfig(host=args.host, port=args.port, api_key=args.api_key, confidence=args.confidence,
+                        allowed_hosts=tuple(args.allowed_host), cors_origins=tuple(args.cors_origin),
+                        header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+                        max_connections=args.max_connections, threads=args.threads, state_cache=args.state_cache,
+                        **settings)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Serve the SystemOne HTTP API (POST /v1/systemone) with dynamic batching."""
+    from clef_local.options import media_limits
+
+    parser = argparse.ArgumentParser(prog="clef-local serve", description=main.__doc__)
+    add_server_flags(parser, port=8077, model_help="a release to serve under NAME (repeatable; the first also "
+                     "answers the Jev aliases jev-latest and jev-preview); default: the built-in default model as "
+                     "clef-local")
+    parser.add_argument("--max-batch", type=int, default=8, help="most requests in one batch (1: no batching)")
+    parser.add_argument("--max-wait-ms", type=float, default=5.0,
+                        help="how long a batch waits for more requests after its first (default 5)")
+    parser.add_argument("--max-queue", type=int, default=64,
+                        help="most requests waiting; beyond it the server answers 429 with Retry-After")
     args = parser.parse_args(argv)
     require_serve_extra()  # before the models load: a missing extra is a one-line error, not minutes later
 
@@ -193,10 +211,12 @@ class ThreadedServer:
     ...     httpx.get(server.url + "/health")
     """
 
-    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, *, graceful_timeout_s: int = 30) -> None:
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, *, graceful_timeout_s: int = 30,
+                 config: ServerConfig | None = None) -> None:
+        """``config``: the deadlines and connection cap to run with (default: those of ``create_app``'s app)."""
         import uvicorn
 
-        options = uvicorn_options(app.state.clef.config)  # the deadlines and connection cap of the app's config
+        options = uvicorn_options(config or app.state.clef.config)
         options["timeout_graceful_shutdown"] = graceful_timeout_s
         self.config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on", **options)
         self.server = uvicorn.Server(self.config)

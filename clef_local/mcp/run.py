@@ -45,7 +45,8 @@ def load_tools(args: argparse.Namespace, config: ServerConfig) -> Any:
     with contextlib.redirect_stdout(sys.stderr):
         models = load_models(specs, dtype=None if args.dtype in (None, "auto") else args.dtype,
                              device=None if args.device == "auto" else args.device, confidence=args.confidence,
-                             media_limits=media_limits(args), state_cache=config.state_cache, max_length=args.max_length)
+                             media_limits=media_limits(args), state_cache=config.state_cache,
+                             max_length=args.max_length)
     return ClefTools(models, config, remember=args.remember)
 
 

@@ -125,6 +125,15 @@ def _media_support(release: Release, backend: Backend, tokenizer: ReleaseTokeniz
     return MediaSupport(processor)
 
 
+def _precision_groups(release: Release) -> list[dict[str, Any]]:
+    """A mixed variant's layer groups with their formats and stored bytes (``inspect``), else empty."""
+    from clef_local.planning.census import census_from_release, precision_groups, stored_format
+
+    if stored_format(release.config) != "mixed":
+        return []
+    return precision_groups(release.config, census_from_release(release.path, release.weight_files, release.config))
+
+
 class ClefModel:
     """A loaded Clef release. ``decide`` takes a ``/v1/systemone`` request body and returns its response.
 
@@ -266,6 +275,7 @@ class ClefModel:
             "weight_files": [f.name for f in release.weight_files],
             "weight_bytes": release.weight_bytes,
             "quantization": release.quantization,
+            **({"precision_groups": groups} if (groups := _precision_groups(release)) else {}),
             "head_config": release.head_config.to_json_dict(),
             "tokenizer_vocab": self.tokenizer.vocab_size,
             "confidence": self.confidence,

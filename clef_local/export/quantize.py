@@ -270,7 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", type=Path, help="source release directory (default: the built-in default model)")
     kind = parser.add_mutually_exclusive_group(required=True)
     kind.add_argument("--bits", type=int, choices=sorted(BITS_TO_SCHEME), help="4 = int4, 8 = int8")
-    kind.add_argument("--format", choices=["int4", "int8", "nf4", "fp8"], help="the scheme, by name")
+    kind.add_argument("--format", choices=["int4", "int8", "nf4", "fp8", "mixed"],
+                      help="the scheme, by name; mixed: a format per group of layers, chosen by measured drift "
+                           "(--max-kl; docs/quantization.md#mixed-precision)")
     parser.add_argument("--group-size", type=int,
                         help="int4 group (32, 64, 128; default 32 for a source already on a 4-bit grid per 32 columns, "
                              "such as the demo backbone, else 64) or nf4 block (64)")
@@ -282,6 +284,16 @@ def build_parser() -> argparse.ArgumentParser:
                              "round-to-nearest (every scheme; loads the source)")
     parser.add_argument("--calibration-requests", type=int, metavar="N",
                         help="calibration requests for --calibrate (default 128)")
+    parser.add_argument("--max-kl", type=float, metavar="NATS",
+                        help="--format mixed: the budget, mean KL(source ‖ variant) over the probe questions")
+    parser.add_argument("--mixed-formats", metavar="LIST",
+                        help="--format mixed: the formats a layer group may take, e.g. int4,int4-g64,int8 "
+                             "(default int4,int8; the source precision is always one)")
+    parser.add_argument("--group-layers", type=int, metavar="N",
+                        help="--format mixed: consecutive decoder layers per group (default 4)")
+    parser.add_argument("--selection-requests", type=int, metavar="N",
+                        help="--format mixed: probe requests from the training splits the plan is chosen on "
+                             "(default 32; validation uses the held-out ones)")
     parser.add_argument("--out", type=Path, required=True, help="the variant directory to write")
     parser.add_argument("--force", action="store_true", help="replace an existing --out (once the new one is done)")
     parser.add_argument("--no-validate", action="store_true",
@@ -310,9 +322,16 @@ def main(argv: list[str] | None = None) -> int:
     from clef_local.export.validate import ValidationFailed
     from clef_local.options import model_path
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     args.model = model_path(args.model)
     scheme = args.format or BITS_TO_SCHEME[args.bits]
+    mixed_flags = {"--max-kl": args.max_kl, "--mixed-formats": args.mixed_formats,
+                   "--group-layers": args.group_layers, "--selection-requests": args.selection_requests}
+    if scheme == "mixed":
+        return _main_mixed(parser, args)
+    if given := [flag for flag, value in mixed_flags.items() if value is not None]:
+        parser.error(f"{', '.join(given)} apply with --format mixed only")
     try:
         summary = quantize_release(args.model, args.out, scheme, args.group_size, force=args.force,
                                    validate=not args.no_validate, int4_grid=args.int4_grid, calibrate=args.calibrate,
@@ -321,6 +340,36 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1 if isinstance(exc, ValidationFailed) else 2
     _print_summary(summary)
+    return 0
+
+
+def _main_mixed(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from clef_local.export import mixed
+    from clef_local.export.validate import ValidationFailed
+
+    if args.max_kl is None:
+        parser.error("--format mixed needs --max-kl NATS (the mean KL budget, e.g. 0.002)")
+    if given := [f for f, v in {"--group-size": args.group_size, "--int4-grid": args.int4_grid,
+                                "--calibrate": args.calibrate or None,
+                                "--calibration-requests": args.calibration_requests}.items() if v is not None]:
+        parser.error(f"{', '.join(given)} do not apply to --format mixed (name groups in --mixed-formats: int4-g64)")
+    try:
+        summary = mixed.mixed_release(args.model, args.out, args.max_kl,
+                                      formats=args.mixed_formats or mixed.DEFAULT_FORMATS,
+                                      group_layers=args.group_layers or mixed.DEFAULT_GROUP_LAYERS,
+                                      selection_requests=args.selection_requests or mixed.DEFAULT_SELECTION_REQUESTS,
+                                      force=args.force, validate=not args.no_validate)
+    except ClefError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1 if isinstance(exc, ValidationFailed) else 2
+    for line in mixed.summary_lines(summary):
+        print(line)
+    if "skipped" not in summary["validation"]:
+        from rich.console import Console
+
+        from clef_local.export.validate import validation_table
+
+        Console().print(validation_table(summary["validation"]))
     return 0
 
 

@@ -28,30 +28,33 @@ def test_risk_coverage_keeps_ties_together():
 
 
 def test_threshold_on_the_upper_bound_keeps_the_true_error_within_the_budget():
-    """Over 300 evaluation sets of 2000 questions, the threshold chosen on the upper bound has a true error over the
-    budget in at most ~5% of them; the one chosen on the observed error in far more."""
+    """Over 200 evaluation sets of 10,000 questions, the threshold chosen on the upper bound has a true error over
+    the budget in at most ~5% of them; the one chosen on the observed error in far more."""
     rng = np.random.default_rng(0)
     budget = 0.05  # true error (1 − t) / 2 ≤ 0.05 ⇔ t ≥ 0.9
     over = {"upper": 0, "point": 0}
     coverage = []
-    for _ in range(300):
-        confidence, correct = _calibrated(rng, 2000)
+    for _ in range(200):
+        confidence, correct = _calibrated(rng, 10_000)
         for bound in over:
             chosen = choose_threshold(confidence, correct, budget, bound=bound)
-            over[bound] += (1 - chosen["threshold"]) / 2 > budget
             if bound == "upper":
                 coverage.append(chosen["coverage"])
-                assert chosen["error_bound"] <= budget and chosen["tested"] <= 12
-    assert over["upper"] / 300 <= 0.05, over
-    assert over["point"] / 300 > 0.3, over
-    assert 0.05 < np.mean(coverage) < 0.2  # t ≥ 0.9 keeps at most 20% of U(0.5, 1)
+            if chosen["threshold"] is None:  # abstaining on everything is never over the budget
+                continue
+            over[bound] += (1 - chosen["threshold"]) / 2 > budget
+            if bound == "upper":
+                assert chosen["error_bound"] <= budget and chosen["tested"] <= 50
+    assert over["upper"] / 200 <= 0.05, over
+    assert over["point"] / 200 > 0.3, over
+    assert 0.05 < np.mean(coverage) < 0.2 and np.mean(np.array(coverage) > 0) > 0.9  # t ≥ 0.9 keeps ≤ 20%
 
 
 def test_choose_threshold_reports_its_numbers():
     confidence = np.linspace(0.5, 1.0, 400)
     correct = np.r_[np.zeros(100, bool), np.ones(300, bool)]  # wrong exactly below 0.625
-    t = choose_threshold(confidence, correct, 0.02)
-    assert t["errors"] == 0 and t["error"] == 0.0 and t["threshold"] >= confidence[100]
+    t = choose_threshold(confidence, correct, 0.03)  # 0 errors in 228 or more: an upper bound ≤ 3% at 1 − 0.05/50
+    assert t["covered"] == 296 and t["errors"] == 0 and t["error"] == 0.0 and t["threshold"] >= confidence[100]
     assert t["error_bound"] == pytest.approx(upper_bound(0, t["covered"], t["bound_level"]))
     assert t["error_interval"] == pytest.approx(list(clopper_pearson(0, t["covered"])))
     assert t["coverage"] == t["covered"] / 400 and t["bound_level"] > 0.95
@@ -103,7 +106,7 @@ def _labelled(n: int, path: Path) -> Path:
     for i in range(n):
         request = {"model": "m", "state": f"message {i}: {'card' if i % 3 else 'transfer'} " * (1 + i % 4),
                    "questions": {"c": {"type": "choice", "criteria": {"card": None, "transfer": None, "fee": None}},
-                                 "n": {"type": "noul", "instructions": f"question {i % 5}"}}}
+                                 "n": {"type": "noul", "instructions": "is this about a card?"}}}
         rows.append({**request, "id": f"r{i}", "labels": {"c": "card", "n": bool(i % 2)}})
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -135,13 +138,14 @@ def test_eval_intervals_and_error_budget(variant: Path, tmp_path: Path, capsys):
     assert EvalResult.from_json(old).rows[0].request == -1  # results saved before intervals still load
 
 
+@pytest.mark.slow
 def test_calibrate_stores_thresholds_and_batch_marks_answers_under_them(variant: Path, tmp_path: Path, capsys):
     import clef_local
     from clef_local.batch.job import main as batch_main
     from clef_local.formats.manifest import verify
     from clef_local.quality.calibrate import main as calibrate_main
 
-    data = _labelled(24, tmp_path / "fit.jsonl")
+    data = _labelled(12, tmp_path / "fit.jsonl")
     assert calibrate_main(["--model", str(variant), "--data", str(data), "--dtype", "float32", "--error-budget",
                            "0.3", "--budget-bound", "point"]) == 0
     assert "threshold" in capsys.readouterr().out

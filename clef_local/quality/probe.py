@@ -31,8 +31,7 @@ DESCRIPTIONS = {
     "option_order": "a choice's options listed in another order",
     "question_order": "the questions asked in another order",
     "question_ids": "every question id renamed (the instructions kept)",
-    "option_ids": "every choice option id renamed, its description kept (an option without one gets its old id "
-                  "as the description)",
+    "option_ids": "every choice option id renamed, its description kept",
     "irrelevant_context": "an unrelated sentence added to the state",
     "state_format": "a text state sent as a JSON object, a JSON state as text lines",
 }

@@ -77,7 +77,8 @@ def mixed(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_each_layer_is_stored_as_its_uniform_variant_stores_it(mixed: Path, uniform: dict[str, Path]):
-    from safetensors.numpy import load_file
+    import torch
+    from safetensors.torch import load_file
 
     config = json.loads((mixed / "config.json").read_text())
     member = config["quantization_config"]["clef_local"]
@@ -91,7 +92,9 @@ def test_each_layer_is_stored_as_its_uniform_variant_stores_it(mixed: Path, unif
     assert any(n.endswith(".scales") for n in layer0) and any(n.endswith(".weight_scale") for n in layer1)
     for names, scheme in ((layer0, "int4"), (layer1, "int8")):
         for name in names:
-            assert ours[name].dtype == theirs[scheme][name].dtype and np.array_equal(ours[name], theirs[scheme][name])
+            mine, uniform_one = ours[name], theirs[scheme][name]
+            assert mine.dtype == uniform_one.dtype and mine.view(-1).view(torch.uint8).equal(
+                uniform_one.view(-1).view(torch.uint8)), name
     from clef_local.formats.manifest import verify
 
     assert verify(mixed) == []
@@ -158,19 +161,20 @@ def test_plan_and_inspect_show_the_groups(mixed: Path, capsys):
         ([0, 1], LayerFormat("int4", 32)), ([2], LayerFormat("bf16"))]
 
 
+@pytest.mark.slow
 def test_mixed_release_meets_its_budget_on_held_out_requests(tiny_llama: Path, tmp_path: Path):
     """Chosen on training-split probes, validated on the test-split ones: a loose budget takes the smallest format
     everywhere, a tight one keeps more precision, and both pass validation at their budget."""
     from clef_local.export.mixed import mixed_release
 
-    loose = mixed_release(tiny_llama, tmp_path / "loose", 10.0, formats="int4,int8", group_layers=1,
-                          selection_requests=8)
-    assert set(loose["layers"].values()) == {"int4 g32"} and loose["validation"]["passed"]
+    # the tiny release's random weights lie on no 4-bit grid: int4 takes the default group, 64
+    options = {"formats": "int4,int8", "group_layers": 1, "selection_requests": 6, "validation_requests": 16}
+    loose = mixed_release(tiny_llama, tmp_path / "loose", 10.0, **options)
+    assert set(loose["layers"].values()) == {"int4 g64"} and loose["validation"]["passed"]
     measured = loose["plan"]["groups"]
-    smallest = min(m["formats"]["int4 g32"]["kl"] for m in measured)
-    tight = mixed_release(tiny_llama, tmp_path / "tight", smallest / 2, formats="int4,int8", group_layers=1,
-                          selection_requests=8)
-    assert "int4 g32" not in tight["layers"].values()
+    smallest = min(m["formats"]["int4 g64"]["kl"] for m in measured)
+    tight = mixed_release(tiny_llama, tmp_path / "tight", smallest / 2, **options)
+    assert "int4 g64" not in tight["layers"].values()
     assert tight["bytes"]["total_after"] > loose["bytes"]["total_after"]
     for summary in (loose, tight):
         validation = summary["validation"]

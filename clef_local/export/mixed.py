@@ -63,6 +63,7 @@ GRID = 2000  # KL grid steps per budget in the knapsack
 ROUNDS = 6  # re-plans when the whole plan's KL exceeds the budget
 CONFIG = "config.json"
 VALIDATION = "validation.json"
+VALIDATION_REQUESTS = 64  # the export validation's probe set (test split, seed 0), as for every scheme
 
 
 @dataclass(frozen=True)
@@ -317,7 +318,8 @@ def _progress_bar(total: int) -> Any:
 
 def mixed_release(source: Path, out: Path, max_kl: float, *, formats: str = DEFAULT_FORMATS,
                   group_layers: int = DEFAULT_GROUP_LAYERS, selection_requests: int = DEFAULT_SELECTION_REQUESTS,
-                  force: bool = False, validate: bool = True, seed: int = 0) -> dict[str, Any]:
+                  force: bool = False, validate: bool = True, seed: int = 0,
+                  validation_requests: int = VALIDATION_REQUESTS) -> dict[str, Any]:
     """Write the mixed-precision variant of ``source`` to ``out`` whose mean KL stays within ``max_kl`` (module
     docstring); returns the summary. ``formats``: the candidates (``int4`` takes the source's default group: 32 when
     the weights already lie on a 4-bit grid per 32 columns, as the demo backbone's do, else 64)."""
@@ -358,13 +360,15 @@ def mixed_release(source: Path, out: Path, max_kl: float, *, formats: str = DEFA
         bar.close()
         del bench
     record = {**chosen["record"], "selection": f"{len(requests)} probe requests from the training splits (seed {seed})"}
-    summary = write_mixed(source, out, chosen["layers"], record, max_kl=max_kl, force=force, validate=validate)
+    summary = write_mixed(source, out, chosen["layers"], record, max_kl=max_kl, force=force, validate=validate,
+                          validation_requests=validation_requests)
     return {**summary, "candidates": [c.label for c in candidates], "group_layers": group_layers,
             "seconds": time.perf_counter() - started}
 
 
 def write_mixed(source: Path, out: Path, plan: Mapping[int, LayerFormat], record: Mapping[str, Any], *,
-                max_kl: float, force: bool = False, validate: bool = True) -> dict[str, Any]:
+                max_kl: float, force: bool = False, validate: bool = True,
+                validation_requests: int = VALIDATION_REQUESTS) -> dict[str, Any]:
     """Write ``source`` with each decoder layer in its ``plan`` format (steps 4–5 of the module docstring);
     ``record`` (how the plan was chosen) goes into config.json beside it; validated at mean KL ≤ ``max_kl``."""
     import clef_local
@@ -392,7 +396,8 @@ def write_mixed(source: Path, out: Path, plan: Mapping[int, LayerFormat], record
                 (tmp / name).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(source / name, tmp / name)
         if validate:
-            validation = validate_export(source, tmp, MIXED, dtype="float32", variant_name=out, thresholds=thresholds)
+            validation = validate_export(source, tmp, MIXED, n=validation_requests, dtype="float32", variant_name=out,
+                                         thresholds=thresholds)
         else:
             validation = {"validated": False, "skipped": "--no-validate"}
             (tmp / VALIDATION).write_text(json.dumps(validation, indent=2) + "\n", encoding="utf-8")

@@ -2,7 +2,7 @@
 budgets, each measured on held-out requests the plan was not chosen on.
 
     python benchmarks/mixed_demo.py --out /tmp/mixed-demo
-    python benchmarks/mixed_demo.py --out /tmp/mixed-demo --budgets 0.0005,0.002 --formats int4-g128,int4-g64,int8
+    python benchmarks/mixed_demo.py --out /tmp/mixed-demo --formats int4-g64,int8 --uniform int4,int4-g64,int8
 
 The mixed variants are chosen on probe requests from the training splits (``--selection-requests``) and validated
 by the export on the test-split probe set (seed 0); the table then measures every variant against the BF16
@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="where the variants are written")
     parser.add_argument("--budgets", default="0.0005,0.002", help="two (or more) --max-kl budgets, nats")
     parser.add_argument("--formats", default="int4,int8", help="--mixed-formats")
+    parser.add_argument("--uniform", default="int4,int8", help="uniform variants in the table (int4-g64: group 64)")
     parser.add_argument("--group-layers", type=int, default=6)
     parser.add_argument("--selection-requests", type=int, default=32)
     parser.add_argument("--heldout", type=int, default=96, help="held-out test-split probe requests (seed 1)")
@@ -56,11 +57,12 @@ def main(argv: list[str] | None = None) -> int:
     reference = args.reference or default_model_path()
     args.out.mkdir(parents=True, exist_ok=True)
     variants: list[tuple[str, Path, float | None]] = []
-    for scheme in ("int4", "int8"):
-        path = args.out / f"demo-{scheme}"
+    for spec in args.uniform.split(","):
+        scheme, _, group = spec.partition("-g")
+        path = args.out / f"demo-{spec}"
         if not path.is_dir():
-            quantize_release(reference, path, scheme, log_summary=False)
-        variants.append((scheme, path, None))
+            quantize_release(reference, path, scheme, int(group) if group else None, log_summary=False)
+        variants.append((spec, path, None))
     for budget in (float(b) for b in args.budgets.split(",")):
         path = args.out / f"demo-mixed-{budget:g}"
         if not path.is_dir():

@@ -19,7 +19,8 @@
    folds 16–19) at mean KL ≤ the budget (:func:`clef_local.export.validate.validate_export`), in float32 like the
    measurements: the budget is what quantization moves, not bf16's arithmetic.
 
-The source must fit in memory beside its activations (checked first, as for validation). docs/quantization.md#mixed.
+The source must fit in memory beside its activations (checked first, as for validation).
+docs/quantization.md#mixed-precision.
 """
 
 from __future__ import annotations
@@ -184,8 +185,8 @@ class Bench:
             for name, candidate in formats.items():
                 weight, target = self.weights[name], self.modules[name].weight
                 spec = quant.get(candidate.scheme) if candidate is not None else None
-                if spec is None or not should_quantize(name, tuple(weight.shape),
-                                                       spec.predicate_group_size(candidate.group_size))[0]:
+                if candidate is None or spec is None or not should_quantize(
+                        name, tuple(weight.shape), spec.predicate_group_size(candidate.group_size))[0]:
                     target.copy_(weight.to(target.dtype))
                     sizes[name] = weight.numel() * weight.element_size()
                     continue

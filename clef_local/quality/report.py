@@ -337,7 +337,8 @@ def write_report(results: Sequence[DriftResult], html_path: str | Path, *, evals
                  title: str | None = None, network: str | None = None, probes: Sequence[ProbeResult] = ()) -> Path:
     """Write the HTML report (and optionally Markdown and the JSON bundle); returns the HTML path."""
     html_path = Path(html_path)
-    shared = {"evals": evals, "calibration": calibration, "floor": floor, "network": network, "probes": probes}
+    shared: dict[str, Any] = {"evals": evals, "calibration": calibration, "floor": floor, "network": network,
+                              "probes": probes}
     html_path.write_text(render_html(results, title=title, **shared), encoding="utf-8")
     if markdown_path:
         Path(markdown_path).write_text(render_markdown(results, **shared), encoding="utf-8")

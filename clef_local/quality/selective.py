@@ -115,7 +115,7 @@ Question = tuple[str, float, bool]  # (question type, confidence: the top probab
 
 
 def _by_type(questions: Sequence[Question]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    out = {}
+    out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for kind in QUESTION_TYPES:
         chosen = [(c, ok) for k, c, ok in questions if k == kind]
         if chosen:

@@ -28,8 +28,8 @@ SCHEMES = ("int8", "fp8", "int4-g64", "int4-g32", "nf4")
 
 
 def ensure_variants(reference: Path, directory: Path, schemes: list[str]) -> list[Path]:
-    """``directory/demo-<scheme>`` for each scheme (``int4-g32``: int4 with ``--group-size 32``, ``int4-g64``), exported with
-    ``clef-local quantize`` when missing."""
+    """``directory/demo-<scheme>`` for each scheme (``int4-g32``: int4 with ``--group-size 32``, likewise
+    ``int4-g64``), exported with ``clef-local quantize`` when missing."""
     from clef_local.export.quantize import main as quantize_main
 
     paths = []

@@ -138,7 +138,8 @@ def test_doctor_reports_the_isolation_here():
     net = info["network"]
     assert net == network_isolation() and net["namespace"] == support()["available"]
     mode = "off (namespace)" if net["namespace"] else "off (guard)"
-    assert net["commands"] == {"calibrate": mode, "decide": mode, "drift": mode, "eval": mode, "serve": "off (guard)"}
+    assert net["commands"] == {"calibrate": mode, "decide": mode, "drift": mode, "eval": mode, "probe": mode,
+                               "serve": "off (guard)"}
     text = render(info)
     assert "serve: off (guard): its clients are outside any namespace" in text
     if not net["namespace"]:

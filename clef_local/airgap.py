@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
                "HF_HUB_DISABLE_TELEMETRY": "1"}
-NAMESPACE_COMMANDS = frozenset({"decide", "eval", "drift", "calibrate"})
+NAMESPACE_COMMANDS = frozenset({"decide", "eval", "drift", "probe", "calibrate"})
 ALLOW_FLAG = "--allow-network"
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWNET = 0x40000000

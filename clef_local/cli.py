@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "batch": ("clef_local.batch.job", "main", "decide every row of a JSONL, CSV or Parquet file (resumable, --ray)"),
     "eval": ("clef_local.quality.evaluate", "main", "evaluate a model on labelled requests (offline)"),
     "drift": ("clef_local.quality.drift_cli", "main", "compare a variant's probabilities with its reference"),
+    "probe": ("clef_local.quality.probe_cli", "main", "check that rewrites which must not change answers do not"),
     "calibrate": ("clef_local.quality.calibrate", "main", "fit per-type temperatures that pull a variant back"),
     "report": ("clef_local.quality.report", "main", "render drift/eval results as HTML, Markdown and JSON"),
     "train-head": ("clef_local.training.train_head", "main", "train a joint schema head as the demo head was trained"),
@@ -36,8 +37,9 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 # Commands that run a model: torch and OpenMP read OMP_NUM_THREADS when torch is imported, so the thread rule
 # (planning.hardware.thread_plan: never oversubscribe the physical cores) is set before any of them imports it.
 MODEL_COMMANDS = frozenset({"decide", "inspect", "serve", "mcp", "ui", "quantize", "export-onnx", "eval", "drift",
-                            "calibrate", "train-head", "batch"})
-CHATTY = frozenset({"serve", "mcp", "quantize", "export-onnx", "batch", "eval", "drift", "calibrate", "train-head"})
+                            "probe", "calibrate", "train-head", "batch"})
+CHATTY = frozenset({"serve", "mcp", "quantize", "export-onnx", "batch", "eval", "drift", "probe", "calibrate",
+                    "train-head"})
 # An optional package that is missing -> the extra of pyproject.toml that installs it.
 EXTRAS: dict[str, str] = {
     "fastapi": "serve", "uvicorn": "serve", "gradio": "ui", "matplotlib": "report", "onnxruntime": "onnx",

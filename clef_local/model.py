@@ -33,7 +33,8 @@ from clef_local.units import format_size
 
 log = logging.getLogger(__name__)
 
-CALIBRATION_KEY = "clef_local_calibration"  # config.json: {"temperatures": {"noul"|"choice"|"score": T}, ...}
+# config.json: {"temperatures": {"noul"|"choice"|"score": T}, "thresholds": {type: {"threshold": t, ...}}, ...}
+CALIBRATION_KEY = "clef_local_calibration"
 Request = Mapping[str, Any] | SystemOneRequest  # a request body as decoded JSON, or already validated
 
 
@@ -48,6 +49,32 @@ def read_temperatures(config: dict[str, Any], where: str = "config.json") -> dic
         raise ReleaseError(f"{where}: {CALIBRATION_KEY}.temperatures must map noul/choice/score to positive "
                            f"numbers, got {temps!r}; rerun clef-local calibrate or remove the key")
     return {k: float(v) for k, v in temps.items()}
+
+
+def read_thresholds(config: dict[str, Any], where: str = "config.json") -> dict[str, float]:
+    """Per-type confidence thresholds written by ``clef-local calibrate --error-budget`` (empty: none stored, as in
+    every file written before they existed). A question whose top probability is under its type's threshold is one
+    the model should not be trusted on (``batch`` marks it); a stored ``null`` (no threshold kept the error within
+    the budget) marks every question of that type, so it reads as infinity."""
+    entry = config.get(CALIBRATION_KEY)
+    stored = entry.get("thresholds") if isinstance(entry, dict) else None
+    if stored is None:
+        return {}
+    out: dict[str, float] = {}
+    if isinstance(stored, dict):
+        for kind, value in stored.items():
+            t = value.get("threshold", "missing") if isinstance(value, dict) else "missing"
+            if kind in QUESTION_TYPES and t is None:
+                out[kind] = float("inf")
+            elif kind in QUESTION_TYPES and isinstance(t, int | float) and 0 <= t <= 1:
+                out[kind] = float(t)
+            else:
+                break
+        else:
+            return out
+    raise ReleaseError(f"{where}: {CALIBRATION_KEY}.thresholds must map noul/choice/score to {{\"threshold\": a "
+                       f"probability or null, ...}}, got {stored!r}; rerun clef-local calibrate --error-budget or "
+                       "remove the key")
 
 
 def _checked_confidence(mode: str) -> Confidence:
@@ -98,6 +125,15 @@ def _media_support(release: Release, backend: Backend, tokenizer: ReleaseTokeniz
     return MediaSupport(processor)
 
 
+def _precision_groups(release: Release) -> list[dict[str, Any]]:
+    """A mixed variant's layer groups with their formats and stored bytes (``inspect``), else empty."""
+    from clef_local.planning.census import census_from_release, precision_groups, stored_format
+
+    if stored_format(release.config) != "mixed":
+        return []
+    return precision_groups(release.config, census_from_release(release.path, release.weight_files, release.config))
+
+
 class ClefModel:
     """A loaded Clef release. ``decide`` takes a ``/v1/systemone`` request body and returns its response.
 
@@ -122,6 +158,8 @@ class ClefModel:
         self.confidence: Confidence = _checked_confidence(confidence)
         # logits are divided by their question type's temperature before the softmax (clef-local calibrate)
         self.temperatures = read_temperatures(release.config, str(release.path / "config.json"))
+        # a question under its type's confidence threshold is marked by `batch` (clef-local calibrate --error-budget)
+        self.thresholds = read_thresholds(release.config, str(release.path / "config.json"))
         # how much padding a batch may carry on this device (clef_local.runtime.batching): tight on a CPU
         self.pad_waste = device_pad_waste(backend.device)
         # per model: a model loaded again starts empty; clear() empties this one
@@ -259,6 +297,7 @@ class ClefModel:
             "weight_files": [f.name for f in release.weight_files],
             "weight_bytes": release.weight_bytes,
             "quantization": release.quantization,
+            **({"precision_groups": groups} if (groups := _precision_groups(release)) else {}),
             "head_config": release.head_config.to_json_dict(),
             "tokenizer_vocab": self.tokenizer.vocab_size,
             "confidence": self.confidence,

@@ -412,3 +412,32 @@ def load_reference_oracle() -> Any:
         sys.modules[name] = module
         module_spec.loader.exec_module(module)
     return sys.modules[name]
+
+
+class ListedOrderFault:
+    """A backend with a seeded fault, for testing robustness checks (``clef-local probe``'s ``option_order``): it
+    hands each choice question's option logits out in the order the *request lists* the options instead of the
+    model's sorted order, so the answer depends on how the options happen to be listed. Everything else is the
+    wrapped backend's: ``model.backend = ListedOrderFault(model.backend)``."""
+
+    def __init__(self, backend: Any) -> None:
+        self.inner = backend
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def logits(self, records: Any, layout: Any, pad_token_id: int, cache: Any = None) -> Any:
+        import numpy as np
+
+        logits = np.asarray(self.inner.logits(records, layout, pad_token_id, cache))
+        out = logits.copy()
+        row = 0
+        for record in records:
+            for question in record.questions:
+                asked = record.request.questions[question.question_id]
+                if asked.type == "choice" and isinstance(asked.criteria, dict):
+                    listed = [str(option) for option in asked.criteria]
+                    # the logit of the i-th option in model order is reported for the i-th option as listed
+                    out[row, [list(question.option_ids).index(o) for o in listed]] = logits[row, :len(listed)]
+                row += 1
+        return out

@@ -149,6 +149,7 @@ REPORT_COMMANDS = {
     "calibrate": lambda m, d, out: ["calibrate", "--model", str(m), "--data", str(d), "--dry-run", "--report",
                                     str(out)],
     "report": lambda m, d, out: ["report", "--json", str(d), "--html", str(out)],
+    "probe": lambda m, d, out: ["probe", "--model", str(m), "--data", str(d), "--report", str(out)],
 }
 
 

@@ -123,7 +123,7 @@ def test_eval_as_its_own_process_says_how_it_is_offline(tiny_llama: Path, tmp_pa
 
 def test_commands_that_keep_the_hosts_network():
     """serve's clients are outside any namespace; --allow-network keeps the network. Neither tries (no unshare)."""
-    assert "serve" not in NAMESPACE_COMMANDS and {"decide", "eval", "drift", "calibrate"} == NAMESPACE_COMMANDS
+    assert "serve" not in NAMESPACE_COMMANDS and {"decide", "eval", "drift", "probe", "calibrate"} == NAMESPACE_COMMANDS
     before = socket.if_nameindex()
     assert isolate_process("serve", ["--port", "8077"]) is None
     assert isolate_process("eval", ["--model", "x", "--allow-network"]) is None
@@ -138,7 +138,8 @@ def test_doctor_reports_the_isolation_here():
     net = info["network"]
     assert net == network_isolation() and net["namespace"] == support()["available"]
     mode = "off (namespace)" if net["namespace"] else "off (guard)"
-    assert net["commands"] == {"calibrate": mode, "decide": mode, "drift": mode, "eval": mode, "serve": "off (guard)"}
+    assert net["commands"] == {"calibrate": mode, "decide": mode, "drift": mode, "eval": mode, "probe": mode,
+                               "serve": "off (guard)"}
     text = render(info)
     assert "serve: off (guard): its clients are outside any namespace" in text
     if not net["namespace"]:

@@ -326,7 +326,7 @@ def test_stale_temp_of_a_dead_run_is_removed(sources, tmp_path: Path, caplog) ->
 
 @pytest.mark.parametrize("scheme", ["int4", "int8", "fp8"])
 def test_row_blocks_quantize_bit_identically(scheme: str, monkeypatch) -> None:
-    from clef_local.export import quantize as export_quantize
+    from clef_local.export import shards as export_quantize
 
     spec = quant.get(scheme)
     weight = torch.randn(100, 128).to(torch.bfloat16)

@@ -151,7 +151,7 @@ def test_quantize_refuses_to_write_unvalidated_unless_told(tiny_llama: Path, tmp
     monkeypatch.setattr(validate, "probe_requests", lambda *a, **k: (_ for _ in ()).throw(
         FileNotFoundError("banking77/test.csv is missing")))
     written = []
-    monkeypatch.setattr("clef_local.export.quantize._quantize_shards", lambda *a, **k: written.append(a))
+    monkeypatch.setattr("clef_local.export.quantize.quantize_shards", lambda *a, **k: written.append(a))
     out = tmp_path / "int4"
     assert quantize_main(["--model", str(tiny_llama), "--bits", "4", "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -20,6 +20,7 @@ import numpy as np
 
 from clef_local.backends.mlx_weights import QuantizedLayer, Stored, load_backbone_tensors, variant_scheme
 from clef_local.errors import ReleaseError
+from clef_local.formats.quant_plan import mixed_plan
 from clef_local.formats.release import Release
 from clef_local.heads.mlx_head import load_head
 from clef_local.runtime.layout import HeadLayout, pad_batch
@@ -210,7 +211,7 @@ class MLXBackbone:
         self.model.eval()
         self.dtype = dtype
         self.scheme, group = variant_scheme(release.config)
-        plain, quantized = load_backbone_tensors(release.weight_files, self.scheme, group)
+        plain, quantized = load_backbone_tensors(release.weight_files, self.scheme, group, mixed_plan(release.config))
         weights = {name: self._array(name, t) for name, t in plain.items()}
         for prefix, layer in quantized.items():  # named like the release so sanitize renames them with the rest
             for key in ("weight", "scales", "biases", "row_scale"):
@@ -315,7 +316,7 @@ class MLXBackend:
                "mlx_version": mx.__version__, "platform": f"{platform.system()} {platform.machine()}"}
         scheme = self.backbone.scheme
         if scheme is not None:
-            if scheme in ("int4", "int8"):
+            if scheme in ("int4", "int8", "mixed"):
                 kernels = {f"{scheme}:{self.backbone.kernel}": self.backbone.quantized_layers}
             else:
                 kernels = {f"{scheme}:dequantize_at_load": _dequantized_count(self.release)}

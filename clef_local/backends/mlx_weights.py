@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from clef_local.errors import ReleaseError
+from clef_local.formats.quant_plan import MIXED, LayerFormat, layer_index, mixed_plan
 from clef_local.formats.safetensors import DTYPES, read_arrays, read_header
 
 log = logging.getLogger(__name__)
@@ -70,12 +71,19 @@ def read_safetensors(file: Path) -> dict[str, Stored]:
 
 
 def variant_scheme(config: Mapping[str, Any]) -> tuple[str | None, int | None]:
-    """(scheme, group size) of a variant's ``config.json``; (None, None) for a full-precision release."""
+    """(scheme, group size) of a variant's ``config.json``; (None, None) for a full-precision release, (``mixed``,
+    None) for a mixed-precision one (its per-layer plan: :func:`clef_local.formats.quant_plan.mixed_plan`)."""
     quant = config.get("quantization_config")
     member = quant.get("clef_local") if isinstance(quant, dict) else None
     if not isinstance(quant, dict) or not isinstance(member, dict):
         return None, None
     scheme = member.get("scheme")
+    if scheme == MIXED:
+        for fmt in (mixed_plan(config) or {}).values():
+            if fmt.scheme == "int4" and fmt.group_size not in MLX_GROUP_SIZES:
+                raise ReleaseError(f"config.json: a mixed plan's int4 group_size {fmt.group_size!r} is not one MLX "
+                                   f"supports ({MLX_GROUP_SIZES})")
+        return MIXED, None
     if scheme not in SCHEMES:
         raise ReleaseError(f"config.json: quantization_config.clef_local.scheme {scheme!r} is not one of "
                            f"{', '.join(SCHEMES)}")
@@ -160,6 +168,23 @@ def _quantized_prefixes(names: Iterable[str], scheme: str) -> list[str]:
     return sorted(n[: -len(marker)] for n in names if n.endswith(marker))
 
 
+def _planned_layers(names: Iterable[str], plan: Mapping[int, LayerFormat]) -> dict[str, LayerFormat]:
+    """{module path: its layer's format} for every module of a mixed variant that holds a scheme's extra tensor."""
+    found: dict[str, LayerFormat] = {}
+    markers = {marker for extra in _EXTRA.values() for marker in extra[:1]}
+    for name in names:
+        for marker in markers:
+            if name.endswith(marker):
+                prefix = name[: -len(marker)]
+                index = layer_index(prefix)
+                fmt = plan.get(index) if index is not None else None
+                if fmt is None or fmt.scheme not in SCHEMES or _EXTRA[fmt.scheme][0] != marker:
+                    raise ReleaseError(f"{name}: its layer's entry in config.json's mixed plan is "
+                                       f"{fmt.label if fmt else 'missing'}, which stores no {marker}")
+                found[prefix] = fmt
+    return found
+
+
 def _layer(prefix: str, tensors: Mapping[str, Stored], scheme: str, group: int | None) -> QuantizedLayer | Stored:
     """The MLX form of one quantized layer's stored tensors: a QuantizedLayer (int4, int8) or a float32 weight."""
     weight = tensors["weight"]
@@ -184,28 +209,40 @@ def _layer(prefix: str, tensors: Mapping[str, Stored], scheme: str, group: int |
     return Stored(nf4_dequantize(tensors), "F32")
 
 
-def load_backbone_tensors(files: Sequence[Path], scheme: str | None,
-                          group: int | None) -> tuple[dict[str, Stored], dict[str, QuantizedLayer]]:
+def load_backbone_tensors(files: Sequence[Path], scheme: str | None, group: int | None,
+                          plan: Mapping[int, LayerFormat] | None = None
+                          ) -> tuple[dict[str, Stored], dict[str, QuantizedLayer]]:
     """All backbone tensors by their release names, with each quantized layer's tensors replaced: int4/int8 layers
-    go to the second dict ({module path: QuantizedLayer}), nf4/fp8 layers come back as float32 ``.weight``s."""
+    go to the second dict ({module path: QuantizedLayer}), nf4/fp8 layers come back as float32 ``.weight``s. A
+    ``mixed`` variant takes each module's scheme and group from its layer's entry in ``plan``."""
     plain: dict[str, Stored] = {}
     for file in files:
         plain.update(read_safetensors(file))
     quantized: dict[str, QuantizedLayer] = {}
     if scheme is None:
         return plain, quantized
-    prefixes = _quantized_prefixes(plain, scheme)
-    if not prefixes:
-        raise ReleaseError(f"config.json names scheme {scheme} but no tensor carries its {_EXTRA[scheme][0]}")
-    for prefix in prefixes:
+    if scheme == MIXED:
+        if plan is None:
+            raise ReleaseError("config.json names scheme mixed but has no per-layer plan")
+        formats = _planned_layers(list(plain), plan)
+    else:
+        formats = {prefix: LayerFormat(scheme, group) for prefix in _quantized_prefixes(plain, scheme)}
+    if not formats:
+        raise ReleaseError(f"config.json names scheme {scheme} but no tensor carries a quantized layer's "
+                           f"{'extra tensors' if scheme == MIXED else _EXTRA[scheme][0]}")
+    for prefix, fmt in formats.items():
         start = prefix + "."
         names = [n for n in plain if n.startswith(start) and n != start + "bias"]
-        layer = _layer(prefix, {n[len(start):]: plain.pop(n) for n in names}, scheme, group)
+        layer = _layer(prefix, {n[len(start):]: plain.pop(n) for n in names}, fmt.scheme, fmt.group_size)
         if isinstance(layer, QuantizedLayer):
             quantized[prefix] = layer
         else:
             plain[start + "weight"] = layer
-    if scheme in DEQUANTIZED:
+    dequantized = sum(fmt.scheme in DEQUANTIZED for fmt in formats.values())
+    if dequantized and scheme == MIXED:
+        log.warning("MLX has no nf4 / fp8 kernel: %d layers of this mixed variant were dequantized to full precision",
+                    dequantized)
+    elif scheme in DEQUANTIZED:
         log.warning("MLX has no %s kernel: %d layers were dequantized to full precision (memory as an unquantized "
-                    "model; the decisions are the %s variant's)", scheme, len(prefixes), scheme)
+                    "model; the decisions are the %s variant's)", scheme, len(formats), scheme)
     return plain, quantized

@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from clef_local.errors import ReleaseError
+from clef_local.formats.quant_plan import MIXED, LayerFormat, layer_index
 from clef_local.quant import fp8, int4, int8, nf4
 
 log = logging.getLogger(__name__)
@@ -403,23 +404,42 @@ _MARKERS = {".scales": ("int4",), ".weight.absmax": ("nf4",), ".weight_scale": (
 _WEIGHT_DTYPES = {"int4": torch.uint32, "int8": torch.int8, "nf4": torch.uint8, "fp8": fp8.FP8_DTYPE}
 
 
-def quantized_prefixes(headers: Mapping[str, TensorSpec], scheme: str) -> dict[str, str]:
+def quantized_prefixes(headers: Mapping[str, TensorSpec], scheme: str,
+                       plan: Mapping[int, LayerFormat] | None = None) -> dict[str, str]:
     """{module path: scheme} for every quantized linear in the headers: the paths with a scheme's extra tensor
-    (``.scales``, ``.weight_scale``, ``.weight.absmax``) whose ``.weight`` has the scheme's stored dtype."""
-    if scheme not in MODULES:
-        raise ReleaseError(f"unknown quantization scheme {scheme!r} in config.json; known: {', '.join(MODULES)}")
+    (``.scales``, ``.weight_scale``, ``.weight.absmax``) whose ``.weight`` has the scheme's stored dtype. A ``mixed``
+    variant names the scheme per decoder layer (``plan``, :func:`clef_local.formats.quant_plan.mixed_plan`): each
+    module is checked against its own layer's."""
+    if scheme == MIXED and plan is None:
+        raise ReleaseError("config.json names scheme mixed but has no per-layer plan (quantization_config.clef_local"
+                           ".layers); re-export the variant")
+    if scheme != MIXED and scheme not in MODULES:
+        raise ReleaseError(f"unknown quantization scheme {scheme!r} in config.json; known: {', '.join(MODULES)}, "
+                           f"{MIXED}")
     found: dict[str, str] = {}
     for name in headers:
         for marker, schemes in _MARKERS.items():
             if not name.endswith(marker):
                 continue
             prefix = name[: -len(marker)]
+            expected = scheme if scheme != MIXED else _planned(prefix, plan or {})
             weight = headers.get(prefix + ".weight")
-            if scheme not in schemes or weight is None or weight[1] != _WEIGHT_DTYPES[scheme]:
-                raise ReleaseError(f"tensor {name} (weight dtype {weight and weight[1]}) is not a {scheme} layer, "
-                                   "the scheme config.json names")
-            found[prefix] = scheme
+            if expected not in schemes or weight is None or weight[1] != _WEIGHT_DTYPES[expected]:
+                where = "the scheme config.json names" if scheme != MIXED else \
+                    f"the scheme config.json's plan names for its layer ({expected})"
+                raise ReleaseError(f"tensor {name} (weight dtype {weight and weight[1]}) is not a {expected} layer, "
+                                   f"{where}")
+            found[prefix] = expected
     return found
+
+
+def _planned(prefix: str, plan: Mapping[int, LayerFormat]) -> str:
+    index = layer_index(prefix)
+    fmt = plan.get(index) if index is not None else None
+    if fmt is None:
+        raise ReleaseError(f"{prefix} holds quantized tensors but its layer ({index}) is not in config.json's mixed "
+                           "plan (quantization_config.clef_local.layers)")
+    return fmt.scheme
 
 
 def swap_linears(model: nn.Module, prefixes: Mapping[str, str], headers: Mapping[str, TensorSpec], *,

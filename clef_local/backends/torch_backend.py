@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +20,7 @@ from clef_local.backends.quantized import kernel_counts, prepare_quantized, quan
 from clef_local.backends.torch_cache import cache_blocker, cached_hidden_states, is_out_of_memory
 from clef_local.backends.torch_chunked import chunked_hidden_states
 from clef_local.errors import ReleaseError, one_line
+from clef_local.formats.quant_plan import LayerFormat, mixed_plan
 from clef_local.formats.release import QWEN3_5, SINGLE_WEIGHTS, WEIGHTS_INDEX, Release, find_weight_files
 from clef_local.formats.safetensors import DTYPES as SAFETENSORS_DTYPES
 from clef_local.formats.safetensors import read_header
@@ -103,7 +104,7 @@ class TorchBackbone:
         with hf_progress_bars(log.isEnabledFor(logging.INFO)):  # "Loading weights": noise in `decide`
             if self.scheme is not None:
                 log.info("loading %s %s variant from %s in %s", cls.__name__, self.scheme, path, dtype)
-                model = load_variant_backbone(cls, path, weight_files, self.scheme, dtype)
+                model = load_variant_backbone(cls, path, weight_files, self.scheme, dtype, mixed_plan(config))
             else:
                 log.info("loading %s backbone from %s in %s", cls.__name__, path, dtype)
                 try:
@@ -367,14 +368,15 @@ def read_headers(files: Sequence[Path]) -> dict[str, tuple[tuple[int, ...], torc
 
 
 def load_variant_backbone(cls: Any, path: Path, weight_files: Sequence[Path], scheme: str,
-                          dtype: torch.dtype) -> Any:
+                          dtype: torch.dtype, plan: Mapping[int, LayerFormat] | None = None) -> Any:
     """Build a variant's backbone on the meta device, swap its quantized linears, assign the stored tensors.
 
     Every tensor of every shard is assigned as stored (``load_state_dict(assign=True)``), except floating tensors of
     unquantized modules, cast to the dtype the model was built in (as ``from_pretrained`` does); the quantized
     layers receive their packed tensors untouched, so no full-precision copy of them ever exists. Non-persistent
     buffers (rotary ``inv_freq``) are recomputed by the model's own ``_init_weights``; tied embeddings are re-tied.
-    The model stays on the CPU; the caller moves it and then calls ``prepare_quantized``.
+    The model stays on the CPU; the caller moves it and then calls ``prepare_quantized``. ``plan``: a mixed
+    variant's format per decoder layer (:func:`clef_local.formats.quant_plan.mixed_plan`).
     """
     import transformers
     from safetensors.torch import load_file
@@ -391,7 +393,7 @@ def load_variant_backbone(cls: Any, path: Path, weight_files: Sequence[Path], sc
         else:
             model = cls._from_config(config, dtype=dtype)
     headers = read_headers(weight_files)
-    swap_linears(model, quantized_prefixes(headers, scheme), headers, dtype=dtype)
+    swap_linears(model, quantized_prefixes(headers, scheme, plan), headers, dtype=dtype)
     expected = model.state_dict(keep_vars=True)
     for file in weight_files:
         try:

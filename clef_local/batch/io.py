@@ -193,21 +193,25 @@ def concatenate(parts: Sequence[Path], out: Path) -> None:
             sink.write(part.read_bytes())
 
 
-def _question_fields(pa: Any, qid: str, question: dict[str, Any], struct: bool) -> list[Any]:
+def _question_fields(pa: Any, qid: str, question: dict[str, Any], struct: bool, marked: bool) -> list[Any]:
     kind = question.get("type")
+    mark = [pa.field(f"{qid}.below_threshold", pa.bool_())] if marked else []
     if kind == "noul":
-        return [pa.field(qid, pa.float64())]
+        return [pa.field(qid, pa.float64()), *mark]
     options = ([str(k) for k in question.get("criteria") or {}] if kind == "choice"
                else [str(i) for i in range(len(question.get("criteria") or []))])
     decision = pa.string() if kind == "choice" else pa.float64()
     probabilities = pa.struct([pa.field(o, pa.float64()) for o in options]) if struct else pa.string()
     return [pa.field(qid, decision), pa.field(f"{qid}.confidence", pa.float64()),
-            pa.field(f"{qid}.probabilities", probabilities)]
+            pa.field(f"{qid}.probabilities", probabilities), *mark]
 
 
 def _table_row(line: dict[str, Any], questions: dict[str, Any], struct: bool) -> dict[str, Any]:
     out: dict[str, Any] = {"id": line["id"]}
+    marked = line.get("below_threshold")
     for qid in questions:
+        if marked is not None:
+            out[f"{qid}.below_threshold"] = qid in marked
         answer = line["answers"][qid]
         kind = answer["type"]
         out[qid] = answer[kind]
@@ -220,7 +224,8 @@ def _table_row(line: dict[str, Any], questions: dict[str, Any], struct: bool) ->
 
 
 def write_table(parts: Sequence[Path], out: Path, fmt: str, questions: dict[str, Any]) -> None:
-    """The answered rows of JSONL ``parts`` as a CSV or Parquet table (one column per question's field).
+    """The answered rows of JSONL ``parts`` as a CSV or Parquet table (one column per question's field, and
+    ``q.below_threshold`` when the model stores confidence thresholds: docs/batch.md#on-one-machine).
 
     Ids are integers when every id is one (row numbers, integer id columns), text otherwise.
     """
@@ -229,9 +234,10 @@ def write_table(parts: Sequence[Path], out: Path, fmt: str, questions: dict[str,
     integer_ids = all(isinstance(line["id"], int) and not isinstance(line["id"], bool)
                       for chunk in lines for line in chunk)
     struct = fmt == "parquet"
+    marked = any("below_threshold" in line for chunk in lines for line in chunk)
     fields = [pa.field("id", pa.int64() if integer_ids else pa.string())]
     for qid, question in questions.items():
-        fields += _question_fields(pa, qid, question, struct)
+        fields += _question_fields(pa, qid, question, struct, marked)
     schema = pa.schema(fields)
 
     def table(chunk: list[dict[str, Any]]) -> Any:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from clef_local.batch.io import Row, RowError
 from clef_local.errors import ClefError
-from clef_local.runtime.answers import Confidence, round_floats
+from clef_local.runtime.answers import Confidence, below_threshold, round_floats
 
 if TYPE_CHECKING:
     from clef_local.model import ClefModel
@@ -91,9 +91,14 @@ def decide_encoded(model: ClefModel, encoded: EncodedChunk, settings: ChunkSetti
     mode = settings.confidence or model.confidence
     answers: dict[int, dict[str, Any]] = {}
     records = [record for _, record in encoded.encoded]
+    thresholds = model.thresholds
     for chunk, predictions in model.run(records, batch_size=settings.batch_size):
         for i, prediction in zip(chunk, predictions, strict=True):
-            answers[encoded.encoded[i][0].position] = prediction.response(mode)
+            response = prediction.response(mode)
+            if thresholds:  # the model stores confidence thresholds (calibrate --error-budget): mark what is under
+                response["below_threshold"] = below_threshold(prediction.encoded, prediction.probabilities,
+                                                              thresholds)
+            answers[encoded.encoded[i][0].position] = response
         if progress is not None:
             progress(len(chunk))
     out, err = [], []

@@ -10,8 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
-import re
 import shutil
 import sys
 import time
@@ -21,31 +19,38 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from clef_local.errors import ClefError
+from clef_local.export.shards import (
+    CHUNK_ELEMENTS,
+    INDEX,
+    ROW_WISE,
+    already_4bit,
+    first_quantized_weight,
+    quantize_shards,
+    quantize_tensor,
+    release_memory,
+    save_shard,
+    write_index,
+)
 from clef_local.export.staging import ExportError, check_paths, resolve_out, staged
 from clef_local.formats.manifest import MANIFEST, check_files, file_entries, list_files, write_manifest
 
 if TYPE_CHECKING:
-    import torch
 
     from clef_local.quant import Scheme
 
 log = logging.getLogger(__name__)
+# the streaming helpers live in .shards; their names stay importable from here
+__all__ = ["CHUNK_ELEMENTS", "ROW_WISE", "already_4bit", "build_parser", "main", "quantize_release", "quantize_tensor",
+           "release_memory", "save_shard", "summary_lines"]
 
-# Per-row schemes are quantized in row blocks of about this many elements: bit-identical to one call, the
-# scheme's float32/int64 temporaries stay a few MB whatever the tensor, and cache-sized blocks run faster than one
-# call (docs/benchmarks.md, export size and memory).
-CHUNK_ELEMENTS = 1 << 18
-ROW_WISE = frozenset({"int4", "int8", "fp8"})
 BITS_TO_SCHEME = {4: "int4", 8: "int8"}
 CONFIG = "config.json"
-FOUR_BIT_TOLERANCE = 1e-2  # relative error of an int4 g32 round trip below which a source counts as 4-bit already
 FOUR_BIT_HINT = ("the source's linear weights already lie on a 4-bit grid per 32 columns (a model dequantized from "
                  "GGUF Q4_0/Q4_1, like the demo backbone): --bits 4 --group-size 32 gives them back up to rounding; "
                  "this scheme re-quantizes them and adds its error on top")
 GROUP_FROM_SOURCE = ("32, from the source: its linear weights already lie on a 4-bit grid per 32 columns (a model "
                      "dequantized from GGUF Q4_0/Q4_1, like the demo backbone), which int4 g32 gives back up to "
                      "rounding; pass --group-size to choose another")
-INDEX = "model.safetensors.index.json"
 VALIDATION = "validation.json"
 
 
@@ -78,13 +83,6 @@ def _check_group(scheme: Scheme, group_size: int | None) -> int | None:
     return group
 
 
-def _file_mode() -> int:
-    """0o666 less the process umask (what ``open()`` would give a new file)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return 0o666 & ~mask
-
-
 def _linear_modules(source: Path, names: list[str], config: dict[str, Any]) -> list[str]:
     """Names of the backbone's ``nn.Linear`` modules: from the architecture built on the meta device, or (when
     transformers cannot build it) the 2-D ``.weight`` tensors that are not embeddings."""
@@ -105,160 +103,6 @@ def _linear_modules(source: Path, names: list[str], config: dict[str, Any]) -> l
     return linear
 
 
-def quantize_tensor(scheme: Scheme, weight: torch.Tensor, group: int | None, **options: Any
-                    ) -> dict[str, torch.Tensor]:
-    """``scheme.quantize(weight, group, **options)``, in row blocks of ~:data:`CHUNK_ELEMENTS` for the per-row schemes
-    (int4 groups run along a row, int8/fp8 scale each row: the blocks' outputs concatenate to the same tensors);
-    nf4 (blocks over the flattened weight, one serialized state) in one call."""
-    import torch
-
-    rows = max(1, CHUNK_ELEMENTS // max(1, weight.shape[-1]))
-    if scheme.name not in ROW_WISE or weight.dim() != 2 or weight.shape[0] <= rows:
-        return scheme.quantize(weight, group, **options)
-    parts = [scheme.quantize(weight[i : i + rows], group, **options) for i in range(0, weight.shape[0], rows)]
-    return {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
-
-
-_LIBC: Any = None
-
-
-def release_memory() -> None:
-    """Hand freed heap memory back to the OS (glibc ``malloc_trim``; a no-op elsewhere).
-
-    glibc raises its mmap threshold after large frees, so later transient buffers come from the heap, where the
-    small long-lived outputs between them keep the freed space resident: without this, a one-shard export's RSS
-    grows to a multiple of the shard (docs/benchmarks.md, export size and memory).
-    """
-    global _LIBC
-    if _LIBC is None:
-        import ctypes
-        import ctypes.util
-
-        try:
-            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            _LIBC.malloc_trim  # noqa: B018 (raises AttributeError off glibc)
-        except (OSError, AttributeError):
-            _LIBC = False
-    if _LIBC:
-        _LIBC.malloc_trim(0)
-
-
-def _quantize_shards(source: Path, tmp: Path, shards: list[str], scheme: Scheme, group: int | None,
-                     options: dict[str, Any], precomputed: dict[str, dict[str, torch.Tensor]] | None = None,
-                     on_tensor: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Stream every source shard into the same-named output shard; return what was quantized and the sizes.
-
-    ``precomputed`` (``--calibrate``): packed tensors per weight name, written instead of round-to-nearest; every
-    quantized weight must have one and every one must be used."""
-    from safetensors import safe_open
-    from tqdm import tqdm
-
-    from clef_local.quant.predicate import should_quantize
-
-    pred_group = scheme.predicate_group_size(group)
-    total = sum(len(safe_open(str(source / shard), framework="pt").keys()) for shard in shards)
-    quantized: list[str] = []
-    skipped: dict[str, str] = {}
-    weight_map: dict[str, str] = {}
-    sizes: Counter[str] = Counter()
-    params = 0
-    with tqdm(total=total, unit="tensor", disable=None, dynamic_ncols=True) as bar:
-        for shard in shards:
-            bar.set_description(shard)
-            out: dict[str, torch.Tensor] = {}
-            with safe_open(str(source / shard), framework="pt") as f:
-                metadata = f.metadata()
-                for name in f.keys():  # noqa: SIM118 (safe_open handles are not iterable)
-                    tensor = f.get_tensor(name)
-                    nbytes = tensor.numel() * tensor.element_size()
-                    ok, reason = should_quantize(name, tuple(tensor.shape), pred_group)
-                    if ok:
-                        prefix = name.removesuffix(".weight")
-                        if precomputed is None:
-                            tensors = quantize_tensor(scheme, tensor, group, **options)
-                        elif name in precomputed:
-                            tensors = precomputed.pop(name)
-                        else:
-                            raise ExportError(f"calibration produced no tensors for {name} ({source / shard})")
-                        packed = {f"{prefix}.{k}": v.contiguous() for k, v in tensors.items()}
-                        quantized.append(name)
-                        params += tensor.numel()
-                        sizes["linear_before"] += nbytes
-                        sizes["linear_after"] += sum(v.numel() * v.element_size() for v in packed.values())
-                    else:
-                        packed = {name: tensor}
-                        skipped[name] = reason
-                    for key, value in packed.items():
-                        if key in out or key in weight_map:
-                            raise ExportError(f"{source / shard}: output tensor {key} would be written twice")
-                        out[key] = value
-                        weight_map[key] = shard
-                        sizes["tensor_after"] += value.numel() * value.element_size()
-                    del tensor, packed
-                    if ok:
-                        release_memory()
-                    bar.update()
-                    if on_tensor is not None:
-                        on_tensor(name)
-            save_shard(out, tmp / shard, metadata)
-            os.chmod(tmp / shard, _file_mode())  # safetensors writes 0600; give shards the umask's mode
-            log.debug("wrote %s (%d tensors)", shard, len(out))
-            del out
-            release_memory()
-    if precomputed:
-        raise ExportError(f"calibrated weights not found in {source}: {', '.join(sorted(precomputed)[:5])}")
-    return {"quantized": quantized, "skipped": skipped, "weight_map": weight_map, "sizes": dict(sizes),
-            "params": params}
-
-
-def save_shard(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None) -> None:
-    """``safetensors.torch.save_file``, with its I/O failures raised as the ``OSError`` they are (safetensors reports
-    a full disk as ``SafetensorError("... No space left on device (os error 28)")``), so the export names them."""
-    from safetensors import SafetensorError
-    from safetensors.torch import save_file
-
-    try:
-        save_file(tensors, str(path), metadata=metadata)
-    except SafetensorError as exc:
-        if match := re.search(r"os error (\d+)", str(exc)):
-            code = int(match[1])
-            raise OSError(code, os.strerror(code), str(path)) from exc
-        raise
-
-
-def first_quantized_weight(source: Path, shards: list[str]) -> torch.Tensor | None:
-    """The first weight of the source that int4 g32 would quantize (it stands for the rest in :func:`already_4bit`);
-    reads that one tensor only."""
-    from safetensors import safe_open
-
-    from clef_local.quant.predicate import should_quantize
-
-    for shard in shards:
-        with safe_open(str(source / shard), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open handles are not iterable)
-                if should_quantize(name, tuple(f.get_slice(name).get_shape()), 32)[0]:
-                    return f.get_tensor(name)
-    return None
-
-
-def already_4bit(weight: torch.Tensor) -> bool:
-    """Whether a 2-D weight already lies on a 4-bit affine grid per 32 input columns — a dequantized GGUF
-    Q4_0/Q4_1 model, such as the demo backbone: int4 g32 (mse grid) then gives it back up to its dtype's rounding
-    (an order of magnitude below Gaussian weights' error, docs/benchmarks.md, int4 grids)."""
-    import torch
-
-    from clef_local.quant import int4
-
-    if weight.dim() != 2 or weight.shape[1] % 32 or not weight.is_floating_point():
-        return False
-    sample = weight[:256]  # rows are independent; a few hundred decide it
-    norm = float(sample.float().norm())
-    if norm == 0:  # an all-zero block says nothing about the model
-        return False
-    back = int4.dequantize(int4.quantize(sample, 32), 32, torch.float32)
-    return float((back - sample.float()).norm()) <= FOUR_BIT_TOLERANCE * norm
-
-
 def _write_config(source: Path, tmp: Path, config: dict[str, Any], scheme: Scheme, group: int | None,
                   result: dict[str, Any], options: dict[str, Any], calibration: dict[str, Any] | None = None, *,
                   validated: bool = True) -> dict[str, Any]:
@@ -277,13 +121,6 @@ def _write_config(source: Path, tmp: Path, config: dict[str, Any], scheme: Schem
     (tmp / CONFIG).write_text(json.dumps({**config, "quantization_config": qconfig}, indent=2, ensure_ascii=False)
                               + "\n", encoding="utf-8")
     return qconfig
-
-
-def _write_index(source: Path, tmp: Path, result: dict[str, Any]) -> None:
-    index = json.loads((source / INDEX).read_text(encoding="utf-8"))
-    index["metadata"] = {**(index.get("metadata") or {}), "total_size": result["sizes"]["tensor_after"]}
-    index["weight_map"] = dict(sorted(result["weight_map"].items()))
-    (tmp / INDEX).write_text(json.dumps(index, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def quantize_release(source: Path, out: Path, scheme: str, group_size: int | None = None, force: bool = False,
@@ -353,10 +190,10 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
     with staged(source, out, force) as tmp:
         log.info("exporting %s → %s (%s%s) via %s", source, out, spec.name, f", group {group}" if group else "", tmp)
         source_files = file_entries(source)
-        result = _quantize_shards(source, tmp, shards, spec, group, options,
+        result = quantize_shards(source, tmp, shards, spec, group, options,
                                   calibration.packed if calibration else None, on_tensor)
         if (source / INDEX).is_file():
-            _write_index(source, tmp, result)
+            write_index(source, tmp, result)
         qconfig = _write_config(source, tmp, release.config, spec, group, result, options,
                                 calibration.config() if calibration else None, validated=validate)
         weights = {*shards, INDEX, CONFIG, MANIFEST, VALIDATION}
@@ -433,7 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", type=Path, help="source release directory (default: the built-in default model)")
     kind = parser.add_mutually_exclusive_group(required=True)
     kind.add_argument("--bits", type=int, choices=sorted(BITS_TO_SCHEME), help="4 = int4, 8 = int8")
-    kind.add_argument("--format", choices=["int4", "int8", "nf4", "fp8"], help="the scheme, by name")
+    kind.add_argument("--format", choices=["int4", "int8", "nf4", "fp8", "mixed"],
+                      help="the scheme, by name; mixed: a format per group of layers, chosen by measured drift "
+                           "(--max-kl; docs/quantization.md#mixed-precision)")
     parser.add_argument("--group-size", type=int,
                         help="int4 group (32, 64, 128; default 32 for a source already on a 4-bit grid per 32 columns, "
                              "such as the demo backbone, else 64) or nf4 block (64)")
@@ -445,6 +284,16 @@ def build_parser() -> argparse.ArgumentParser:
                              "round-to-nearest (every scheme; loads the source)")
     parser.add_argument("--calibration-requests", type=int, metavar="N",
                         help="calibration requests for --calibrate (default 128)")
+    parser.add_argument("--max-kl", type=float, metavar="NATS",
+                        help="--format mixed: the budget, mean KL(source ‖ variant) over the probe questions")
+    parser.add_argument("--mixed-formats", metavar="LIST",
+                        help="--format mixed: the formats a layer group may take, e.g. int4,int4-g64,int8 "
+                             "(default int4,int8; the source precision is always one)")
+    parser.add_argument("--group-layers", type=int, metavar="N",
+                        help="--format mixed: consecutive decoder layers per group (default 4)")
+    parser.add_argument("--selection-requests", type=int, metavar="N",
+                        help="--format mixed: probe requests from the training splits the plan is chosen on "
+                             "(default 32; validation uses the held-out ones)")
     parser.add_argument("--out", type=Path, required=True, help="the variant directory to write")
     parser.add_argument("--force", action="store_true", help="replace an existing --out (once the new one is done)")
     parser.add_argument("--no-validate", action="store_true",
@@ -473,9 +322,16 @@ def main(argv: list[str] | None = None) -> int:
     from clef_local.export.validate import ValidationFailed
     from clef_local.options import model_path
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     args.model = model_path(args.model)
     scheme = args.format or BITS_TO_SCHEME[args.bits]
+    mixed_flags = {"--max-kl": args.max_kl, "--mixed-formats": args.mixed_formats,
+                   "--group-layers": args.group_layers, "--selection-requests": args.selection_requests}
+    if scheme == "mixed":
+        return _main_mixed(parser, args)
+    if given := [flag for flag, value in mixed_flags.items() if value is not None]:
+        parser.error(f"{', '.join(given)} apply with --format mixed only")
     try:
         summary = quantize_release(args.model, args.out, scheme, args.group_size, force=args.force,
                                    validate=not args.no_validate, int4_grid=args.int4_grid, calibrate=args.calibrate,
@@ -484,6 +340,36 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1 if isinstance(exc, ValidationFailed) else 2
     _print_summary(summary)
+    return 0
+
+
+def _main_mixed(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from clef_local.export import mixed
+    from clef_local.export.validate import ValidationFailed
+
+    if args.max_kl is None:
+        parser.error("--format mixed needs --max-kl NATS (the mean KL budget, e.g. 0.002)")
+    if given := [f for f, v in {"--group-size": args.group_size, "--int4-grid": args.int4_grid,
+                                "--calibrate": args.calibrate or None,
+                                "--calibration-requests": args.calibration_requests}.items() if v is not None]:
+        parser.error(f"{', '.join(given)} do not apply to --format mixed (name groups in --mixed-formats: int4-g64)")
+    try:
+        summary = mixed.mixed_release(args.model, args.out, args.max_kl,
+                                      formats=args.mixed_formats or mixed.DEFAULT_FORMATS,
+                                      group_layers=args.group_layers or mixed.DEFAULT_GROUP_LAYERS,
+                                      selection_requests=args.selection_requests or mixed.DEFAULT_SELECTION_REQUESTS,
+                                      force=args.force, validate=not args.no_validate)
+    except ClefError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1 if isinstance(exc, ValidationFailed) else 2
+    for line in mixed.summary_lines(summary):
+        print(line)
+    if "skipped" not in summary["validation"]:
+        from rich.console import Console
+
+        from clef_local.export.validate import validation_table
+
+        Console().print(validation_table(summary["validation"]))
     return 0
 
 

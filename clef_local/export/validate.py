@@ -146,13 +146,15 @@ def check_validation(reference_dir: Path, n: int = 64, seed: int = 0) -> list[di
 
 
 def validate_export(reference_dir: Path, variant_dir: Path, scheme: str, n: int = 64, seed: int = 0,
-                    dtype: str | None = None, variant_name: str | Path | None = None) -> dict[str, Any]:
+                    dtype: str | None = None, variant_name: str | Path | None = None,
+                    thresholds: Mapping[str, float] | None = None) -> dict[str, Any]:
     """Validation as the export runs it: packaged probe set, scheme thresholds, ``validation.json`` in the variant;
     :class:`ValidationUnavailable` when it cannot run (:func:`check_validation`, or the reference does not load or
     run); :class:`ValidationFailed` naming each failing metric and its value when a threshold is exceeded or the
     variant does not load. ``variant_name`` is recorded instead of ``variant_dir`` (the export validates its
-    temporary directory)."""
+    temporary directory). ``thresholds`` replaces the scheme's :data:`THRESHOLDS` (a mixed variant's budget)."""
     started = time.perf_counter()
+    limits = thresholds if thresholds is not None else THRESHOLDS[scheme]
     requests = check_validation(reference_dir, n, seed)
     try:
         ref = _probabilities(reference_dir, requests, dtype, 8)
@@ -165,8 +167,7 @@ def validate_export(reference_dir: Path, variant_dir: Path, scheme: str, n: int 
         raise ValidationFailed(f"the variant could not be loaded or run for validation ({type(exc).__name__}: "
                                f"{' '.join(str(exc).split())}); pass --no-validate to export without validating"
                                ) from exc
-    result = _result(reference_dir, Path(variant_name or variant_dir), requests, ref, var, THRESHOLDS[scheme],
-                     dtype, started)
+    result = _result(reference_dir, Path(variant_name or variant_dir), requests, ref, var, limits, dtype, started)
     result = {"validated": not result["failed"], **result}
     (variant_dir / VALIDATION).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     if result["failed"]:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from clef_local.errors import ReleaseError
+from clef_local.formats.quant_plan import MIXED, layer_groups, mixed_plan, span
 from clef_local.formats.safetensors import TensorInfo, read_header
 
 FORMATS = ("bf16", "int8", "fp8", "int4", "nf4")  # best precision first
@@ -168,13 +169,16 @@ def census_from_shapes(shapes: Mapping[str, tuple[tuple[int, ...], int]], fmt: s
 
 
 def stored_format(config: Mapping[str, Any]) -> str:
-    """``bf16`` for a release, else the variant's scheme (``quantization_config.scheme`` or bitsandbytes nf4)."""
+    """``bf16`` for a release, else the variant's scheme (``quantization_config.scheme`` or bitsandbytes nf4;
+    ``mixed`` for a variant with a format per layer group, :mod:`clef_local.formats.quant_plan`)."""
     quant = config.get("quantization_config")
     if not isinstance(quant, Mapping):
         return "bf16"
     inner = quant.get("clef_local")
     member = inner if isinstance(inner, Mapping) else quant
     scheme = member.get("scheme") or ("nf4" if member.get("bnb_4bit_quant_type") == "nf4" else None)
+    if scheme == MIXED:
+        return MIXED
     if scheme not in FORMATS:
         raise ReleaseError(f"config.json: unknown quantization scheme in quantization_config ({dict(quant)!r})")
     return str(scheme)
@@ -273,3 +277,14 @@ def census_from_config(config_path: Path, fmt: str, *, head_config_path: Path | 
     head = head_float32_bytes(head_config_path) if head_config_path is not None else 0
     return census_from_shapes(named, fmt, head=head, group_size=group_size, source_dtype=dtype_name,
                               source="config.json on the meta device")
+
+
+def precision_groups(config: Mapping[str, Any], census: WeightCensus) -> list[dict[str, Any]]:
+    """A mixed variant's consecutive layers of one format with their stored bytes (from ``census.layers``, as
+    stored): ``[{"layers": "0-3", "format": "int4 g32", "bytes": n}, …]``; empty for any other release."""
+    plan = mixed_plan(config)
+    if not plan:
+        return []
+    sizes = census.layers
+    return [{"layers": span(layers), "format": fmt.label,
+             "bytes": sum(sizes[i] for i in layers if i < len(sizes))} for layers, fmt in layer_groups(plan)]

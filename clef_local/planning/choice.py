@@ -32,6 +32,7 @@ BACKENDS: dict[str, tuple[str, str]] = {
 PACKAGES = {"torch": ("torch", "pip install torch"), "mlx": ("mlx", "pip install 'clef-local[mlx]'"),
             "onnx": ("onnxruntime", "pip install 'clef-local[onnx]'")}
 DENSE = "dense"
+PER_LAYER = "per_layer"  # a mixed-precision variant: its layers' schemes choose (clef_local.backends.quantized)
 DEQUANTIZE = "dequantize"  # clef_local.backends.quantized.DEQUANTIZE: W rebuilt per call, never cached
 # (backend, device kind) -> scheme -> kernel; the torch names are clef_local.backends.quantized's.
 KERNELS: dict[tuple[str, str], dict[str, str]] = {
@@ -133,6 +134,8 @@ def kernel_for(backend: str, hardware: Hardware, scheme: str, *, bitsandbytes: b
     if scheme == "bf16":
         return DENSE
     kind = "cpu" if backend == "onnx" else hardware.kind
+    if scheme == "mixed":  # each layer's module picks its own scheme's kernel at load; MLX runs int4 and int8 alike
+        return KERNELS[(backend, kind)]["int4"] if backend == "mlx" else PER_LAYER
     kernel = KERNELS[(backend, kind)][scheme]
     if backend == "torch" and kind in ("cpu", "apple") and scheme in ("int4", "int8") and dtype == "float32":
         return DEQUANTIZE  # torch's int4/int8 CPU kernels are slower than dequantizing with float32 activations

@@ -333,8 +333,8 @@ def auto_state_cache(p: Plan, dims: ModelDims) -> int:
 
 
 def best_fit(plans: Mapping[str, Plan]) -> Plan | None:
-    """The best-precision format that fits (order of :data:`FORMATS`), or None."""
-    for fmt in FORMATS:
+    """The best-precision format that fits (order of :data:`FORMATS`, then any other: a mixed variant's), or None."""
+    for fmt in (*FORMATS, *(f for f in plans if f not in FORMATS)):
         if fmt in plans and plans[fmt].fits:
             return plans[fmt]
     return None

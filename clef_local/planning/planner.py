@@ -11,6 +11,7 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from clef_local.errors import ClefError
 from clef_local.formats.release import head_config_beside, read_head_config, read_json, read_release
@@ -22,6 +23,7 @@ from clef_local.planning.census import (
     census_from_config,
     census_from_release,
     meta_shapes,
+    precision_groups,
     stored_format,
 )
 from clef_local.planning.estimate import DTYPE_SIZE, ModelDims, Plan, best_fit, explain, max_context, plan
@@ -71,6 +73,7 @@ class Footprint:
     stored: str  # the format the directory holds ("bf16" for a bare config)
     geometry: ImageGeometry | None = None  # how the processor cuts images (None: no vision tower)
     vision: VisionDims | None = None
+    precision: tuple[dict[str, Any], ...] = ()  # a mixed variant's layer groups: census.precision_groups
 
     def image_load(self, width: int, height: int, images: int) -> ImageLoad:
         if self.geometry is None:
@@ -107,7 +110,8 @@ def footprint_from_release(path: Path, formats: tuple[str, ...] = FORMATS,
     dims = ModelDims.from_config(release.config, head_width=release.head_config.width)
     vision = VisionDims.from_config(release.config)
     geometry = ImageGeometry.from_release(release.path, release.config) if vision else None
-    return Footprint(release.path.name, release.architecture, dims, censuses, stored, geometry, vision)
+    precision = tuple(precision_groups(release.config, censuses[stored])) if stored in censuses else ()
+    return Footprint(release.path.name, release.architecture, dims, censuses, stored, geometry, vision, precision)
 
 
 def footprint_from_config(config_path: Path, formats: tuple[str, ...] = FORMATS,
@@ -169,6 +173,10 @@ def render(footprint: Footprint, plans: dict[str, Plan], *, show_explain: bool,
         lines.append(f"{fmt:<7}{_gib(p.device_weights):>9}{_gib(p.host_weights):>7}{_gib(p.activations.total):>8}"
                      f"{_gib(p.overhead + p.margin):>10}{_gib(p.need):>8}  {'fits' if p.fits else 'does not fit'}"
                      + (f" (prefill in {p.chunk:,}-token chunks)" if p.chunk else ""))
+    if footprint.precision:
+        lines += ["", f"{footprint.stored}: the format of each group of decoder layers (bytes as stored)"]
+        lines += [f"  layers {g['layers']:<8}{g['format']:<10}{g['bytes'] / 1e6:>10.2f} MB"
+                  for g in footprint.precision]
     best = best_fit(plans)
     lines.append("")
     if best is not None:
@@ -280,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"model": footprint.name, "architecture": footprint.architecture,
                           "hardware": hardware.to_json(), "plans": [p.to_json() for p in plans.values()],
                           **({"images": images.to_json()} if images else {}),
+                          **({"precision_groups": list(footprint.precision)} if footprint.precision else {}),
                           "best": best.fmt if best else None}, indent=2))
     else:
         print(render(footprint, plans, show_explain=args.explain, images=images))

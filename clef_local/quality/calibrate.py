@@ -2,7 +2,9 @@
 
 On labels (the gold answers' NLL) or with ``--match REFERENCE`` (the mean KL to the reference, no labels); the
 temperatures go into ``config.json`` (docs/format.md §5) and its manifest entry is rewritten, so the load-time check
-still passes. docs/quality.md#calibrate.
+still passes. ``--error-budget RATE`` also stores, beside them, the confidence threshold per type that keeps the error
+within RATE on the ``--measure`` data (after the temperatures: :mod:`clef_local.quality.selective`), which ``batch``
+then marks rows against. docs/quality.md#calibrate.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ import numpy as np
 
 from clef_local.formats.release import write_json
 from clef_local.options import add_network_flag, add_runtime_flags, load_options
+from clef_local.quality.intervals import DEFAULT_CONFIDENCE
 from clef_local.quality.metrics import labelled_report
 from clef_local.quality.results import gold_index
+from clef_local.quality.selective import BOUNDS, error_budget
 from clef_local.runtime.schema import QUESTION_TYPES
 
 if TYPE_CHECKING:
@@ -101,11 +105,12 @@ class CalibrationResult:
     measured_on: str
     temperatures: dict[str, float]
     types: dict[str, dict[str, Any]] = field(default_factory=dict)  # kind → {temperature, n_fit, before, after}
+    thresholds: dict[str, Any] = field(default_factory=dict)  # --error-budget: selective.error_budget's result
 
     def to_json(self) -> dict[str, Any]:
         return {"format": "clef-local-calibration/1", "model": self.model, "objective": self.objective,
                 "fitted_on": self.fitted_on, "measured_on": self.measured_on, "temperatures": self.temperatures,
-                "types": self.types}
+                "types": self.types, "thresholds": self.thresholds}
 
 
 def _questions(examples: Sequence[Example], predictions: Sequence[Prediction],
@@ -173,9 +178,34 @@ def before_after(predictions: Sequence[Prediction], examples: Sequence[Example],
     return out
 
 
+def budget_thresholds(predictions: Sequence[Prediction], examples: Sequence[Example], temps: Mapping[str, float],
+                      budget: float, *, bound: str = "upper", confidence: float = DEFAULT_CONFIDENCE
+                      ) -> dict[str, Any]:
+    """:func:`clef_local.quality.selective.error_budget` on the labelled questions of ``examples``, from their
+    T = 1 ``predictions`` re-tempered by ``temps`` (the probabilities the calibrated model will give)."""
+    rows = _questions(examples, predictions, need_labels=True)
+    questions = []
+    for kind, p, gold, _ in rows:
+        q = scale(p, temps.get(kind, 1.0))
+        questions.append((kind, float(q.max()), int(np.argmax(q)) == gold))
+    if not questions:
+        raise ValueError("--error-budget needs labelled questions in the --measure data (or --data)")
+    return error_budget(questions, budget, bound=bound, confidence_level=confidence)
+
+
+def stored_thresholds(result: Mapping[str, Any], chosen_on: str) -> dict[str, dict[str, Any]]:
+    """The ``thresholds`` member of config.json's calibration entry from :func:`budget_thresholds`' result."""
+    return {kind: {"threshold": None if t["threshold"] is None else round(float(t["threshold"]), 6),
+                   "budget": result["budget"], "bound": result["bound"], "confidence": result["confidence"],
+                   "coverage": round(float(t["coverage"]), 6), "n": t["n"], "chosen_on": chosen_on}
+            for kind, t in result["types"].items()}
+
+
 def store_temperatures(variant: str | Path, temps: Mapping[str, float], *, fitted_on: str, objective: str,
-                       out_config: str | Path | None = None) -> Path:
-    """Write the temperatures into ``config.json`` (or ``out_config``) and refresh the manifest entry."""
+                       out_config: str | Path | None = None,
+                       thresholds: Mapping[str, Mapping[str, Any]] | None = None) -> Path:
+    """Write the temperatures (and ``thresholds``: :func:`stored_thresholds`) into ``config.json`` (or
+    ``out_config``) and refresh the manifest entry."""
     from clef_local.formats.manifest import MANIFEST, read_manifest, sha256
     from clef_local.model import CALIBRATION_KEY
 
@@ -183,7 +213,8 @@ def store_temperatures(variant: str | Path, temps: Mapping[str, float], *, fitte
     config_path = variant / "config.json"
     config = json.loads(config_path.read_text(encoding="utf-8"))
     config[CALIBRATION_KEY] = {"temperatures": {k: round(float(v), 6) for k, v in temps.items()},
-                               "fitted_on": fitted_on, "objective": objective}
+                               "fitted_on": fitted_on, "objective": objective,
+                               **({"thresholds": {k: dict(v) for k, v in thresholds.items()}} if thresholds else {})}
     target = Path(out_config) if out_config else config_path
     write_json(target, config)
     manifest = read_manifest(variant)
@@ -208,11 +239,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=8)
     add_runtime_flags(parser, max_memory=True)  # the variant and --match's reference alike
     parser.add_argument("--out-config", type=Path, help="write the updated config.json here, leaving the model as is")
+    parser.add_argument("--error-budget", type=float, metavar="RATE",
+                        help="also store the confidence threshold per type that keeps the error at or under RATE on "
+                             "the --measure data (batch marks answers under it)")
+    parser.add_argument("--budget-bound", choices=BOUNDS, default="upper",
+                        help="choose the thresholds on the error's exact upper bound (default) or the observed error")
+    parser.add_argument("--confidence", type=float, default=DEFAULT_CONFIDENCE,
+                        help=f"the upper bound's level (default {DEFAULT_CONFIDENCE})")
     parser.add_argument("--dry-run", action="store_true", help="fit and measure, store nothing")
     parser.add_argument("--report", type=Path, help="HTML report with ECE before/after")
     parser.add_argument("--json", type=Path, help="the result as JSON")
     add_network_flag(parser)
     args = parser.parse_args(argv)
+    if args.error_budget is not None and not 0 < args.error_budget < 1:
+        parser.error(f"--error-budget must be a rate in (0, 1), got {args.error_budget}; e.g. 0.02")
+    if not 0.5 <= args.confidence < 1:
+        parser.error(f"--confidence must be in [0.5, 1), got {args.confidence}")
     if args.report:  # before a model is loaded: a missing extra must not cost the whole run
         from clef_local.quality.plots import require_matplotlib
 
@@ -236,13 +278,18 @@ def main(argv: list[str] | None = None) -> int:
             temps = fit(raw_predictions(model, examples, args.batch_size), examples, reference=reference)
             measure_files = args.measure or [args.data]
             measured = [e for path in measure_files for e in read_jsonl(path, limit=args.limit)]
-            types = before_after(raw_predictions(model, measured, args.batch_size), measured, temps)
+            measured_predictions = raw_predictions(model, measured, args.batch_size)
+            types = before_after(measured_predictions, measured, temps)
+            budget = None
+            if args.error_budget is not None:
+                budget = budget_thresholds(measured_predictions, measured, temps, args.error_budget,
+                                           bound=args.budget_bound, confidence=args.confidence)
     except (ClefError, DataFormatError, ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     objective = f"match:{args.match}" if args.match else "labels"
-    result = CalibrationResult(str(args.model), objective, str(args.data),
-                               ", ".join(str(p) for p in measure_files), temps, types)
+    measured_on = ", ".join(str(p) for p in measure_files)
+    result = CalibrationResult(str(args.model), objective, str(args.data), measured_on, temps, types, budget or {})
     print(f"network: {network}")
     for kind, entry in types.items():
         before, after = entry.get("before"), entry.get("after")
@@ -252,9 +299,15 @@ def main(argv: list[str] | None = None) -> int:
         if entry["fitted"] and not T_BOUNDS[0] * 1.01 < entry["temperature"] < T_BOUNDS[1] * 0.99:
             note = f" (at the search bound {T_BOUNDS}: the fit wants an extreme temperature)"
         print(f"{kind:<7} T={entry['temperature']:.3f}  {change}{note}")
+    for kind, t in (budget or {}).get("types", {}).items():
+        shown = "none (answer nothing)" if t["threshold"] is None else f"{t['threshold']:.4f}"
+        print(f"{kind:<7} threshold {shown} for error ≤ {args.error_budget:g} ({args.budget_bound} bound): coverage "
+              f"{t['coverage']:.1%} of {t['n']}, observed error "
+              f"{'—' if t['error'] is None else format(t['error'], '.2%')}")
     if not args.dry_run:
         target = store_temperatures(args.model, temps, fitted_on=str(args.data), objective=objective,
-                                    out_config=args.out_config)
+                                    out_config=args.out_config,
+                                    thresholds=stored_thresholds(budget, measured_on) if budget else None)
         print(f"stored in {target}")
     if args.json:
         args.json.write_text(json.dumps(result.to_json(), indent=2) + "\n", encoding="utf-8")

@@ -15,6 +15,17 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from clef_local.errors import short
+from clef_local.quality.compare import mcnemar
+from clef_local.quality.intervals import (
+    DEFAULT_INTERVALS,
+    IntervalSettings,
+    LabelledQuestions,
+    RequestBootstrap,
+    as_list,
+    clopper_pearson,
+    error_rate_interval,
+    labelled_samples,
+)
 from clef_local.quality.metrics import labelled_report
 from clef_local.quality.results import DriftResult, Progress, QuestionDrift, QuestionRow, gold_index
 from clef_local.runtime.schema import QUESTION_TYPES
@@ -103,40 +114,94 @@ def summarize(drifts: Sequence[QuestionDrift]) -> dict[str, Any]:
     }
 
 
-def _state_snippet(state: Any, limit: int = 160) -> str:
+def summary_intervals(drifts: Sequence[QuestionDrift], boot: RequestBootstrap) -> dict[str, dict[str, list[Any]]]:
+    """Intervals of the summary's means (bootstrap over requests) and of the flip rate (exact binomial over
+    questions; ``flip_rate_requests`` is its bootstrap interval too, which allows for the questions of one request
+    flipping together), overall ("all") and per question type."""
+    kinds = np.array([d.kind for d in drifts])
+    columns = {"kl_mean": [d.kl for d in drifts], "js_mean": [d.js for d in drifts],
+               "max_abs_mean": [d.max_abs for d in drifts], "rms_mean": [d.rms for d in drifts]}
+    flipped = np.array([d.flipped for d in drifts], dtype=float)
+    shifts = np.array([np.nan if d.score_shift is None else d.score_shift for d in drifts])
+    out: dict[str, dict[str, list[Any]]] = {}
+    for kind in ("all", *[k for k in QUESTION_TYPES if k in set(kinds.tolist())]):
+        mask = np.ones(len(drifts), bool) if kind == "all" else kinds == kind
+        if not mask.any():
+            continue
+        entry = {name: as_list(boot.interval(boot.mean(np.asarray(values, float), mask)))
+                 for name, values in columns.items()}
+        entry["flip_rate"] = as_list(clopper_pearson(int(flipped[mask].sum()), int(mask.sum()),
+                                                     boot.settings.confidence))
+        entry["flip_rate_requests"] = as_list(boot.interval(boot.mean(flipped, mask)))
+        scored = mask & np.isfinite(shifts)
+        if scored.any():
+            filled = np.nan_to_num(shifts)
+            entry["score_shift_mean"] = as_list(boot.interval(boot.mean(filled, scored)))
+            entry["score_shift_mean_abs"] = as_list(boot.interval(boot.mean(np.abs(filled), scored)))
+        out[kind] = entry
+    return out
+
+
+def state_snippet(state: Any, limit: int = 160) -> str:
     from clef_local.runtime.encoding import render
 
     return short(render(state), limit)
 
 
-def labelled_metrics(rows: Sequence[QuestionRow]) -> dict[str, dict[str, Any]]:
-    """Per question type (and "all"): both models' accuracy, macro-F1, NLL, Brier, ECE, adaptive ECE, deltas."""
+def labelled_metrics(rows: Sequence[QuestionRow], boot: RequestBootstrap | None = None) -> dict[str, dict[str, Any]]:
+    """Per question type (and "all"): both models' accuracy, macro-F1, NLL, Brier, ECE, adaptive ECE, deltas; with
+    ``boot`` (resamples of the rows' requests) also their intervals, the deltas' paired intervals, both error rates'
+    exact binomial bounds and McNemar's test of the two models' correct answers."""
     out: dict[str, dict[str, Any]] = {}
+    labelled = [n for n, r in enumerate(rows) if r.gold is not None]
+    if not labelled:
+        return out
+    gold_all = [int(rows[n].gold or 0) for n in labelled]
+    options_all = [rows[n].options for n in labelled]
+    ref_q = LabelledQuestions.build([rows[n].p_ref for n in labelled], gold_all, options_all)
+    cand_q = LabelledQuestions.build([rows[n].p_cand for n in labelled], gold_all, options_all)
+    sub = RequestBootstrap([rows[n].request_index for n in labelled], boot.settings) if boot is not None else None
+    kinds = np.array([rows[n].kind for n in labelled])
     for kind in (*QUESTION_TYPES, "all"):
-        chosen = [r for r in rows if r.gold is not None and (kind == "all" or r.kind == kind)]
-        if not chosen:
+        mask = np.ones(len(labelled), bool) if kind == "all" else kinds == kind
+        if not mask.any():
             continue
-        gold = [int(r.gold) for r in chosen if r.gold is not None]
+        chosen = [rows[labelled[i]] for i in np.flatnonzero(mask)]
+        gold = [int(r.gold or 0) for r in chosen]
         options = [r.options for r in chosen]
         ref = labelled_report([np.asarray(r.p_ref) for r in chosen], gold, options)
         cand = labelled_report([np.asarray(r.p_cand) for r in chosen], gold, options)
         delta = {k: cand[k] - ref[k] for k in ref if k != "n"}
         out[kind] = {"reference": ref, "candidate": cand, "delta": delta}
+        if sub is None:
+            continue
+        ref_s, cand_s = labelled_samples(sub, ref_q, mask), labelled_samples(sub, cand_q, mask)
+        level = sub.settings.confidence
+        out[kind]["intervals"] = {
+            "reference": {k: as_list(sub.interval(v)) for k, v in ref_s.items()},
+            "candidate": {k: as_list(sub.interval(v)) for k, v in cand_s.items()},
+            "delta": {k: as_list(sub.interval(cand_s[k] - ref_s[k])) for k in ref_s},
+            "error_rate": {"reference": as_list(error_rate_interval(ref_q.correct[mask].astype(bool), level)),
+                           "candidate": as_list(error_rate_interval(cand_q.correct[mask].astype(bool), level))}}
+        # McNemar's events are errors: only_a = the reference alone wrong, only_b = the candidate alone wrong
+        out[kind]["mcnemar"] = mcnemar(ref_q.correct[mask] == 0, cand_q.correct[mask] == 0)
     return out
 
 
 def drift_from_predictions(ref_preds: Sequence[Prediction], cand_preds: Sequence[Prediction],
                            requests: Sequence[Mapping[str, Any]], *, labels: Sequence[Mapping[str, Any]] | None = None,
                            reference_name: str = "reference", candidate_name: str = "candidate",
-                           meta: Mapping[str, Any] | None = None) -> DriftResult:
-    """Build a :class:`DriftResult` from the two models' predictions of ``requests`` (aligned)."""
+                           meta: Mapping[str, Any] | None = None,
+                           intervals: IntervalSettings | None = DEFAULT_INTERVALS) -> DriftResult:
+    """Build a :class:`DriftResult` from the two models' predictions of ``requests`` (aligned); with ``intervals``
+    (None: point values only) every summary and labelled figure also gets its interval (quality/intervals.py)."""
     if labels is not None and len(labels) != len(requests):
         raise ValueError(f"{len(labels)} label sets for {len(requests)} requests; pass one (possibly empty) each")
     drifts = compare_predictions(ref_preds, cand_preds)
     rows = []
     index = 0
     for n, (r, c) in enumerate(zip(ref_preds, cand_preds, strict=True)):
-        snippet = _state_snippet(r.request.state)
+        snippet = state_snippet(r.request.state)
         for question, p, q in zip(r.encoded.questions, r.probabilities, c.probabilities, strict=True):
             k = len(question.option_ids)
             label = labels[n].get(question.question_id) if labels is not None else None
@@ -147,8 +212,13 @@ def drift_from_predictions(ref_preds: Sequence[Prediction], cand_preds: Sequence
             index += 1
     by_type: dict[str, dict[str, Any]] = {kind: summarize([d for d in drifts if d.kind == kind])
                                           for kind in QUESTION_TYPES if any(d.kind == kind for d in drifts)}
+    boot = RequestBootstrap([d.request_index for d in drifts], intervals) if intervals is not None else None
+    info = dict(meta or {})
+    if intervals is not None:
+        info["intervals"] = intervals.to_json()
     return DriftResult(reference=reference_name, candidate=candidate_name, summary=summarize(drifts),
-                       by_type=by_type, rows=rows, labelled=labelled_metrics(rows), meta=dict(meta or {}))
+                       by_type=by_type, rows=rows, labelled=labelled_metrics(rows, boot), meta=info,
+                       intervals=summary_intervals(drifts, boot) if boot is not None and drifts else {})
 
 
 def head_difference(reference: str | Path, candidate: str | Path) -> str | None:

@@ -1,6 +1,8 @@
 """``clef-local drift``: a variant's probabilities against its reference, as a gate (exit code) and a report.
 
-Without ``--data`` the built-in probe set is used. The gate syntax, the metrics it takes and the exit codes (0 pass,
+Without ``--data`` the built-in probe set is used. Every figure carries its interval (``--confidence``,
+``--resamples``, ``--seed``); with several ``--candidate``s the first table says which is closer and whether the
+difference is significant. The gate syntax (``flips<=0.02@upper95``), the metrics it takes and the exit codes (0 pass,
 1 a gate fails, 2 bad input): docs/quality.md#drift.
 """
 
@@ -9,74 +11,57 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import re
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from clef_local.batch.ray_runner import RaySettings, add_ray_flags
 from clef_local.options import add_network_flag, add_runtime_flags
 from clef_local.quality.drift import drift_from_predictions, head_difference
+from clef_local.quality.gates import Gate, GateSyntaxError, Lookup, bound_of
+from clef_local.quality.gates import parse_gates as _parse
+from clef_local.quality.intervals import IntervalSettings, add_interval_flags, interval_settings
 from clef_local.quality.metrics import LABEL_DELTAS
 from clef_local.quality.results import DriftResult
+from clef_local.runtime.schema import QUESTION_TYPES
 
-_GATE = re.compile(r"^\s*(?:(noul|choice|score|all)\.)?([a-z_0-9]+)\s*(<=|>=|<|>)\s*([-+0-9.eE]+)\s*$")
+__all__ = ["Gate", "GateSyntaxError", "drift_lookup", "main", "parse_gates"]
+
 _ALIASES = {"flips": "flip_rate", "flip_count": "flips", "kl": "kl_mean", "js": "js_mean"}
 SUMMARY_METRICS = ("kl_mean", "kl_p50", "kl_p99", "kl_max", "js_mean", "max_abs_max", "max_abs_mean", "rms_mean",
                    "flip_rate", "flips", "score_shift_mean", "score_shift_mean_abs")
+# the metrics with an interval (quality/drift.py summary_intervals and labelled_metrics): @upper95 / @lower95
+BOUNDED = ("kl_mean", "js_mean", "max_abs_mean", "rms_mean", "flip_rate", "score_shift_mean", "score_shift_mean_abs",
+           *(f"delta_{m}" for m in LABEL_DELTAS))
+SCOPES = (*QUESTION_TYPES, "all")
 
 
-class GateSyntaxError(ValueError):
-    """A ``--gate`` expression that does not parse or names an unknown metric."""
+def parse_gates(text: str | None, level: str = "95") -> list[Gate]:
+    """``"flips<=0.01,kl_mean<=0.002@upper95"`` → gates; :class:`GateSyntaxError` names the bad part and the
+    metrics. ``level``: the run's interval level in percent (``@upper95`` must name it)."""
+    known = (*SUMMARY_METRICS, *(f"delta_{m}" for m in LABEL_DELTAS))
+    return _parse(text, metrics=known, scopes=SCOPES, aliases=_ALIASES, bounded=BOUNDED, level=level,
+                  example="flips<=0.01, choice.kl_mean<0.002, flips<=0.02@upper95")
 
 
-@dataclass(frozen=True)
-class Gate:
-    """``[type.]metric OP threshold``."""
+def drift_lookup(result: DriftResult) -> Lookup:
+    """A gate's value in one drift result: the point value, or an end of its interval."""
 
-    expr: str
-    kind: str | None
-    metric: str
-    op: str
-    threshold: float
+    def lookup(kind: str | None, metric: str, bound: str | None) -> float | None:
+        if metric.startswith("delta_"):
+            entry = result.labelled.get(kind or "all")
+            if not entry:
+                return None
+            name = metric[len("delta_"):]
+            if bound is None:
+                return entry["delta"].get(name)
+            return bound_of(entry.get("intervals", {}).get("delta", {}).get(name), bound)
+        if bound is not None:
+            return bound_of(result.intervals.get(kind or "all", {}).get(metric), bound)
+        summary = result.summary if kind in (None, "all") else result.by_type.get(kind or "", {})
+        return summary.get(metric)
 
-    def value(self, result: DriftResult) -> float | None:
-        if self.metric.startswith("delta_"):
-            entry = result.labelled.get(self.kind or "all")
-            return None if not entry else entry["delta"].get(self.metric[len("delta_"):])
-        summary = result.summary if self.kind in (None, "all") else result.by_type.get(self.kind or "", {})
-        return summary.get(self.metric)
-
-    def check(self, result: DriftResult) -> dict[str, Any]:
-        value = self.value(result)
-        ops = {"<=": float.__le__, "<": float.__lt__, ">=": float.__ge__, ">": float.__gt__}
-        ok = value is not None and ops[self.op](float(value), self.threshold)
-        return {"expr": self.expr, "value": value, "ok": bool(ok)}
-
-
-def parse_gates(text: str | None) -> list[Gate]:
-    """``"flips<=0.01,kl_mean<=0.002"`` → gates; :class:`GateSyntaxError` names the bad part and the metrics."""
-    if not text:
-        return []
-    known = set(SUMMARY_METRICS) | {f"delta_{m}" for m in LABEL_DELTAS}
-    gates = []
-    for part in text.split(","):
-        match = _GATE.match(part)
-        if not match:
-            raise GateSyntaxError(f"gate {part.strip()!r} is not 'metric OP number' (e.g. flips<=0.01, "
-                                  "choice.kl_mean<0.002)")
-        kind, name, op, number = match.groups()
-        metric = _ALIASES.get(name, name)
-        if metric not in known:
-            raise GateSyntaxError(f"gate {part.strip()!r}: unknown metric {name!r}; known: flips, flip_count, "
-                                  + ", ".join(sorted(known - {"flips"})))
-        try:
-            threshold = float(number)
-        except ValueError:
-            raise GateSyntaxError(f"gate {part.strip()!r}: {number!r} is not a number") from None
-        gates.append(Gate(part.strip(), kind, metric, op, threshold))
-    return gates
+    return lookup
 
 
 def _progress(desc: str, total: int, enabled: bool) -> Any:
@@ -113,12 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--candidate", action="append", required=True, help="a variant to compare (repeatable)")
     parser.add_argument("--data", type=Path, help="labelled or plain request JSONL (default: the built-in probe set)")
     parser.add_argument("--limit", type=int, help="first N requests (probe set: N requests, default 64)")
-    parser.add_argument("--gate", help='e.g. "flips<=0.01,kl_mean<=0.002"; exit 1 when one fails')
+    parser.add_argument("--gate", help='e.g. "flips<=0.01,kl_mean<=0.002@upper95"; exit 1 when one fails')
     parser.add_argument("--floor", action="store_true",
                         help="also run the reference against itself in another dtype (or --floor-backend)")
     parser.add_argument("--floor-dtype", choices=["float32", "bfloat16", "float16"],
                         help="the noise floor's dtype (default: float32, or bfloat16 when --dtype is float32)")
     parser.add_argument("--floor-backend", choices=["torch", "mlx", "onnx"], help="the noise floor's backend")
+    add_interval_flags(parser)
     add_runtime_flags(parser)  # every model (reference, candidates) runs with the same ones
     parser.add_argument("--batch-size", type=int, default=8, help="requests per forward pass (default 8)")
     parser.add_argument("--report", type=Path, help="write the HTML report")
@@ -156,8 +142,9 @@ def main(argv: list[str] | None = None) -> int:
 
         require_matplotlib()
     try:
-        gates = parse_gates(args.gate)
-    except GateSyntaxError as exc:
+        settings = interval_settings(args)
+        gates = parse_gates(args.gate, settings.percent)
+    except ValueError as exc:  # GateSyntaxError included
         print(f"error: {exc}", file=sys.stderr)
         return 2
     from clef_local.airgap import airgap
@@ -183,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
                 cand = _run(candidate, requests, dtype=dtype, desc=Path(candidate).name, **common)
                 results.append(drift_from_predictions(ref, cand, requests, labels=labels,
                                                       reference_name=str(args.reference), candidate_name=str(candidate),
-                                                      meta={**meta, "head": difference or "same as the reference's"}))
+                                                      meta={**meta, "head": difference or "same as the reference's"},
+                                                      intervals=settings))
             floor = None
             if args.floor:
                 floor_dtype = args.floor_dtype or _floor_dtype(dtype)
@@ -191,17 +179,19 @@ def main(argv: list[str] | None = None) -> int:
                 other = _run(args.reference, requests, dtype=floor_dtype, desc="noise floor", **floor_common)
                 label = f"{Path(args.reference).name} ({floor_dtype}, {floor_common['backend']})"
                 floor = drift_from_predictions(ref, other, requests, labels=labels, candidate_name=label,
-                                               reference_name=str(args.reference), meta=meta)
+                                               reference_name=str(args.reference), meta=meta, intervals=settings)
     except (ClefError, DataFormatError, ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    return _finish(args, results, floor, gates, network)
+    return _finish(args, results, floor, gates, network, settings)
 
 
 def _finish(args: argparse.Namespace, results: list[DriftResult], floor: DriftResult | None, gates: list[Gate],
-            network: str) -> int:
+            network: str, settings: IntervalSettings) -> int:
+    from clef_local.quality.compare import compare_candidates
     from clef_local.quality.report import (
         bundle_json,
+        comparison_table_rows,
         drift_table_rows,
         labelled_table_rows,
         markdown_table,
@@ -211,9 +201,15 @@ def _finish(args: argparse.Namespace, results: list[DriftResult], floor: DriftRe
 
     failed = []
     for result in results:
-        result.meta["gates"] = [gate.check(result) for gate in gates]
+        result.meta["gates"] = [gate.evaluate(drift_lookup(result)) for gate in gates]
         failed += [(result.candidate, g) for g in result.meta["gates"] if not g["ok"]]
+    comparison = compare_candidates(results, settings)
+    if comparison:  # the same for every candidate: kept with the first, where `report` finds it again
+        results[0].meta["comparison"] = comparison
     print(f"network: {network}")
+    if comparison:
+        print(markdown_table(comparison_table_rows(comparison)))
+        print()
     print(markdown_table(drift_table_rows(results, floor)))
     if any(r.labelled for r in results):
         print()

@@ -1,6 +1,7 @@
 """The report's plots as base64 PNG strings (matplotlib, Agg backend, imported only when a plot is drawn), ready for
 ``<img src="data:...">``: reliability diagrams, a histogram of per-question KL, reference against candidate
-probabilities, and confidence–accuracy curves (accuracy of the questions answered at or above each threshold).
+probabilities, confidence–accuracy curves (accuracy of the questions answered at or above each threshold), probe
+checks and risk–coverage curves.
 """
 
 from __future__ import annotations
@@ -109,4 +110,51 @@ def confidence_accuracy_png(title: str, series: Sequence[Series]) -> str:
     ax.set(xlim=(0, 1), ylim=(0, 1.02), xlabel="share of questions answered (most confident first)",
            ylabel="accuracy of those answered", title=title)
     ax.legend(fontsize=7, loc="lower left")
+    return _encode(fig)
+
+
+def probe_png(result: Any) -> str:
+    """A :class:`~clef_local.quality.results.ProbeResult`: each check's mean |Δp| (bars, with the interval as error
+    bars) and flipped share (points, right axis, with the exact interval)."""
+    fig, ax = _figure(6.4, 3.6)
+    checks = [c for c, v in result.checks.items() if v.get("questions")]
+    x = np.arange(len(checks))
+
+    def spans(metric: str) -> tuple[np.ndarray, np.ndarray]:
+        values = np.array([result.checks[c][metric] for c in checks], dtype=float)
+        iv = np.array([result.checks[c]["intervals"].get(metric) or [v, v] for c, v in zip(checks, values,
+                                                                                            strict=True)], dtype=float)
+        return values, np.abs(np.stack([values - iv[:, 0], iv[:, 1] - values]))
+
+    if checks:
+        dp, dp_err = spans("mean_abs_dp")
+        ax.bar(x - 0.18, dp, width=0.36, color=_COLORS[0], yerr=dp_err, capsize=3, label="mean |Δp|")
+        flips, flip_err = spans("flip_rate")
+        right = ax.twinx()
+        right.errorbar(x + 0.18, flips, yerr=flip_err, fmt="o", color=_COLORS[1], capsize=3, label="flipped")
+        right.set_ylabel("flipped decisions", color=_COLORS[1])
+        right.set_ylim(0, max(0.05, float(np.nanmax(flips + flip_err[1])) * 1.15))
+    ax.set_xticks(x, [c.replace("_", "\n") for c in checks], fontsize=7)
+    ax.set(ylabel="mean |Δp| (largest option move per question)", title="probe: answers under rewrites")
+    ax.set_ylim(0, None)
+    fig.legend(fontsize=7, loc="upper right")
+    return _encode(fig)
+
+
+def risk_coverage_png(title: str, budget: Any) -> str:
+    """``eval --error-budget``'s risk-coverage curves per type (error among the answered questions against the share
+    answered), the budget as a line and each chosen threshold as a point."""
+    fig, ax = _figure()
+    for n, (kind, entry) in enumerate(budget["types"].items()):
+        curve = np.asarray(entry["curve"], dtype=float).reshape(-1, 2)
+        color = _COLORS[n % len(_COLORS)]
+        if curve.size:
+            ax.plot(curve[:, 0], curve[:, 1], color=color, linewidth=1.5, label=kind)
+        if entry.get("threshold") is not None:
+            ax.scatter([entry["coverage"]], [entry["error"]], color=color, s=40, zorder=3,
+                       label=f"{kind}: t={entry['threshold']:.3f}")
+    ax.axhline(budget["budget"], color="#999999", linestyle="--", linewidth=1, label=f"budget {budget['budget']:g}")
+    ax.set(xlim=(0, 1), ylim=(0, None), xlabel="coverage (share of questions answered)",
+           ylabel="error among the answered", title=title)
+    ax.legend(fontsize=7, loc="upper left")
     return _encode(fig)

@@ -1,8 +1,10 @@
-"""Drift / eval / calibration reports: one self-contained HTML file (plots embedded as PNG), Markdown and JSON.
+"""Drift / eval / calibration / probe reports: one self-contained HTML file (plots embedded as PNG), Markdown, JSON.
 
 :func:`write_report` puts any number of candidates' drift against one reference in one table (the noise floor
-beside them), with evals and calibrations, and states the runs' network state at the top (:func:`network_field`
-names every value when they differ). ``clef-local report`` re-renders saved JSON. docs/quality.md#report.
+beside them) — after the table that compares the candidates with each other when there are several —, with evals,
+calibrations and probe checks, every figure as ``value [low, high]`` where it has an interval, and states the runs'
+network state at the top (:func:`network_field` names every value when they differ). ``clef-local report``
+re-renders saved JSON. docs/quality.md#report.
 """
 
 from __future__ import annotations
@@ -18,12 +20,19 @@ from typing import Any
 
 import numpy as np
 
-from clef_local.quality.results import DriftResult, EvalResult
+from clef_local.quality.results import DriftResult, EvalResult, ProbeResult
+from clef_local.quality.tables import cell, comparison_table_rows, probe_table_rows, selective_table_rows
+from clef_local.quality.tables import fmt as _fmt
+from clef_local.quality.tables import name as _name
 from clef_local.runtime.schema import QUESTION_TYPES
+
+__all__ = ["comparison_table_rows", "drift_table_rows", "labelled_table_rows", "markdown_table", "probe_table_rows",
+           "render_html", "render_markdown", "selective_table_rows", "write_report"]
 
 BUNDLE = "clef-local-report/1"
 DRIFT_COLUMNS = (("questions", "questions", "d"), ("kl_mean", "KL mean", "g"), ("kl_p99", "KL p99", "g"),
-                 ("kl_max", "KL max", "g"), ("js_mean", "JS mean", "g"), ("max_abs_max", "max |Δp|", ".4f"),
+                 ("kl_max", "KL max", "g"), ("js_mean", "JS mean", "g"), ("max_abs_mean", "mean |Δp|", ".4f"),
+                 ("max_abs_max", "max |Δp|", ".4f"),
                  ("rms_mean", "RMS Δp", ".4f"), ("flip_rate", "flip rate", ".2%"), ("flips", "flips", "d"),
                  ("score_shift_mean_abs", "|score shift|", ".4f"))
 LABEL_METRICS = ("accuracy", "macro_f1", "nll", "brier", "ece", "adaptive_ece")
@@ -35,31 +44,20 @@ th{background:#eef1f7}td.n{text-align:right;font-variant-numeric:tabular-nums}.f
 .net.on{background:#fbe4e4}code{background:#f3f3f3;padding:1px 3px}"""
 
 
-def _fmt(value: Any, spec: str = "g") -> str:
-    if value is None or (isinstance(value, float) and not np.isfinite(value)):
-        return "—"
-    if spec == "d":
-        return str(int(value))
-    if spec == "g":
-        return f"{value:.4g}"
-    return format(value, spec)
-
-
-def _name(path: str) -> str:
-    return Path(path).name or path
-
-
 def drift_table_rows(results: Sequence[DriftResult], floor: DriftResult | None = None) -> list[list[str]]:
-    """Header plus one row per candidate (and the noise floor last): the overall drift summary."""
+    """Header plus one row per candidate (and the noise floor last): the overall drift summary, each mean and the
+    flip rate with its interval."""
     rows = [["candidate", *[label for _, label, _ in DRIFT_COLUMNS]]]
     for result, is_floor in [*((r, False) for r in results), *([(floor, True)] if floor else [])]:
-        name = f"noise floor: {result.candidate}" if is_floor else _name(result.candidate)
-        rows.append([name, *[_fmt(result.summary.get(key), spec) for key, _, spec in DRIFT_COLUMNS]])
+        label = f"noise floor: {result.candidate}" if is_floor else _name(result.candidate)
+        iv = result.intervals.get("all", {})
+        rows.append([label, *[cell(result.summary.get(key), iv.get(key), spec) for key, _, spec in DRIFT_COLUMNS]])
     return rows
 
 
 def labelled_table_rows(results: Sequence[DriftResult]) -> list[list[str]]:
-    """Per type: the reference's labelled metrics, then each candidate's value and delta."""
+    """Per type: the reference's labelled metrics, then each candidate's value and delta (with their intervals:
+    the delta's is paired), and the error rates' exact bounds with McNemar's test of the two models' errors."""
     rows = [["type", "metric", "reference", *[f"{_name(r.candidate)} (Δ)" for r in results]]]
     if not results:
         return rows
@@ -67,21 +65,39 @@ def labelled_table_rows(results: Sequence[DriftResult]) -> list[list[str]]:
         first = results[0].labelled.get(kind)
         if not first:
             continue
+        ref_iv = first.get("intervals", {}).get("reference", {})
         for metric in LABEL_METRICS:
-            cells = [kind, metric, _fmt(first["reference"][metric], ".4f")]
+            cells = [kind, metric, cell(first["reference"][metric], ref_iv.get(metric), ".4f")]
             for r in results:
                 entry = r.labelled.get(kind)
-                cells.append("—" if not entry else f"{entry['candidate'][metric]:.4f} "
-                                                   f"({entry['delta'][metric]:+.4f})")
+                iv = (entry or {}).get("intervals", {})
+                cells.append("—" if not entry else
+                             f"{cell(entry['candidate'][metric], iv.get('candidate', {}).get(metric), '.4f')} "
+                             f"(Δ {cell(entry['delta'][metric], iv.get('delta', {}).get(metric), '+.4f')})")
+            rows.append(cells)
+        if "intervals" in first:
+            ref_error = 1 - first["reference"]["accuracy"]
+            cells = [kind, "error rate (McNemar p)",
+                     cell(ref_error, first["intervals"]["error_rate"]["reference"], ".2%")]
+            for r in results:
+                entry = r.labelled.get(kind) or {}
+                if "intervals" not in entry:
+                    cells.append("—")
+                    continue
+                error = cell(1 - entry["candidate"]["accuracy"], entry["intervals"]["error_rate"]["candidate"], ".2%")
+                cells.append(f"{error} (p={entry['mcnemar']['p_value']:.3g})")
             rows.append(cells)
     return rows
 
 
 def eval_table_rows(evals: Sequence[EvalResult]) -> list[list[str]]:
-    rows = [["model", "type", "n", *LABEL_METRICS]]
+    """Per model and type: the labelled metrics with their intervals, and the error rate's exact bounds."""
+    rows = [["model", "type", "n", *LABEL_METRICS, "error rate"]]
     for e in evals:
         for kind, m in e.metrics.items():
-            rows.append([_name(e.model), kind, str(m["n"]), *[_fmt(m[k], ".4f") for k in LABEL_METRICS]])
+            iv = e.intervals.get(kind, {})
+            rows.append([_name(e.model), kind, str(m["n"]), *[cell(m[k], iv.get(k), ".4f") for k in LABEL_METRICS],
+                         cell(1 - m["accuracy"], iv.get("error_rate"), ".2%")])
     return rows
 
 
@@ -159,6 +175,11 @@ def _eval_plots(evals: Sequence[EvalResult]) -> list[tuple[str, str]]:
     from clef_local.quality import plots
 
     images = []
+    for e in evals:
+        budget = e.selective.get("budget")
+        if budget:
+            images.append((f"risk-coverage: {_name(e.model)}", plots.risk_coverage_png(
+                f"risk–coverage ({_name(e.model)})", budget)))
     for kind in QUESTION_TYPES:
         series = [(_name(e.model), *_conf_correct([r.probs for r in e.rows if r.kind == kind],
                                                   [r.gold for r in e.rows if r.kind == kind]))
@@ -182,12 +203,13 @@ def _worst_html(result: DriftResult, n: int = 5) -> str:
             f"</tr>{''.join(items)}</table>")
 
 
-def _gates_html(results: Sequence[DriftResult]) -> str:
+def _gates_html(results: Sequence[DriftResult | ProbeResult]) -> str:
     lines = []
     for r in results:
+        who = r.candidate if isinstance(r, DriftResult) else r.model
         for gate in r.meta.get("gates", []):
             cls = "ok" if gate["ok"] else "fail"
-            lines.append(f"<li class='{cls}'>{html.escape(_name(r.candidate))}: {html.escape(gate['expr'])} → "
+            lines.append(f"<li class='{cls}'>{html.escape(_name(who))}: {html.escape(gate['expr'])} → "
                          f"{_fmt(gate['value'])} {'pass' if gate['ok'] else 'FAIL'}</li>")
     return f"<h2>Gates</h2><ul>{''.join(lines)}</ul>" if lines else ""
 
@@ -205,14 +227,33 @@ def network_field(values: Iterable[str | None]) -> str:
     return "mixed: " + ", ".join(sorted(distinct, key=lambda value: (value != "on", value)))
 
 
+def _img(images: Sequence[tuple[str, str]]) -> str:
+    return "".join(f"<img alt='{html.escape(n)}' src='data:image/png;base64,{b}'>" for n, b in images)
+
+
+def _probe_html(probes: Sequence[ProbeResult]) -> str:
+    from clef_local.quality import plots
+
+    parts = []
+    for p in probes:
+        level = p.meta.get("intervals", {}).get("confidence", 0.95)
+        parts.append(f"<h2>Probe: {html.escape(_name(p.model))}</h2><p class='small'>{html.escape(p.data)} · "
+                     f"{p.requests} requests · rewrites seeded ({p.meta.get('seed')}) · [low, high]: {level:.0%} "
+                     "intervals (|Δp| and KL: bootstrap over requests; flips: exact binomial)</p>"
+                     + _html_table(probe_table_rows(p)) + _img([("probe checks", plots.probe_png(p))]))
+    return "".join(parts) + _gates_html(probes)
+
+
 def render_html(results: Sequence[DriftResult], *, evals: Sequence[EvalResult] = (),
                 calibration: Sequence[Mapping[str, Any]] = (), floor: DriftResult | None = None,
-                title: str | None = None, network: str | None = None) -> str:
+                title: str | None = None, network: str | None = None, probes: Sequence[ProbeResult] = ()) -> str:
     """The report as one HTML string (no external resources)."""
-    metas = [r.meta for r in results] + [e.meta for e in evals]
+    metas = [r.meta for r in results] + [e.meta for e in evals] + [p.meta for p in probes]
     network = network or network_field(meta.get("network") for meta in metas)
     reference = _name(results[0].reference) if results else ""
-    title = title or (f"clef-local drift report: {reference}" if results else "clef-local report")
+    title = title or (f"clef-local drift report: {reference}" if results else
+                      f"clef-local probe report: {_name(probes[0].model)}" if probes and not evals
+                      else "clef-local report")
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
              f"<style>{CSS}</style></head><body><h1>{html.escape(title)}</h1>",
              f"<p><span class='net{' on' if network.startswith(('on', 'mixed')) else ''}'>network: "
@@ -220,16 +261,23 @@ def render_html(results: Sequence[DriftResult], *, evals: Sequence[EvalResult] =
              f"{dt.datetime.now(dt.UTC).strftime('%Y-%m-%d %H:%M UTC')}</p>"]
     if results:
         meta = results[0].meta
+        level = meta.get("intervals", {}).get("confidence")
+        shown = (f" · [low, high]: {level:.0%} intervals (means: bootstrap over requests; flip and error rates: "
+                 "exact binomial)" if level else "")
         parts.append(f"<p class='small'>reference <code>{html.escape(results[0].reference)}</code>"
                      f"{' · data ' + html.escape(str(meta['data'])) if meta.get('data') else ''}"
-                     f" · {results[0].summary['questions']} questions · KL in nats, flip = argmax changed</p>")
+                     f" · {results[0].summary['questions']} questions · KL in nats, flip = argmax changed{shown}</p>")
+        if comparison := meta.get("comparison"):
+            parts.append("<h2>Which candidate is closer</h2>" + _html_table(comparison_table_rows(comparison)))
         parts.append("<h2>Drift against the reference</h2>" + _html_table(drift_table_rows(results, floor),
                                                                            floor_last=floor is not None))
         parts.append(_gates_html(results))
         per_type = [["candidate", "type", *[label for _, label, _ in DRIFT_COLUMNS]]]
         for r in results:
             for kind, summary in r.by_type.items():
-                per_type.append([_name(r.candidate), kind, *[_fmt(summary.get(k), s) for k, _, s in DRIFT_COLUMNS]])
+                iv = r.intervals.get(kind, {})
+                per_type.append([_name(r.candidate), kind,
+                                 *[cell(summary.get(k), iv.get(k), s) for k, _, s in DRIFT_COLUMNS]])
         parts.append("<h3>By question type</h3>" + _html_table(per_type))
         if any(r.labelled for r in results):
             parts.append("<h2>Labelled metrics (reference, candidate and Δ)</h2>"
@@ -239,10 +287,12 @@ def render_html(results: Sequence[DriftResult], *, evals: Sequence[EvalResult] =
         for r in results:
             parts.append(f"<h3>Worst cases: {html.escape(_name(r.candidate))}</h3>" + _worst_html(r))
     if evals:
-        parts.append("<h2>Evaluation</h2>" + _html_table(eval_table_rows(evals))
-                     + "<h3>Speed</h3>" + _html_table(speed_table_rows(evals))
-                     + "".join(f"<img alt='{html.escape(n)}' src='data:image/png;base64,{b}'>"
-                               for n, b in _eval_plots(evals)))
+        selective = "".join(f"<h3>Selective prediction: {html.escape(_name(e.model))}</h3>"
+                            + _html_table(selective_table_rows(e)) for e in evals if e.selective)
+        parts.append("<h2>Evaluation</h2>" + _html_table(eval_table_rows(evals)) + selective
+                     + "<h3>Speed</h3>" + _html_table(speed_table_rows(evals)) + _img(_eval_plots(evals)))
+    if probes:
+        parts.append(_probe_html(probes))
     if calibration:
         parts.append("<h2>Recalibration (per-type temperature)</h2>" + _html_table(calibration_table_rows(calibration)))
     parts.append("</body></html>")
@@ -251,51 +301,56 @@ def render_html(results: Sequence[DriftResult], *, evals: Sequence[EvalResult] =
 
 def render_markdown(results: Sequence[DriftResult], *, evals: Sequence[EvalResult] = (),
                     calibration: Sequence[Mapping[str, Any]] = (), floor: DriftResult | None = None,
-                    network: str | None = None) -> str:
+                    network: str | None = None, probes: Sequence[ProbeResult] = ()) -> str:
     """The report's tables as Markdown."""
     parts = []
     if network:
         parts.append(f"network: {network}")
+    if results and (comparison := results[0].meta.get("comparison")):
+        parts.append(markdown_table(comparison_table_rows(comparison)))
     if results:
         parts.append(f"Drift against `{_name(results[0].reference)}`:\n\n" + markdown_table(
             drift_table_rows(results, floor)))
         if any(r.labelled for r in results):
             parts.append(markdown_table(labelled_table_rows(results)))
     if evals:
-        parts += [markdown_table(eval_table_rows(evals)), markdown_table(speed_table_rows(evals))]
+        parts.append(markdown_table(eval_table_rows(evals)))
+        parts += [markdown_table(selective_table_rows(e)) for e in evals if e.selective]
+        parts.append(markdown_table(speed_table_rows(evals)))
     if calibration:
         parts.append(markdown_table(calibration_table_rows(calibration)))
+    parts += [f"Probe: `{_name(p.model)}`\n\n" + markdown_table(probe_table_rows(p)) for p in probes]
     return "\n\n".join(parts) + "\n"
 
 
 def bundle_json(results: Sequence[DriftResult], *, evals: Sequence[EvalResult] = (),
                 calibration: Sequence[Mapping[str, Any]] = (), floor: DriftResult | None = None,
-                network: str | None = None) -> dict[str, Any]:
+                network: str | None = None, probes: Sequence[ProbeResult] = ()) -> dict[str, Any]:
     return {"format": BUNDLE, "network": network, "drift": [r.to_json() for r in results],
             "floor": floor.to_json() if floor else None, "evals": [e.to_json() for e in evals],
-            "calibration": list(calibration)}
+            "calibration": list(calibration), "probes": [p.to_json() for p in probes]}
 
 
 def write_report(results: Sequence[DriftResult], html_path: str | Path, *, evals: Sequence[EvalResult] = (),
                  calibration: Sequence[Mapping[str, Any]] = (), floor: DriftResult | None = None,
                  markdown_path: str | Path | None = None, json_path: str | Path | None = None,
-                 title: str | None = None, network: str | None = None) -> Path:
+                 title: str | None = None, network: str | None = None, probes: Sequence[ProbeResult] = ()) -> Path:
     """Write the HTML report (and optionally Markdown and the JSON bundle); returns the HTML path."""
     html_path = Path(html_path)
-    html_path.write_text(render_html(results, evals=evals, calibration=calibration, floor=floor, title=title,
-                                     network=network), encoding="utf-8")
+    shared: dict[str, Any] = {"evals": evals, "calibration": calibration, "floor": floor, "network": network,
+                              "probes": probes}
+    html_path.write_text(render_html(results, title=title, **shared), encoding="utf-8")
     if markdown_path:
-        Path(markdown_path).write_text(render_markdown(results, evals=evals, calibration=calibration, floor=floor,
-                                                       network=network), encoding="utf-8")
+        Path(markdown_path).write_text(render_markdown(results, **shared), encoding="utf-8")
     if json_path:
-        Path(json_path).write_text(json.dumps(bundle_json(results, evals=evals, calibration=calibration, floor=floor,
-                                                          network=network)) + "\n", encoding="utf-8")
+        Path(json_path).write_text(json.dumps(bundle_json(results, **shared)) + "\n", encoding="utf-8")
     return html_path
 
 
 def load_results(paths: Sequence[Path]) -> dict[str, Any]:
     """Merge saved JSON files (bundles, drift, eval or calibration JSON) into ``write_report``'s arguments."""
-    merged: dict[str, Any] = {"results": [], "evals": [], "calibration": [], "floor": None, "network": None}
+    merged: dict[str, Any] = {"results": [], "evals": [], "calibration": [], "floor": None, "network": None,
+                              "probes": []}
     networks: list[str | None] = []
     for path in paths:
         try:
@@ -307,6 +362,7 @@ def load_results(paths: Sequence[Path]) -> dict[str, Any]:
             merged["results"] += [DriftResult.from_json(d) for d in data["drift"]]
             merged["evals"] += [EvalResult.from_json(d) for d in data.get("evals", [])]
             merged["calibration"] += data.get("calibration", [])
+            merged["probes"] += [ProbeResult.from_json(d) for d in data.get("probes", [])]
             merged["floor"] = DriftResult.from_json(data["floor"]) if data.get("floor") else merged["floor"]
             networks.append(data.get("network"))
         elif fmt == "clef-local-drift/1":
@@ -315,10 +371,12 @@ def load_results(paths: Sequence[Path]) -> dict[str, Any]:
             merged["evals"].append(EvalResult.from_json(data))
         elif fmt == "clef-local-calibration/1":
             merged["calibration"].append(data)
+        elif fmt == "clef-local-probe/1":
+            merged["probes"].append(ProbeResult.from_json(data))
         else:
             raise ValueError(f"{path}: not a clef-local result (format {fmt!r}); pass the --json output of drift, "
-                             "eval or calibrate")
-    networks += [item.meta.get("network") for item in [*merged["results"], *merged["evals"]]]
+                             "eval, calibrate or probe")
+    networks += [item.meta.get("network") for item in [*merged["results"], *merged["evals"], *merged["probes"]]]
     merged["network"] = network_field(networks) if any(networks) else None
     return merged
 
@@ -327,7 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     """``clef-local report``: re-render saved JSON results as HTML (and Markdown)."""
     parser = argparse.ArgumentParser(prog="clef-local report", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", type=Path, nargs="+", required=True, help="saved drift / eval / calibrate JSON")
+    parser.add_argument("--json", type=Path, nargs="+", required=True,
+                        help="saved drift / eval / calibrate / probe JSON")
     parser.add_argument("--html", type=Path, required=True, help="the HTML file to write")
     parser.add_argument("--md", type=Path, help="also write the tables as Markdown")
     parser.add_argument("--title", help="report title")
@@ -341,7 +400,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     write_report(merged["results"], args.html, evals=merged["evals"], calibration=merged["calibration"],
-                 floor=merged["floor"], markdown_path=args.md, title=args.title, network=merged["network"])
+                 floor=merged["floor"], markdown_path=args.md, title=args.title, network=merged["network"],
+                 probes=merged["probes"])
     print(f"report: {args.html}")
     return 0
 

@@ -62,9 +62,11 @@ class DriftResult:
     summary: dict[str, Any]
     by_type: dict[str, dict[str, Any]]
     rows: list[QuestionRow]
-    labelled: dict[str, dict[str, Any]] = field(default_factory=dict)  # type → {reference, candidate, delta}
+    labelled: dict[str, dict[str, Any]] = field(default_factory=dict)  # type → {reference, candidate, delta, …}
     timing: dict[str, float] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)  # network state, dtypes, data source, …
+    # type (and "all") → {metric: [low, high]} at meta["intervals"]["confidence"] (quality/intervals.py)
+    intervals: dict[str, dict[str, list[float | None]]] = field(default_factory=dict)
 
     def worst(self, n: int = 10) -> list[QuestionRow]:
         """The ``n`` questions with the largest KL (flips first when KL ties)."""
@@ -73,7 +75,7 @@ class DriftResult:
     def to_json(self) -> dict[str, Any]:
         return {"format": "clef-local-drift/1", "reference": self.reference, "candidate": self.candidate,
                 "summary": self.summary, "by_type": self.by_type, "labelled": self.labelled,
-                "timing": self.timing, "meta": self.meta,
+                "timing": self.timing, "meta": self.meta, "intervals": self.intervals,
                 "rows": [{**{k: v for k, v in asdict(r).items() if k != "drift"}, "drift": asdict(r.drift)}
                          for r in self.rows]}
 
@@ -85,17 +87,20 @@ class DriftResult:
         rows = [QuestionRow(**{**r, "drift": QuestionDrift(**r["drift"])}) for r in data["rows"]]
         return cls(reference=data["reference"], candidate=data["candidate"], summary=data["summary"],
                    by_type=data["by_type"], rows=rows, labelled=data.get("labelled", {}),
-                   timing=data.get("timing", {}), meta=data.get("meta", {}))
+                   timing=data.get("timing", {}), meta=data.get("meta", {}),
+                   intervals=data.get("intervals", {}))
 
 
 @dataclass
 class EvalRow:
-    """One labelled question: its type, option ids, probabilities (model order) and gold index."""
+    """One labelled question: its type, option ids, probabilities (model order), gold index and request (the unit
+    the bootstrap resamples; -1 in results saved before it was recorded: each question then counts alone)."""
 
     kind: str
     options: list[str]
     probs: list[float]
     gold: int
+    request: int = -1
 
 
 @dataclass
@@ -110,6 +115,9 @@ class EvalResult:
     speed: dict[str, float]
     rows: list[EvalRow] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
+    # type (and "all") → {metric: [low, high]}: bootstrap over requests, error_rate exact binomial
+    intervals: dict[str, dict[str, list[float | None]]] = field(default_factory=dict)
+    selective: dict[str, Any] = field(default_factory=dict)  # --error-budget (quality/selective.py), stored thresholds
 
     def to_json(self) -> dict[str, Any]:
         return {"format": "clef-local-eval/1", **{k: v for k, v in asdict(self).items() if k != "rows"},
@@ -122,3 +130,29 @@ class EvalResult:
                              "`clef-local eval --json`")
         fields = {k: v for k, v in data.items() if k not in ("format", "rows")}
         return cls(**fields, rows=[EvalRow(**r) for r in data.get("rows", [])])
+
+
+@dataclass
+class ProbeResult:
+    """``clef-local probe``: each metamorphic check's effect on one model's answers (quality/probe.py).
+
+    ``checks`` maps a check to ``{description, requests, questions, mean_abs_dp, kl_mean, max_abs_dp, flips,
+    flip_rate}`` with ``[low, high]`` intervals under ``intervals``; ``worst`` a check's largest moves.
+    """
+
+    model: str
+    data: str
+    requests: int
+    checks: dict[str, dict[str, Any]]
+    worst: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": "clef-local-probe/1", **asdict(self)}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ProbeResult:
+        if data.get("format") != "clef-local-probe/1":
+            raise ValueError(f"not a clef-local probe JSON (format {data.get('format')!r}); write one with "
+                             "`clef-local probe --json`")
+        return cls(**{k: v for k, v in data.items() if k != "format"})

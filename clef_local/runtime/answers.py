@@ -5,13 +5,13 @@ rounds for the wire.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import numpy as np
 
 from clef_local.runtime.encoding import EncodedRecord
-from clef_local.runtime.schema import Question
+from clef_local.runtime.schema import QUESTION_TYPES, Question
 
 Confidence = Literal["jev", "reference"]
 CONFIDENCE_MODES: tuple[str, ...] = ("jev", "reference")
@@ -99,3 +99,14 @@ def round_floats(value: Any, digits: int = 4) -> Any:
     if isinstance(value, list):
         return [round_floats(v, digits) for v in value]
     return value
+
+
+def below_threshold(encoded: EncodedRecord, probs: Sequence[np.ndarray], thresholds: Mapping[str, float]) -> list[str]:
+    """The ids of the questions whose top probability is under their type's threshold (``calibrate --error-budget``,
+    docs/quality.md#selective-prediction), in request order; a type without a threshold is never marked."""
+    marked = []
+    for row, question in zip(probs, encoded.questions, strict=True):
+        kind = QUESTION_TYPES[question.question_type]
+        if kind in thresholds and float(np.max(row[: len(question.option_ids)])) < thresholds[kind]:
+            marked.append(question.question_id)
+    return marked

@@ -137,8 +137,9 @@ def chunked_activations(dims: ModelDims, context: int, batch: int, dtype: str, c
     Across the pass live the output states and every full-attention layer's keys and values (``kept``, per token of
     the context); within a chunk, the one-pass terms of its tokens. An attention layer also holds, over the whole
     context, its keys and values grown by the chunk beside the old ones, SDPA's repeated heads (grouped heads: the
-    padding mask keeps SDPA off its grouped path) and the boolean mask of the chunk over the context. The head reads
-    every position after the backbone's cache is freed.
+    padding mask keeps SDPA off its grouped path) and the boolean mask of the chunk over the context with the
+    additive copy SDPA makes of it in the query dtype. The head reads every position after the backbone's cache is
+    freed.
     """
     d = DTYPE_SIZE[dtype]
     terms = dims.per_token(d)
@@ -147,7 +148,9 @@ def chunked_activations(dims: ModelDims, context: int, batch: int, dtype: str, c
     q, kv = dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim
     kept = d * (dims.hidden + (dims.layers - dims.linear_layers) * 2 * kv)
     grown = d * (2 * kv + (2 * q if dims.kv_heads < dims.heads else 0))
-    mask = batch * chunk * context if context > chunk or batch > 1 else 0
+    # the boolean mask of the chunk's queries over the context, and the additive copy SDPA makes of it in the
+    # query dtype (measured on CPU: not per head); a one-piece pass of one record runs causal, without a mask
+    mask = batch * chunk * context * (1 + d) if context > chunk or batch > 1 else 0
     attention = local * (terms["carried"] + terms["attention"]) + tokens * grown + mask
     layer = max(("mlp", "linear"), key=lambda k: terms[k])
     other = local * (terms["carried"] + terms[layer])

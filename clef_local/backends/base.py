@@ -31,6 +31,10 @@ class Backend(Protocol):
     accepts_media: bool  # runs the vision tower (images and videos in the state, docs/format.md §7)
     # why this backend cannot continue a pass from a cached state (None: it can; docs/serving.md#the-state-cache)
     state_cache_blocker: str | None
+    # a backend that wants other batches than its device's default (streamed from disk: a pass reads every layer once,
+    # so as many padded tokens per batch as its activations allow, with more padding); None: ClefModel's defaults
+    batch_tokens: int | None
+    pad_waste: float | None
 
     def logits(self, records: Sequence[EncodedRecord], layout: HeadLayout, pad_token_id: int,
                cache: StateCache | None = None) -> np.ndarray:

@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                         "(default: the fit data)")
     parser.add_argument("--limit", type=int, help="first N requests of each file")
     parser.add_argument("--batch-size", type=int, default=8)
-    add_runtime_flags(parser, max_memory=True)  # the variant and --match's reference alike
+    add_runtime_flags(parser, max_memory=True, offload="auto")  # the variant and --match's reference alike
     parser.add_argument("--out-config", type=Path, help="write the updated config.json here, leaving the model as is")
     parser.add_argument("--dry-run", action="store_true", help="fit and measure, store nothing")
     parser.add_argument("--report", type=Path, help="HTML report with ECE before/after")
@@ -230,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
             reference = None
             if args.match:
                 ref_model = clef_local.load(args.match, **options)
+                if (decision := ref_model.backend.load_decision) is not None and decision.stream is not None:
+                    log.info("reference streamed from disk: %s", decision.stream.summary())
                 reference = raw_predictions(ref_model, examples, args.batch_size)
                 del ref_model
             model = clef_local.load(args.model, **options)

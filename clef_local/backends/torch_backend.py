@@ -143,7 +143,9 @@ class TorchBackbone:
         else:
             self.model = model.to(self.device).eval()
         self.layers = self.streamed.kernels if self.streamed is not None else prepare_quantized(self.model)
-        self.output_embedding = None if self.streamed is not None else self.model.get_output_embeddings().weight
+        # streamed: the matrix stays in the file (a meta tensor of its shape here; lexical_rows reads its rows)
+        self.output_embedding = (self.streamed.output.weight if self.streamed is not None
+                                 else self.model.get_output_embeddings().weight)
         text_config = self.model.config.get_text_config()
         self.linear_attention = (log_linear_attention_paths(self.device.type, qwen3_5_type(self.model.config))
                                  if "linear_attention" in (getattr(text_config, "layer_types", None) or []) else {})
@@ -249,11 +251,9 @@ class TorchBackbone:
     def lexical_rows(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Output-embedding rows of ``token_ids``, on the compute device (the matrix may stay on the host, or in the
         file when streamed)."""
-        table = self.output_embedding
-        if table is None:
-            if self.streamed is None:
-                raise RuntimeError("the backbone has no output embedding")
+        if self.streamed is not None:
             return self.streamed.lexical_rows(token_ids).to(self.device)
+        table = self.output_embedding
         return table.index_select(0, token_ids.to(table.device)).to(self.device)
 
 

@@ -15,8 +15,8 @@ import os
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from io import FileIO
 from pathlib import Path
-from typing import BinaryIO
 
 import torch
 
@@ -55,7 +55,7 @@ class WeightReader:
                 self.tensors[name] = StoredTensor(Path(file), header.data_start + info.begin, info)
         self.bytes_read = 0
         self._lock = threading.Lock()  # guards the counter and, without os.preadv, each file's position
-        self._files: dict[Path, BinaryIO] = {}
+        self._files: dict[Path, FileIO] = {}
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
@@ -121,7 +121,7 @@ class WeightReader:
         with self._lock:
             handle = self._files.get(file)
             if handle is None:
-                handle = self._files[file] = file.open("rb", buffering=0)
+                handle = self._files[file] = FileIO(file, "rb")
         while done < len(view):
             chunk = view[done:done + MAX_READ]
             if hasattr(os, "preadv"):  # positioned: no shared file position, no lock

@@ -251,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
                 cand = _run(candidate, requests, dtype=dtype, desc=Path(candidate).name, **common)
                 if stored is not None:
                     reference_file.check_run(stored, dtype=cand.dtype or stored.dtype, context=cand.context)
-                against = ref if ref is not None else reference_file.predictions_for(stored, cand.predictions)
+                against = (reference_file.predictions_for(stored, cand.predictions) if stored is not None
+                           else ref or [])
                 results.append(drift_from_predictions(against, cand.predictions, requests, labels=labels,
                                                       reference_name=reference_name, candidate_name=str(candidate),
                                                       meta={**meta, "head": difference or "same as the reference's"}))

@@ -180,6 +180,9 @@ def _flag_problem(args: argparse.Namespace) -> str | None:
         return "give the reference: --reference DIR (run here) or --reference-file FILE (from --save-reference)"
     if args.save_reference and (args.reference_file or not args.reference):
         return "--save-reference runs the reference: give --reference DIR, not --reference-file"
+    if args.save_reference and args.ray:
+        return ("--save-reference records the reference's dtype and context, which Ray replicas do not report: save "
+                "it without --ray (the file then serves --reference-file runs on Ray)")
     if args.reference_file and args.floor:
         return "--floor runs the reference again in another dtype: give --reference DIR, not --reference-file"
     if not args.candidate and not args.save_reference:

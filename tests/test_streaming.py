@@ -135,6 +135,7 @@ def test_a_streamed_model_batches_by_its_token_budget(tiny_llama: Path, requests
 _PEAK = """
 import json, resource, sys
 import clef_local
+from clef_local.data.probes import probe_requests
 model = clef_local.load(sys.argv[1], dtype="float32", state_cache=0, **json.loads(sys.argv[2]))
 model.predict(probe_requests(8))
 print(json.dumps({"peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
@@ -150,15 +151,22 @@ def _peak(path: Path, options: dict) -> dict:
 
 @pytest.mark.slow
 def test_streamed_peak_memory_stays_under_a_cap_below_the_resident_need(demo_release: Path) -> None:
-    """The demo model in float32 (its weights ~0.54 GB as run) under a cap its resident plan does not fit: the
-    load streams (offload auto), and the process's peak RSS stays under the cap and far under the resident run's."""
+    """The demo model in float32 (its weights ~0.54 GB as run) under a cap between its streamed and its resident
+    plan: the load streams (offload auto), and the process's peak RSS stays under the cap and far under the resident
+    run's."""
+    from clef_local.backends.loader import plan_backend
+
+    release = read_release(demo_release)
+    need = plan_backend(release, dtype="float32", state_cache=0).need_bytes
+    streamed_need = plan_backend(release, dtype="float32", state_cache=0, offload="disk").need_bytes
+    assert streamed_need < need
+    cap = (need + streamed_need) // 2  # below what the resident plan needs
     resident = _peak(demo_release, {})
-    need = resident["loader"]["need_bytes"]
-    weights = read_release(demo_release).weight_bytes * 2  # bf16 stored, float32 as run
-    cap = need - weights // 2  # well below what the resident plan needs
+    assert resident["loader"]["need_bytes"] == need
+    weights = release.weight_bytes * 2  # bf16 stored, float32 as run
     streamed = _peak(demo_release, {"max_memory": f"cpu={cap}", "offload": "auto"})
     stream = streamed["loader"]["stream"]
-    assert stream is not None and streamed["loader"]["need_bytes"] <= cap
+    assert stream is not None and streamed["loader"]["need_bytes"] == streamed_need
     assert streamed["peak"] <= cap, (streamed["peak"], cap)
     assert streamed["peak"] < resident["peak"] - weights // 2, (streamed["peak"], resident["peak"])
 

@@ -160,8 +160,10 @@ class ClefModel:
         self.temperatures = read_temperatures(release.config, str(release.path / "config.json"))
         # a question under its type's confidence threshold is marked by `batch` (clef-local calibrate --error-budget)
         self.thresholds = read_thresholds(release.config, str(release.path / "config.json"))
-        # how much padding a batch may carry on this device (clef_local.runtime.batching): tight on a CPU
-        self.pad_waste = device_pad_waste(backend.device)
+        # how much padding a batch may carry on this device (clef_local.runtime.batching): tight on a CPU; a
+        # backend streamed from disk asks for more padding and batches of its own size (Backend.batch_tokens)
+        self.pad_waste = backend.pad_waste or device_pad_waste(backend.device)
+        self.batch_tokens = backend.batch_tokens
         # per model: a model loaded again starts empty; clear() empties this one
         self.state_cache = _state_cache(backend, state_cache, state_cache_spill)
 
@@ -207,7 +209,9 @@ class ClefModel:
         Batches hold up to ``batch_size`` records sorted by length, cut where padding would cost more than
         ``self.pad_waste`` times the rows' own tokens (:mod:`clef_local.runtime.batching`): on a CPU, where padding
         is pure loss, only equal lengths share one; and cut again to the rows whose prefill fits the memory left
-        (:meth:`PrefillBudget.rows <clef_local.planning.prefill.PrefillBudget.rows>`).
+        (:meth:`PrefillBudget.rows <clef_local.planning.prefill.PrefillBudget.rows>`). A backend streamed from disk
+        reads every layer once per batch: its batches hold as many records as ``self.batch_tokens`` padded tokens
+        allow, whatever ``batch_size``.
         """
         if batch_size < 1:
             raise ValueError(f"batch_size must be ≥ 1, got {batch_size}")
@@ -230,7 +234,9 @@ class ClefModel:
     def _batches(self, records: Sequence[EncodedRecord], batch_size: int) -> Iterator[list[int]]:
         """:func:`split_by_length`'s batches, each cut into runs of as many rows as one prefill may hold."""
         prefill = self.backend.prefill
-        for group in split_by_length([len(r.input_ids) for r in records], self.pad_waste, max_size=batch_size):
+        size = batch_size if self.batch_tokens is None else None
+        for group in split_by_length([len(r.input_ids) for r in records], self.pad_waste, max_size=size,
+                                     max_padded=self.batch_tokens):
             rows = len(group)
             if prefill is not None and rows > 1:
                 rows = prefill.rows(max(len(records[i].input_ids) for i in group), rows)
@@ -312,7 +318,7 @@ def load(path: str | Path, *, device: str = "auto", dtype: str | None = None, ba
          max_length: int | None = None, confidence: Confidence = "jev",
          limits: Limits = DEFAULT_LIMITS, max_memory: str | dict[str, Any] | None = None,
          media_limits: MediaLimits = DEFAULT_MEDIA_LIMITS, state_cache: int | str | None = None,
-         state_cache_spill: int | str = 0, prefill_chunk: int | None = None) -> ClefModel:
+         state_cache_spill: int | str = 0, prefill_chunk: int | None = None, offload: str = "none") -> ClefModel:
     """Load a Clef release (or variant) directory.
 
     ``backend`` is ``"auto"``, ``"torch"``, ``"mlx"`` or ``"onnx"`` and ``device`` ``"auto"``, ``"cpu"``, ``"cuda"``
@@ -335,6 +341,11 @@ def load(path: str | Path, *, device: str = "auto", dtype: str | None = None, ba
     state runs only its own tokens; torch only), ``0`` to turn it off; ``None``/``"auto"``: sized by the planner from
     the memory the model leaves free (:mod:`clef_local.planning.estimate`). ``state_cache_spill``: host memory for
     entries pushed off a GPU (0: they are dropped).
+
+    ``offload``: ``"none"`` (the default) holds the backbone in memory and refuses one that does not fit; ``"disk"``
+    streams it from its safetensors files a decoder layer at a time (torch only; slow: every batch reads every
+    layer, docs/hardware.md#streamed-from-disk); ``"auto"`` streams only what does not fit resident (what the
+    reference runs of ``drift``, ``eval``, ``calibrate`` and export validation use).
     """
     from clef_local.backends.loader import build_backend
 
@@ -343,7 +354,7 @@ def load(path: str | Path, *, device: str = "auto", dtype: str | None = None, ba
     context = checked_max_length(max_length, release.max_position_embeddings)
     started = time.perf_counter()
     runner = build_backend(release, backend=backend, device=device, dtype=dtype, max_memory=max_memory,
-                           state_cache=cache_budget, context=context, prefill_chunk=prefill_chunk,
+                           state_cache=cache_budget, context=context, prefill_chunk=prefill_chunk, offload=offload,
                            min_context=None if max_length is not None else min(REFERENCE_MAX_LENGTH, context))
     if runner.load_decision is not None:
         cache_budget = runner.load_decision.state_cache_bytes

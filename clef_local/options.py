@@ -19,20 +19,32 @@ DEVICE_HELP = ("auto, cpu, cuda, cuda:N or mps (default auto); several, comma-se
                "decoder layers over them")
 MAX_MEMORY_HELP = ("cap device memory, e.g. cuda:0=24GiB,cuda:1=24GiB or 24GiB for every device: refuse what does "
                    "not fit under it (on CUDA the allocator is capped too)")
+OFFLOADS = ("none", "auto", "disk")
+OFFLOAD_HELP = {
+    "none": "disk: stream the backbone from its files a decoder layer at a time when it does not fit in memory "
+            "(slow: every batch reads every layer; torch only); auto: only when it does not fit; default none: "
+            "refuse what does not fit (docs/hardware.md#streamed-from-disk)",
+    "auto": "default auto: a model that does not fit in memory is streamed from its files a decoder layer at a "
+            "time (torch only; slow); disk: always streamed; none: refuse what does not fit "
+            "(docs/hardware.md#streamed-from-disk)",
+}
 
 
 def add_model_flags(parser: argparse.ArgumentParser, *, model_help: str | None = None, backend: bool = True,
-                    device: bool = True, dtype: bool = True) -> None:
-    """``--model`` (and ``--backend``, ``--device``, ``--dtype`` unless switched off) on ``parser``."""
+                    device: bool = True, dtype: bool = True, offload: str | None = "none") -> None:
+    """``--model`` (and ``--backend``, ``--device``, ``--dtype`` unless switched off, ``--offload`` with its
+    default) on ``parser``."""
     parser.add_argument("--model", type=Path,
                         help=model_help or "release or variant directory (default: the built-in demo model)")
-    add_runtime_flags(parser, backend=backend, device=device, dtype=dtype, max_memory=device)
+    add_runtime_flags(parser, backend=backend, device=device, dtype=dtype, max_memory=device,
+                      offload=offload if device else None)
 
 
 def add_runtime_flags(parser: argparse.ArgumentParser, *, backend: bool = True, device: bool = True,
-                      dtype: bool = True, max_memory: bool = False) -> None:
-    """``--backend``, ``--device``, ``--dtype`` (for commands whose model flag is their own), and ``--max-memory``
-    for commands that load through :func:`load_options`."""
+                      dtype: bool = True, max_memory: bool = False, offload: str | None = None) -> None:
+    """``--backend``, ``--device``, ``--dtype`` (for commands whose model flag is their own), ``--max-memory``
+    for commands that load through :func:`load_options`, and ``--offload`` defaulting to ``offload`` (``none``
+    for ``decide``, ``serve``, ``batch``; ``auto`` for the reference runs of the quality commands)."""
     if dtype:
         parser.add_argument("--dtype", choices=DTYPES, default="auto", help=DTYPE_HELP)
     if backend:
@@ -41,6 +53,8 @@ def add_runtime_flags(parser: argparse.ArgumentParser, *, backend: bool = True, 
         parser.add_argument("--device", default="auto", help=DEVICE_HELP)
     if max_memory:
         parser.add_argument("--max-memory", help=MAX_MEMORY_HELP)
+    if offload is not None:
+        parser.add_argument("--offload", choices=OFFLOADS, default=offload, help=OFFLOAD_HELP[offload])
 
 
 MAX_LENGTH_HELP = ("the longest request in tokens, up to the backbone's context (default: 65,536, the window Clef is "
@@ -77,6 +91,8 @@ def load_options(args: argparse.Namespace) -> dict[str, Any]:
         out["max_memory"] = args.max_memory
     if getattr(args, "max_length", None) is not None:
         out["max_length"] = args.max_length
+    if hasattr(args, "offload"):
+        out["offload"] = args.offload
     return out
 
 

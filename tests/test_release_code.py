@@ -101,7 +101,8 @@ def test_the_backbone_loaders_never_ask_to_run_code(tiny_llama: Path, tmp_path: 
     import torch
     import transformers
 
-    from clef_local.backends.torch_backend import TorchBackbone, load_variant_backbone
+    from clef_local.backends.skeleton import load_variant_backbone
+    from clef_local.backends.torch_backend import TorchBackbone
 
     release, marker = _evil_release(tiny_llama, tmp_path, "config")
     asked: list[str] = []

@@ -111,7 +111,8 @@ def test_plan_prints_the_split(capsys: pytest.CaptureFixture[str]) -> None:
     # an H200 capped to 20 GiB cannot hold Clef 27B int4 at 16K (it needs 20.5 GiB)
     assert planner.main(["--config", "clef", "--format", "int4", "--device", "h200", "--max-memory", "20GiB"]) == 1
     out = capsys.readouterr().out
-    assert "capped at 20.0 GiB" in out and "does not fit" in out
+    assert "capped at 20.0 GiB" in out and "nothing fits: the smallest, int4" in out
+    assert "int4" in out and "streams from disk" in out  # it does not fit resident; streamed it runs
 
 
 def test_the_loaders_split_decision(clef) -> None:

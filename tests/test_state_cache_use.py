@@ -182,6 +182,7 @@ class _NoCacheBackend:
     accepts_media = False
     state_cache_blocker = "the ONNX Runtime backend runs every state in full (the state cache is torch's)"
     prefill = None  # no memory plan: every pass in one piece
+    batch_tokens = pad_waste = None
 
     def __init__(self, inner: Any) -> None:
         self.name, self.release, self.device, self.load_decision = "onnx", inner.release, inner.device, None

@@ -26,6 +26,7 @@ from clef_local.export.validate import (
     validation_table,
 )
 from clef_local.formats.manifest import read_manifest, verify
+from clef_local.planning.hardware import Hardware
 from clef_local.runtime.schema import validate_request
 
 
@@ -116,8 +117,11 @@ def test_validation_that_cannot_run_is_an_error_not_a_skip(tiny_llama: Path, cop
     """Too little memory, no probe set, a reference that does not load: ValidationUnavailable naming the reason
     (before, the export logged a warning, wrote the variant and exited 0)."""
     same = shutil.copytree(copies["same"], tmp_path / "same")
-    monkeypatch.setattr(validate, "host_memory", lambda: (1000, 1000))
-    with pytest.raises(ValidationUnavailable, match=r"the reference needs about 0\.0 GB of memory, 0\.0 GB are free"):
+    tiny_box = Hardware(kind="cpu", name="a 1 MB box", device="cpu", total_bytes=1 << 20, free_bytes=1 << 20,
+                        host_total_bytes=1 << 20, host_free_bytes=1 << 20)
+    monkeypatch.setattr("clef_local.planning.hardware.detect", lambda device="auto", **_: tiny_box)
+    with pytest.raises(ValidationUnavailable, match=r"the reference does not fit here, not even streamed from disk "
+                                                    r"\(bf16 does not fit on cpu \(a 1 MB box\) even streamed"):
         validate_export(tiny_llama, same, "int8")
     monkeypatch.undo()
 

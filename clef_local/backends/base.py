@@ -38,6 +38,10 @@ class Backend(Protocol):
     # what makes two loaded models compute the same states: the state cache's key prefix, and the model part of
     # ClefModel.state_digest (runtime/state_cache.py model_identity)
     state_identity: str
+    # a backend that wants other batches than its device's default (streamed from disk: a pass reads every layer once,
+    # so as many padded tokens per batch as its activations allow, with more padding); None: ClefModel's defaults
+    batch_tokens: int | None
+    pad_waste: float | None
 
     def logits(self, records: Sequence[EncodedRecord], layout: HeadLayout, pad_token_id: int,
                cache: StateCache | None = None) -> np.ndarray:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,25 +32,17 @@ from clef_local.units import GiB
 log = logging.getLogger(__name__)
 
 
-def build_backend(release: Release, *, backend: str = "auto", device: str = "auto", dtype: Any = None,
-                  context: int | None = None, check_memory: bool = True,
-                  max_memory: str | dict[str, Any] | None = None, state_cache: int | None = None,
-                  min_context: int | None = None, prefill_chunk: int | None = None) -> Backend:
-    """The backend for ``release``: chosen by :func:`clef_local.planning.choice.plan_load` for this machine
-    (``device`` ``auto``, ``cpu``, ``cuda[:N]``, ``mps``, or several for a pipeline split of the layers:
-    ``cuda:0,cuda:1``), checked against the planner at ``context`` tokens (default: the model's default
-    ``max_length``, 65,536 at most) under the ``max_memory`` caps (``{"cuda:0": "24GiB"}`` or ``"cuda:0=24GiB"``,
-    :mod:`clef_local.planning.caps`; on CUDA the allocator is capped too) with a state cache of ``state_cache``
-    bytes (``None``: sized by the planner), logged, and recorded as ``backend.load_decision``
-    (``state_cache_bytes``: the cache's budget). ``auto`` on a machine with several CUDA cards splits the layers
-    over all of them when the model does not fit on the first one alone. ``min_context``: when the model does not
-    fit at ``context``, plan at this many tokens instead (a warning; longer requests are refused one by one, 413),
-    and refuse only when it does not fit there either. ``backend.prefill`` is the budget each prefill is cut to
-    (:mod:`clef_local.planning.prefill`; ``prefill_chunk`` forces a chunk length, 0 one pass)."""
+def plan_backend(release: Release, *, backend: str = "auto", device: str = "auto", dtype: Any = None,
+                 context: int | None = None, check_memory: bool = True,
+                 max_memory: str | dict[str, Any] | None = None, state_cache: int | None = None,
+                 offload: str = "none", fmt: str | None = None, min_context: int | None = None) -> LoadDecision:
+    """What :func:`build_backend` would build for ``release``, and whether it fits, without loading a tensor (the
+    arguments are :func:`build_backend`'s). ``fmt``: plan another format of a BF16 release (a variant not written
+    yet: export validation checks it before quantizing); default the stored one. A streamed decision carries this
+    disk's read rate (:mod:`clef_local.planning.read_probe`, measured once and cached)."""
     from clef_local.planning.census import stored_format
     from clef_local.planning.hardware import detect
     from clef_local.planning.planner import footprint_from_release
-    from clef_local.planning.prefill import prefill_budget
     from clef_local.runtime.encoding import default_max_length
 
     try:
@@ -59,9 +52,14 @@ def build_backend(release: Release, *, backend: str = "auto", device: str = "aut
     except ValueError as exc:
         raise ApiUsageError(str(exc)) from exc
     hardware = devices[0]
-    scheme = stored_format(release.config)
+    scheme = fmt or stored_format(release.config)
     split = len(devices) > 1
-    footprint = footprint_from_release(release.path) if check_memory or split else None
+    if split and offload == "disk":
+        raise ApiUsageError(f"streaming from disk runs on one device, not {device}; give one device or drop the "
+                            "offload")
+    footprint = footprint_from_release(release.path) if check_memory or split or offload != "none" else None
+    if footprint is not None and scheme not in footprint.censuses:
+        raise ApiUsageError(f"{release.path} is a {footprint.stored} variant; it cannot be planned as {scheme}")
     context = context or default_max_length(release.max_position_embeddings)
     onnx_export = (Path(release.path) / "onnx").is_dir()
     kwargs: dict[str, Any] = dict(backend=backend, dtype=dtype, installed=installed_backends(),
@@ -74,7 +72,7 @@ def build_backend(release: Release, *, backend: str = "auto", device: str = "aut
         try:
             return plan_load(hardware, scheme, footprint, context=tokens, onnx_export=onnx_export,
                              onnx_cuda=hardware.kind == "cuda" and (backend == "onnx" or onnx_export) and onnx_cuda(),
-                             state_cache=state_cache, **kwargs)
+                             state_cache=state_cache, offload=offload, **kwargs)
         except InsufficientMemoryError:
             cards = _other_cards(hardware, caps) if device == "auto" and backend in ("auto", "torch") else []
             if not cards:
@@ -91,10 +89,45 @@ def build_backend(release: Release, *, backend: str = "auto", device: str = "aut
         log.warning("%s; planned at %s tokens instead: longer requests are refused one by one (413) when their "
                     "pass does not fit (max_length= asks for a context and refuses the load when it does not fit)",
                     exc, f"{min_context:,}")
+    if decision.stream is not None and release.weight_files:
+        from clef_local.planning.read_probe import read_rate
+
+        largest = max(release.weight_files, key=lambda f: f.stat().st_size)
+        rate = read_rate(largest)
+        decision = replace(decision, stream=replace(decision.stream, read_rate=rate.bytes_per_second,
+                                                    read_rate_source=rate.source))
+    return decision
+
+
+def build_backend(release: Release, *, backend: str = "auto", device: str = "auto", dtype: Any = None,
+                  context: int | None = None, check_memory: bool = True,
+                  max_memory: str | dict[str, Any] | None = None, state_cache: int | None = None,
+                  offload: str = "none", min_context: int | None = None,
+                  prefill_chunk: int | None = None) -> Backend:
+    """The backend for ``release``: chosen by :func:`clef_local.planning.choice.plan_load` for this machine
+    (``device`` ``auto``, ``cpu``, ``cuda[:N]``, ``mps``, or several for a pipeline split of the layers:
+    ``cuda:0,cuda:1``), checked against the planner at ``context`` tokens (default: the model's default
+    ``max_length``, 65,536 at most) under the ``max_memory`` caps (``{"cuda:0": "24GiB"}`` or ``"cuda:0=24GiB"``,
+    :mod:`clef_local.planning.caps`; on CUDA the allocator is capped too) with a state cache of ``state_cache``
+    bytes (``None``: sized by the planner), logged, and recorded as ``backend.load_decision``
+    (``state_cache_bytes``: the cache's budget). ``auto`` on a machine with several CUDA cards splits the layers
+    over all of them when the model does not fit on the first one alone. ``offload``: ``"none"`` (resident only),
+    ``"auto"`` (streamed from disk when it does not fit resident) or ``"disk"`` (always streamed;
+    docs/hardware.md#streamed-from-disk). ``min_context``: when the model does not fit at ``context``, plan at this
+    many tokens instead (a warning; longer requests are refused one by one, 413), and refuse only when it does not
+    fit there either. ``backend.prefill`` is the budget each prefill is cut to (:mod:`clef_local.planning.prefill`;
+    ``prefill_chunk`` forces a chunk length, 0 one pass)."""
+    from clef_local.planning.prefill import prefill_budget
+
+    decision = plan_backend(release, backend=backend, device=device, dtype=dtype, context=context,
+                            check_memory=check_memory, max_memory=max_memory, state_cache=state_cache,
+                            offload=offload, min_context=min_context)
+    caps = parse_max_memory(max_memory)  # valid: plan_backend read it
     _log_decision(decision)
     if state_cache is not None and state_cache > 0 and decision.state_cache_bytes == 0:
         log.warning("state cache: off: the %s backend%s runs every state in full (docs/serving.md)",
-                    decision.backend, " with a split over devices" if decision.split else "")
+                    decision.backend, " with a split over devices" if decision.split
+                    else " streamed from disk" if decision.stream else "")
     if caps and decision.backend == "torch":
         _cap_cuda(decision, caps)
     module_name, class_name = BACKENDS[decision.backend]
@@ -102,6 +135,8 @@ def build_backend(release: Release, *, backend: str = "auto", device: str = "aut
     # an ONNX export runs in the precision it was exported in unless a dtype was asked for
     asked = dtype not in (None, "auto")
     options: dict[str, Any] = {"split": decision.split} if decision.split else {}
+    if decision.stream is not None:
+        options["stream"] = decision.stream
     runner: Backend = cls(release, device=decision.device,
                           dtype=decision.dtype if decision.backend != "onnx" or asked else None, **options)
     runner.load_decision = decision
@@ -110,10 +145,11 @@ def build_backend(release: Release, *, backend: str = "auto", device: str = "aut
 
 
 def _log_decision(decision: LoadDecision) -> None:
-    log.info("backend %s on %s, %s, %s kernel: %s%s", decision.backend, decision.device, decision.dtype,
+    log.info("backend %s on %s, %s, %s kernel: %s%s%s", decision.backend, decision.device, decision.dtype,
              decision.kernel, decision.reason,
              f" (needs {decision.need_bytes / GiB:.2f} of {decision.available_bytes / GiB:.1f} GiB)"
-             if decision.need_bytes is not None and decision.available_bytes is not None else "")
+             if decision.need_bytes is not None and decision.available_bytes is not None else "",
+             f"; {decision.stream.summary()}" if decision.stream is not None else "")
 
 
 def _other_cards(first: Hardware, caps: dict[str, int]) -> list[Hardware]:

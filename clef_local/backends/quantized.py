@@ -481,6 +481,41 @@ def prepare_quantized(model: nn.Module) -> dict[str, str]:
     return layers
 
 
+STREAMED = "streamed from disk: a kernel that repacks at prepare() would repack on every load"
+
+
+def stream_kernels(model: nn.Module) -> dict[str, str]:
+    """Set the kernel of every quantized layer of a streamed backbone (:mod:`clef_local.backends.streaming`), once,
+    on the meta device; {path: "scheme:kernel"}. A streamed layer's tensors are read again for every batch, so what
+    :meth:`QuantizedLinear.prepare` builds from them (tinygemm's tiles, int8's aligned copy, fp8's probe) would be
+    rebuilt per load: int4, int8 and fp8 dequantize per call (no preparation at all), nf4 keeps bitsandbytes, whose
+    ``QuantState`` is only a view of the stored tensors (:func:`after_stream_load`)."""
+    layers: dict[str, str] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, NF4Linear):
+            module._set_kernel("bnb_matmul_4bit")
+        elif isinstance(module, QuantizedLinear):
+            module._set_kernel(DEQUANTIZE, STREAMED)
+        else:
+            continue
+        layers[name] = f"{module.scheme}:{module.kernel}"
+    return layers
+
+
+def after_stream_load(module: nn.Module) -> None:
+    """After a streamed group's tensors are assigned: nf4 rebuilds its ``QuantState`` from them."""
+    for child in module.modules():
+        if isinstance(child, NF4Linear):
+            child.prepare()
+
+
+def before_stream_release(module: nn.Module) -> None:
+    """Before a streamed group goes back to the meta device: drop what :func:`after_stream_load` built."""
+    for child in module.modules():
+        if isinstance(child, NF4Linear):
+            child.quant_state = None
+
+
 def kernel_counts(layers: Mapping[str, str]) -> dict[str, int]:
     """{"scheme:kernel": number of layers} from :func:`prepare_quantized`'s result."""
     return dict(Counter(layers.values()))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -16,13 +16,14 @@ import torch
 
 from clef_local.backends.linear_attention import log_linear_attention_paths
 from clef_local.backends.placement import Stage, place_pipeline, to_device_except
-from clef_local.backends.quantized import kernel_counts, prepare_quantized, quantized_prefixes, swap_linears
+from clef_local.backends.quantized import kernel_counts, prepare_quantized
+from clef_local.backends.skeleton import load_variant_backbone
+from clef_local.backends.streaming import StreamedModel
 from clef_local.backends.torch_cache import cache_blocker, cached_hidden_states, is_out_of_memory
 from clef_local.backends.torch_chunked import chunked_hidden_states
 from clef_local.errors import ReleaseError, one_line
-from clef_local.formats.quant_plan import LayerFormat, mixed_plan
+from clef_local.formats.quant_plan import mixed_plan
 from clef_local.formats.release import QWEN3_5, SINGLE_WEIGHTS, WEIGHTS_INDEX, Release, find_weight_files
-from clef_local.formats.safetensors import DTYPES as SAFETENSORS_DTYPES
 from clef_local.formats.safetensors import read_header
 from clef_local.heads.torch_head import load_head
 from clef_local.runtime.hf_bars import hf_progress_bars
@@ -33,6 +34,7 @@ from clef_local.units import format_size
 if TYPE_CHECKING:
     from clef_local.planning.choice import LoadDecision
     from clef_local.planning.prefill import PrefillBudget
+    from clef_local.planning.stream import StreamDecision
     from clef_local.runtime.encoding import EncodedRecord
 
 log = logging.getLogger(__name__)
@@ -75,12 +77,14 @@ class TorchBackbone:
 
     def __init__(self, path: Path, config: dict[str, Any], *, device: str = "cpu",
                  dtype: torch.dtype = torch.float32, weight_files: Sequence[Path] | None = None,
-                 host_embeddings: bool | None = None, split: Sequence[Stage] = ()) -> None:
+                 host_embeddings: bool | None = None, split: Sequence[Stage] = (),
+                 stream: StreamDecision | None = None) -> None:
         """``host_embeddings`` (default: on a CUDA device) keeps ``embed_tokens`` and ``lm_head`` in host memory:
         both are only gathered from (a few rows per request), and on Clef 27B they are ~2.5 GB each
         (docs/hardware.md). ``split``: ``(device, first layer, end layer)`` per pipeline stage
         (:mod:`clef_local.backends.placement`); ``device`` is then ignored: the hidden states come out on the last
-        stage's device."""
+        stage's device. ``stream``: run the backbone from its files a group of decoder layers at a time
+        (:mod:`clef_local.backends.streaming`; the embeddings' rows are read from the files, like host embeddings)."""
         import transformers
 
         qwen3_5 = config.get("model_type") == "qwen3_5" or QWEN3_5 in (config.get("architectures") or [])
@@ -97,12 +101,20 @@ class TorchBackbone:
                                      or (path / WEIGHTS_INDEX).is_file()):
             weight_files = find_weight_files(path)  # a variant must have them; a bare backbone may hold other files
         weight_files = tuple(weight_files or ())
+        if stream is not None and (self.split or not weight_files):
+            raise ValueError("a streamed backbone runs on one device from its safetensors files"
+                             + (f", not split over {len(self.split)} stages" if self.split else ": none found"))
         # Every header checked against its file first: a truncated or garbled file is one ReleaseError naming it,
         # never a traceback from inside safetensors or transformers.
         for file in weight_files:
             read_header(file)
+        self.streamed: StreamedModel | None = None
         with hf_progress_bars(log.isEnabledFor(logging.INFO)):  # "Loading weights": noise in `decide`
-            if self.scheme is not None:
+            if stream is not None:
+                self.streamed = StreamedModel(cls, path, weight_files, self.scheme, dtype, self.device, stream,
+                                              mixed_plan(config))
+                model = self.streamed.model
+            elif self.scheme is not None:
                 log.info("loading %s %s variant from %s in %s", cls.__name__, self.scheme, path, dtype)
                 model = load_variant_backbone(cls, path, weight_files, self.scheme, dtype, mixed_plan(config))
             else:
@@ -117,9 +129,13 @@ class TorchBackbone:
         # Without media only the text model runs (docs/format.md §3); with a vision tower it sits beside it.
         self.text_model = getattr(base, "language_model", base)
         self.host_embeddings = self.device.type == "cuda" if host_embeddings is None else host_embeddings
+        if self.streamed is not None:
+            self.host_embeddings = True  # the ids' rows come from the file on the host (FileRows)
         embeddings = {id(self.text_model.get_input_embeddings()), id(model.get_output_embeddings())}
         self.pipeline_hooks: list[Any] = []
-        if self.split:
+        if self.streamed is not None:
+            self.model = model.eval()  # placed as it was built: resident parts on the device, the rest on meta
+        elif self.split:
             self.pipeline_hooks = place_pipeline(model, self.text_model, self.split,
                                                  embeddings if self.host_embeddings else set())
             if not self.host_embeddings:  # the output embedding is gathered for the head, on the last device
@@ -130,8 +146,10 @@ class TorchBackbone:
             self.model = model.eval()
         else:
             self.model = model.to(self.device).eval()
-        self.layers = prepare_quantized(self.model)
-        self.output_embedding = self.model.get_output_embeddings().weight
+        self.layers = self.streamed.kernels if self.streamed is not None else prepare_quantized(self.model)
+        # streamed: the matrix stays in the file (a meta tensor of its shape here; lexical_rows reads its rows)
+        self.output_embedding = (self.streamed.output.weight if self.streamed is not None
+                                 else self.model.get_output_embeddings().weight)
         text_config = self.model.config.get_text_config()
         self.linear_attention = (log_linear_attention_paths(self.device.type, qwen3_5_type(self.model.config))
                                  if "linear_attention" in (getattr(text_config, "layer_types", None) or []) else {})
@@ -140,8 +158,9 @@ class TorchBackbone:
         self._cache_argument = "cache" if "cache" in parameters else "past_key_values"
         # why the state cache cannot run on this backbone (None: it can), torch_cache.cache_blocker; a pipeline split
         # keeps each layer's cache on its own device, which the continuation code does not place yet
-        self.state_cache_blocker = (cache_blocker(self.text_model.config) if not self.split
-                                    else "the layers are split over several devices")
+        self.state_cache_blocker = ("the layers are split over several devices" if self.split
+                                    else "the layers are streamed from disk" if self.streamed is not None
+                                    else cache_blocker(self.text_model.config))
 
     def hidden_states(self, records: Sequence[EncodedRecord], input_ids: torch.Tensor,
                       attention_mask: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
@@ -237,7 +256,10 @@ class TorchBackbone:
         return out.last_hidden_state
 
     def lexical_rows(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """Output-embedding rows of ``token_ids``, on the compute device (the matrix may stay on the host)."""
+        """Output-embedding rows of ``token_ids``, on the compute device (the matrix may stay on the host, or in the
+        file when streamed)."""
+        if self.streamed is not None:
+            return self.streamed.lexical_rows(token_ids).to(self.device)
         table = self.output_embedding
         return table.index_select(0, token_ids.to(table.device)).to(self.device)
 
@@ -251,13 +273,18 @@ class TorchBackend:
     prefill: PrefillBudget | None = None  # set by clef_local.backends.loader
 
     def __init__(self, release: Release, *, device: str = "cpu", dtype: str | torch.dtype | None = None,
-                 split: Sequence[Stage] = ()) -> None:
+                 split: Sequence[Stage] = (), stream: StreamDecision | None = None) -> None:
         """``split``: a pipeline split of the decoder layers (:class:`TorchBackbone`); the head runs on the last
-        stage's device."""
+        stage's device. ``stream``: the backbone streamed from disk (:mod:`clef_local.backends.streaming`); its
+        batches are cut at ``stream.batch_tokens`` padded tokens with ``stream.pad_waste`` (:attr:`batch_tokens`,
+        :attr:`pad_waste`: a pass reads every layer once, so fewer, larger batches)."""
         self.release = release
         self.backbone = TorchBackbone(release.path, release.config, device=device,
                                       dtype=resolve_dtype(dtype, release), weight_files=release.weight_files,
-                                      split=split)
+                                      split=split, stream=stream)
+        self.stream = stream
+        self.batch_tokens = stream.batch_tokens if stream is not None else None
+        self.pad_waste = stream.pad_waste if stream is not None else None
         self.device = self.backbone.device
         self.head = load_head(release, device=self.device)
         # the state cache's key prefix: what makes two loaded models compute the same states
@@ -318,6 +345,9 @@ class TorchBackend:
         if self.backbone.scheme is not None:
             out.update(scheme=self.backbone.scheme, kernels=kernel_counts(self.backbone.layers),
                        kernel_layers=dict(self.backbone.layers))
+        if self.backbone.streamed is not None:
+            out["embeddings"] = "file"
+            out["streamed"] = self.backbone.streamed.describe()
         return out
 
 
@@ -346,101 +376,3 @@ def collate_media(records: Sequence[EncodedRecord], length: int, device: torch.d
             types[row, start:start + len(values)] = values
     out["mm_token_type_ids"] = torch.from_numpy(types).to(device)
     return out
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype of a safetensors dtype name (:data:`clef_local.formats.safetensors.DTYPES`)."""
-    dtype = getattr(torch, SAFETENSORS_DTYPES[name].torch, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ReleaseError(f"safetensors dtype {name} has no torch dtype in torch {torch.__version__}")
-    return dtype
-
-
-def read_headers(files: Sequence[Path]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """{tensor name: (shape, dtype)} from the safetensors headers of ``files``, each checked against its file
-    (:func:`clef_local.formats.safetensors.read_header`: a truncated or garbled file is a ``ReleaseError``); no
-    tensor data is read."""
-    headers: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-    for file in files:
-        for name, info in read_header(file).tensors.items():
-            headers[name] = (info.shape, torch_dtype(info.dtype))
-    return headers
-
-
-def load_variant_backbone(cls: Any, path: Path, weight_files: Sequence[Path], scheme: str,
-                          dtype: torch.dtype, plan: Mapping[int, LayerFormat] | None = None) -> Any:
-    """Build a variant's backbone on the meta device, swap its quantized linears, assign the stored tensors.
-
-    Every tensor of every shard is assigned as stored (``load_state_dict(assign=True)``), except floating tensors of
-    unquantized modules, cast to the dtype the model was built in (as ``from_pretrained`` does); the quantized
-    layers receive their packed tensors untouched, so no full-precision copy of them ever exists. Non-persistent
-    buffers (rotary ``inv_freq``) are recomputed by the model's own ``_init_weights``; tied embeddings are re-tied.
-    The model stays on the CPU; the caller moves it and then calls ``prepare_quantized``. ``plan``: a mixed
-    variant's format per decoder layer (:func:`clef_local.formats.quant_plan.mixed_plan`).
-    """
-    import transformers
-    from safetensors.torch import load_file
-
-    try:
-        config = transformers.AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
-    except (OSError, ValueError, KeyError) as exc:
-        raise ReleaseError(f"{path}: the backbone config cannot be read ({one_line(exc)})") from exc
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config  # built plain: our modules replace the linears, not transformers' quantizer
-    with torch.device("meta"):
-        if cls is transformers.AutoModelForCausalLM:
-            model = cls.from_config(config, dtype=dtype, trust_remote_code=False)
-        else:
-            model = cls._from_config(config, dtype=dtype)
-    headers = read_headers(weight_files)
-    swap_linears(model, quantized_prefixes(headers, scheme, plan), headers, dtype=dtype)
-    expected = model.state_dict(keep_vars=True)
-    for file in weight_files:
-        try:
-            state = load_file(str(file))
-        except Exception as exc:  # truncated data past a valid header
-            raise ReleaseError(f"{file}: cannot read tensor data ({exc})") from exc
-        unexpected = sorted(set(state) - set(expected))
-        if unexpected:
-            raise ReleaseError(f"{file}: tensors the backbone does not have: {', '.join(unexpected[:10])}")
-        for name, tensor in state.items():
-            target = expected[name]
-            if tensor.is_floating_point() and target.is_floating_point() and tensor.dtype != target.dtype:
-                state[name] = tensor.to(target.dtype)
-        try:
-            model.load_state_dict(state, strict=False, assign=True)
-        except RuntimeError as exc:  # size mismatches
-            raise ReleaseError(f"{file}: does not fit the backbone ({exc})") from exc
-        del state
-    model.tie_weights()
-    _materialize_non_persistent_buffers(model)
-    missing = [name for name, t in model.state_dict(keep_vars=True).items() if t is not None and t.is_meta]
-    if missing:
-        raise ReleaseError(f"{path}: tensors missing from the weight files: {', '.join(missing[:10])}")
-    return model
-
-
-def _materialize_non_persistent_buffers(model: Any) -> None:
-    """Recompute the buffers that no checkpoint holds (rotary ``inv_freq``/``original_inv_freq``) on the CPU.
-
-    They are created empty and filled by the model's own ``_init_weights`` (what ``from_pretrained`` does for
-    them), which is only safe on a module holding nothing else: any other module is an error, not a guess.
-    """
-    owners: dict[str, Any] = {}
-    for name, buffer in model.named_buffers():
-        module_name, _, buffer_name = name.rpartition(".")
-        module = model.get_submodule(module_name)
-        if buffer.is_meta and buffer_name in module._non_persistent_buffers_set:
-            owners[module_name] = module
-    for module_name, module in owners.items():
-        held = [n for n, _ in module.named_parameters(recurse=False)]
-        held += [n for n, b in module.named_buffers(recurse=False) if n not in module._non_persistent_buffers_set]
-        if held or list(module.children()):
-            raise ReleaseError(f"cannot recompute the non-persistent buffers of {module_name} "
-                               f"({type(module).__name__}): it also holds {held or 'submodules'}")
-        for buffer_name in module._non_persistent_buffers_set:
-            buffer = module._buffers.get(buffer_name)
-            if buffer is not None and buffer.is_meta:
-                module._buffers[buffer_name] = torch.empty_like(buffer, device="cpu")
-        with torch.no_grad():
-            model._init_weights(module)

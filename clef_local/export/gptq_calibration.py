@@ -184,7 +184,8 @@ def gptq_tensors(source: Path, scheme: str, group_size: int | None, options: dic
     from tqdm import tqdm
 
     import clef_local
-    from clef_local.backends.torch_backend import TorchBackend, read_headers
+    from clef_local.backends.skeleton import read_headers
+    from clef_local.backends.torch_backend import TorchBackend
     from clef_local.quant import get as get_scheme
     from clef_local.quant import gptq, nf4, predicate
 

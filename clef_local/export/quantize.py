@@ -126,7 +126,8 @@ def _write_config(source: Path, tmp: Path, config: dict[str, Any], scheme: Schem
 def quantize_release(source: Path, out: Path, scheme: str, group_size: int | None = None, force: bool = False,
                      validate: bool = True, *, int4_grid: str | None = None, calibrate: bool = False,
                      calibration_requests: int | None = None, log_summary: bool = True,
-                     on_tensor: Callable[[str], None] | None = None) -> dict[str, Any]:
+                     on_tensor: Callable[[str], None] | None = None, max_memory: str | None = None,
+                     reference_file: str | Path | None = None) -> dict[str, Any]:
     """Write the ``scheme`` variant of the release at ``source`` to ``out``; return the summary.
 
     ``group_size``: int4 group (32/64/128; by default 32 when the source's weights already lie on a 4-bit grid per
@@ -135,8 +136,11 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
     ``force`` replaces an existing ``out`` once the new variant is complete. ``validate`` compares the variant with the
     source on the packaged probe set (:mod:`clef_local.export.validate`) and fails the export when a threshold is
     exceeded or when validation cannot run (``ValidationUnavailable``: no probe set, too little memory, the reference
-    does not load; the first two are found before anything is written). ``validate=False`` writes the variant with
-    ``validated: false`` in ``config.json`` and ``validation.json``.
+    does not load; the first two are found before anything is written: the memory rule is the loader's plan, each
+    model streamed from disk when it does not fit, under ``max_memory``). ``reference_file``: validate against the
+    reference's probabilities from ``drift --save-reference`` (checked first: its reference, probe set and dtype
+    must be this export's) instead of running it. ``validate=False`` writes the variant with ``validated: false``
+    in ``config.json`` and ``validation.json``.
     ``calibrate`` rounds with GPTQ on ``calibration_requests`` requests (default 128) instead of round-to-nearest
     (:mod:`clef_local.export.gptq_calibration`; every scheme; it loads the source like validation does).
     ``log_summary`` logs :func:`summary_lines` at INFO (the CLI prints them instead). ``on_tensor(name)`` is
@@ -165,10 +169,14 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
     if calibration_requests is not None and not calibrate:
         raise ExportError("--calibration-requests applies with --calibrate only; add --calibrate or drop it")
     check_paths(source, out, force)  # a bad --out is refused before any work (staged checks again)
+    if reference_file is not None and not validate:
+        raise ExportError("--reference-file is what validation compares with; drop it or --no-validate")
     if validate:
         from clef_local.export.validate import check_validation
 
-        check_validation(source)  # no probe set or too little memory: refused now, not after the export
+        # no probe set, too little memory for the reference or the variant, a wrong reference file: refused now,
+        # not after minutes of quantizing
+        check_validation(source, scheme=spec.name, max_memory=max_memory, reference_file=reference_file)
     shards = [f.name for f in release.weight_files]
     for file in release.weight_files:  # a truncated or garbled shard: one ReleaseError naming it, not a traceback
         read_header(file)
@@ -204,7 +212,8 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
         if validate:
             from clef_local.export.validate import validate_export
 
-            validation = validate_export(source, tmp, spec.name, variant_name=out)
+            validation = validate_export(source, tmp, spec.name, variant_name=out, max_memory=max_memory,
+                                         reference_file=reference_file)
         else:
             validation = {"validated": False, "skipped": "--no-validate"}
             (tmp / VALIDATION).write_text(json.dumps(validation, indent=2) + "\n", encoding="utf-8")
@@ -299,6 +308,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-validate", action="store_true",
                         help="write the variant without comparing it with the source (config.json and "
                              "validation.json record validated: false)")
+    parser.add_argument("--reference-file", type=Path, metavar="FILE",
+                        help="validate against the source's probabilities in FILE (clef-local drift --reference "
+                             "SOURCE --save-reference FILE, on this machine or another) instead of running it")
+    parser.add_argument("--max-memory", help="cap the memory validation plans with (e.g. cpu=6GiB): a model that "
+                        "does not fit under it is streamed from disk")
     return parser
 
 
@@ -335,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         summary = quantize_release(args.model, args.out, scheme, args.group_size, force=args.force,
                                    validate=not args.no_validate, int4_grid=args.int4_grid, calibrate=args.calibrate,
-                                   calibration_requests=args.calibration_requests, log_summary=False)
+                                   calibration_requests=args.calibration_requests, log_summary=False,
+                                   max_memory=args.max_memory, reference_file=args.reference_file)
     except ClefError as exc:  # refusals, bad sources, validation that cannot run: 2; a variant that fails it: 1
         print(f"error: {exc}", file=sys.stderr)
         return 1 if isinstance(exc, ValidationFailed) else 2

@@ -2,6 +2,10 @@
 other (peak memory: the larger, not the sum), compared per question (KL, flips, max |Δp|) against the per-scheme
 :data:`THRESHOLDS`. Never skipped silently: when it cannot run, :class:`ValidationUnavailable`; only
 ``--no-validate`` writes a variant without it, and records so. docs/quantization.md#validation.
+
+Whether it can run is the loader's own plan (:func:`clef_local.backends.loader.plan_backend`), checked before
+anything is written: each model resident when it fits, else streamed from disk (``offload="auto"``), else refused.
+With a reference file (:mod:`clef_local.quality.reference_file`) the reference is not loaded at all.
 """
 
 from __future__ import annotations
@@ -12,15 +16,19 @@ import logging
 import math
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from clef_local.data.datasets import packaged_datasets_dir
 from clef_local.data.probes import probe_requests
-from clef_local.errors import ClefError
-from clef_local.planning.hardware import host_memory
+from clef_local.errors import ClefError, InsufficientMemoryError, one_line
+
+if TYPE_CHECKING:
+    from clef_local.model import Prediction
+    from clef_local.quality.reference_file import ReferenceFile
 
 log = logging.getLogger(__name__)
 
@@ -65,16 +73,26 @@ def compare(reference: Sequence[Sequence[np.ndarray]], variant: Sequence[Sequenc
             "flip_rate": float(np.mean(flips)), "flips": int(np.sum(flips)), "max_abs_dp": float(np.max(dps))}
 
 
-def _probabilities(path: Path, requests: Sequence[dict[str, Any]], dtype: str | None,
-                   batch_size: int) -> list[list[np.ndarray]]:
+def _predictions(path: Path, requests: Sequence[dict[str, Any]], dtype: str | None, batch_size: int,
+                 max_memory: str | None = None, truncate_state: bool = True
+                 ) -> tuple[list[Prediction], str, int]:
+    """``path``'s predictions of ``requests`` (resident, or streamed from disk when it does not fit), its compute
+    dtype and context."""
     import clef_local
 
-    model = clef_local.load(path, dtype=dtype)
+    model = clef_local.load(path, dtype=dtype, max_memory=max_memory, offload="auto")
+    decision = model.backend.load_decision
     try:
-        return [p.probabilities for p in model.predict(requests, truncate_state=True, batch_size=batch_size)]
+        predictions = model.predict(requests, truncate_state=truncate_state, batch_size=batch_size)
+        return predictions, decision.dtype if decision else str(dtype), model.max_length
     finally:
         del model
         gc.collect()
+
+
+def _probabilities(path: Path, requests: Sequence[dict[str, Any]], dtype: str | None,
+                   batch_size: int, max_memory: str | None = None) -> list[list[np.ndarray]]:
+    return [p.probabilities for p in _predictions(path, requests, dtype, batch_size, max_memory)[0]]
 
 
 def _result(reference_dir: Path, variant_dir: Path, requests: Sequence[dict[str, Any]],
@@ -131,43 +149,100 @@ def validation_requests(n: int = 64, seed: int = 0) -> list[dict[str, Any]]:
         raise ValidationUnavailable(f"the packaged probe set cannot be read ({exc})") from exc
 
 
-def check_validation(reference_dir: Path, n: int = 64, seed: int = 0) -> list[dict[str, Any]]:
-    """Check, before an export writes anything, that its validation can run: the probe set reads and the reference
-    fits in free memory (with 20% to spare); :class:`ValidationUnavailable` naming why not. Returns the probes."""
+@dataclass(frozen=True)
+class ValidationInputs:
+    """What :func:`check_validation` found: the probe set, and the reference file's probabilities when one is used
+    (None: the reference runs here)."""
+
+    requests: list[dict[str, Any]]
+    reference: ReferenceFile | None = None
+
+
+def check_validation(reference_dir: Path, n: int = 64, seed: int = 0, *, scheme: str | None = None,
+                     dtype: str | None = None, max_memory: str | None = None,
+                     reference_file: str | Path | None = None) -> ValidationInputs:
+    """Check, before an export writes anything, that its validation can run: the probe set reads; the reference
+    fits as the loader plans it (resident, else streamed from disk; logged), or ``reference_file`` holds its
+    probabilities on this probe set; and the ``scheme`` variant will fit too (planned from the source's headers).
+    :class:`ValidationUnavailable` naming why not."""
+    from clef_local.backends.loader import plan_backend
     from clef_local.formats.release import read_release
 
     requests = validation_requests(n, seed)
-    needed = int(1.2 * read_release(reference_dir).weight_bytes)
-    available = host_memory()[1]
-    if needed > available:
-        raise ValidationUnavailable(f"the reference needs about {needed / 1e9:.1f} GB of memory, "
-                                    f"{available / 1e9:.1f} GB are free")
-    return requests
+    release = read_release(reference_dir)
+    stored = None
+    if reference_file is not None:
+        from clef_local.quality import reference_file as files
+
+        stored = files.read(reference_file)
+        files.check_requests(stored, requests, f"the packaged probe set ({n} requests, seed {seed})")
+        files.check_reference(stored, reference_dir)
+        files.check_run(stored, dtype=dtype or stored.dtype, context=None)
+        log.info("reference from %s: %s", reference_file, stored.describe())
+    else:
+        try:
+            decision = plan_backend(release, dtype=dtype, max_memory=max_memory, offload="auto")
+        except InsufficientMemoryError as exc:
+            raise ValidationUnavailable(
+                f"the reference does not fit here, not even streamed from disk ({one_line(exc)}); or compare with "
+                f"its probabilities computed elsewhere: clef-local drift --reference {reference_dir} "
+                f"--save-reference FILE there, then --reference-file FILE here") from exc
+        if decision.stream is not None:
+            log.info("reference streamed from disk: %s", decision.stream.summary())
+    if scheme is not None:
+        try:
+            decision = plan_backend(release, dtype=dtype or (stored.dtype if stored else None), max_memory=max_memory,
+                                    offload="auto", fmt=scheme)
+        except InsufficientMemoryError as exc:
+            raise ValidationUnavailable(f"the {scheme} variant will not fit here, not even streamed from disk "
+                                        f"({one_line(exc)})") from exc
+        if decision.stream is not None:
+            log.info("%s variant streamed from disk: %s", scheme, decision.stream.summary())
+    return ValidationInputs(requests, stored)
 
 
 def validate_export(reference_dir: Path, variant_dir: Path, scheme: str, n: int = 64, seed: int = 0,
-                    dtype: str | None = None, variant_name: str | Path | None = None,
-                    thresholds: Mapping[str, float] | None = None) -> dict[str, Any]:
+                    dtype: str | None = None, variant_name: str | Path | None = None, *,
+                    thresholds: Mapping[str, float] | None = None, max_memory: str | None = None,
+                    reference_file: str | Path | None = None) -> dict[str, Any]:
     """Validation as the export runs it: packaged probe set, scheme thresholds, ``validation.json`` in the variant;
     :class:`ValidationUnavailable` when it cannot run (:func:`check_validation`, or the reference does not load or
     run); :class:`ValidationFailed` naming each failing metric and its value when a threshold is exceeded or the
     variant does not load. ``variant_name`` is recorded instead of ``variant_dir`` (the export validates its
-    temporary directory). ``thresholds`` replaces the scheme's :data:`THRESHOLDS` (a mixed variant's budget)."""
+    temporary directory). ``thresholds`` replaces the scheme's :data:`THRESHOLDS` (a mixed variant's budget).
+    ``max_memory`` caps both loads (each streamed from disk when it does not fit); ``reference_file``: the
+    reference's probabilities from ``drift --save-reference`` instead of running it."""
     started = time.perf_counter()
     limits = thresholds if thresholds is not None else THRESHOLDS[scheme]
-    requests = check_validation(reference_dir, n, seed)
+    inputs = check_validation(reference_dir, n, seed, dtype=dtype, max_memory=max_memory,
+                              reference_file=reference_file)
+    requests, stored = inputs.requests, inputs.reference
+    if stored is None:
+        try:
+            ref = _probabilities(reference_dir, requests, dtype, 8, max_memory)
+        except (Exception, MemoryError) as exc:
+            raise ValidationUnavailable(f"the reference could not be loaded or run ({type(exc).__name__}: "
+                                        f"{' '.join(str(exc).split())})") from exc
     try:
-        ref = _probabilities(reference_dir, requests, dtype, 8)
-    except (Exception, MemoryError) as exc:
-        raise ValidationUnavailable(f"the reference could not be loaded or run ({type(exc).__name__}: "
-                                    f"{' '.join(str(exc).split())})") from exc
-    try:
-        var = _probabilities(variant_dir, requests, dtype, 8)
+        if stored is None:
+            var = _probabilities(variant_dir, requests, dtype, 8, max_memory)
+        else:
+            predictions, ran_in, context = _predictions(variant_dir, requests, dtype or stored.dtype, 8, max_memory,
+                                                        truncate_state=stored.truncate_state)
+            var = [p.probabilities for p in predictions]
     except Exception as exc:
         raise ValidationFailed(f"the variant could not be loaded or run for validation ({type(exc).__name__}: "
                                f"{' '.join(str(exc).split())}); pass --no-validate to export without validating"
                                ) from exc
-    result = _result(reference_dir, Path(variant_name or variant_dir), requests, ref, var, limits, dtype, started)
+    if stored is not None:
+        from clef_local.quality import reference_file as files
+
+        files.check_run(stored, dtype=ran_in, context=context)
+        ref = [p.probabilities for p in files.predictions_for(stored, predictions)]
+    result = _result(reference_dir, Path(variant_name or variant_dir), requests, ref, var, limits,
+                     dtype or (stored.dtype if stored else None), started)
+    if stored is not None:
+        result["reference_file"] = str(reference_file)
     result = {"validated": not result["failed"], **result}
     (variant_dir / VALIDATION).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     if result["failed"]:

@@ -75,6 +75,35 @@ def read_manifest(directory: str | Path) -> dict[str, Any] | None:
     return manifest
 
 
+def files_digest(files: dict[str, Any]) -> str:
+    """SHA-256 of a file list ``{name: {"size", "sha256"}}`` as canonical JSON (those two fields only): a release's
+    identity, the same whether read from its manifest's ``files`` or from a variant's ``source.files``."""
+    listing = {name: {"size": entry.get("size"), "sha256": entry.get("sha256")} for name, entry in files.items()}
+    text = json.dumps(listing, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def release_digest(directory: str | Path) -> str:
+    """The identity of a release or variant: :func:`files_digest` of its manifest's ``files`` (without a manifest,
+    of every file, hashed now: a minute per ~10 GB). A variant's manifest records its source's as ``source.files``
+    (:func:`source_digest`)."""
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    if manifest is None:
+        log.info("%s has no %s: hashing its files to identify it", directory, MANIFEST)
+        return files_digest(file_entries(directory))
+    return files_digest(manifest["files"])
+
+
+def source_digest(directory: str | Path) -> str | None:
+    """The identity (:func:`files_digest`) of the release a variant was exported from, from its manifest's
+    ``source.files``; None when the directory records no source (a release, not a variant)."""
+    manifest = read_manifest(directory)
+    source = manifest.get("source") if manifest else None
+    files = source.get("files") if isinstance(source, dict) else None
+    return files_digest(files) if isinstance(files, dict) else None
+
+
 def safetensors_problem(path: Path) -> str | None:
     """Why ``path`` is not a complete safetensors file (header length, JSON header, data section), or None.
 

@@ -46,7 +46,7 @@ def load_tools(args: argparse.Namespace, config: ServerConfig) -> Any:
         models = load_models(specs, dtype=None if args.dtype in (None, "auto") else args.dtype,
                              device=None if args.device == "auto" else args.device, confidence=args.confidence,
                              media_limits=media_limits(args), state_cache=config.state_cache,
-                             max_length=args.max_length)
+                             max_length=args.max_length, offload=args.offload)
     return ClefTools(models, config, remember=args.remember)
 
 

@@ -46,6 +46,7 @@ class WeightCensus:
     head_stored: int = 0  # joint_head.safetensors' tensors as stored
     params: dict[str, int] = field(default_factory=dict)  # parameter counts by role (config source only)
     layers: tuple[int, ...] = ()  # bytes of each decoder layer of the text model (part of the two text roles)
+    float_bytes: int = 2  # bytes per element of the stored floating tensors (2: BF16/F16, 4: F32)
 
     @property
     def text_rest(self) -> int:
@@ -165,7 +166,7 @@ def census_from_shapes(shapes: Mapping[str, tuple[tuple[int, ...], int]], fmt: s
     return WeightCensus(fmt=fmt, source=source, exact=exact and fmt == "bf16", quantized_linears=roles["quantized"],
                         text_other=roles["text"], embed_tokens=roles["embed_tokens"], lm_head=roles["lm_head"],
                         vision=roles["vision"], head=head, head_stored=head_stored, params=params,
-                        layers=_per_layer(text))
+                        layers=_per_layer(text), float_bytes=TORCH_DTYPE_BYTES.get(source_dtype, 2))
 
 
 def stored_format(config: Mapping[str, Any]) -> str:
@@ -225,7 +226,17 @@ def _census_as_stored(headers: Mapping[str, TensorInfo], fmt: str, head: int, he
                         quantized_linears=roles["quantized"], text_other=roles["text"],
                         embed_tokens=roles["embed_tokens"], lm_head=roles["lm_head"], vision=roles["vision"],
                         head=head, head_stored=head_stored,
-                        layers=_per_layer((n, i.nbytes) for n, i in headers.items() if _role(n) == "text"))
+                        layers=_per_layer((n, i.nbytes) for n, i in headers.items() if _role(n) == "text"),
+                        float_bytes=_float_bytes(headers.values()))
+
+
+def _float_bytes(infos: Iterable[TensorInfo]) -> int:
+    """The item size most of the stored floating bytes have (2 for a BF16 release, 4 for float32); 2 without any."""
+    sizes: dict[int, int] = {}
+    for info in infos:
+        if info.spec.floating and info.spec.itemsize >= 2:
+            sizes[info.spec.itemsize] = sizes.get(info.spec.itemsize, 0) + info.nbytes
+    return max(sizes, key=lambda k: sizes[k]) if sizes else 2
 
 
 @functools.lru_cache(maxsize=8)

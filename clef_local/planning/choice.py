@@ -18,7 +18,9 @@ from clef_local.planning.census import WeightCensus
 from clef_local.planning.estimate import DTYPE_SIZE, Plan, auto_state_cache, best_fit, max_context, plan
 from clef_local.planning.hardware import Hardware
 from clef_local.planning.prefill import CHUNKED_PREFILL_BACKENDS
+from clef_local.planning.read_probe import ReadRate
 from clef_local.planning.split import SplitPlan, split_plan
+from clef_local.planning.stream import OFFLOAD_MODES, StreamDecision, StreamPlan, stream_plan
 from clef_local.units import GiB
 
 log = logging.getLogger(__name__)
@@ -74,6 +76,7 @@ class LoadDecision:
     # activation bytes one prefill may use beside the weights, runtime, margin and state cache (None: no plan);
     # clef_local.planning.prefill sizes each batch's chunks and refuses a request with it
     activation_room: int | None = None
+    stream: StreamDecision | None = None  # streamed from disk (clef_local.planning.stream); None: resident
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -184,7 +187,7 @@ def choose(hardware: Hardware, scheme: str, *, backend: str = "auto", dtype: Any
     if dtype is not None and dtype not in DTYPE_SIZE:
         raise ApiUsageError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPE_SIZE)} or auto")
     if dtype is None:
-        dtype, why = default_dtype(_as_cpu(hardware) if onnx_on_cpu else hardware, name)
+        dtype, why = default_dtype(as_cpu(hardware) if onnx_on_cpu else hardware, name)
     else:
         why = "dtype was asked for"
     kernel = kernel_for(name, hardware, scheme, bitsandbytes=bitsandbytes, dtype=dtype)
@@ -194,7 +197,7 @@ def choose(hardware: Hardware, scheme: str, *, backend: str = "auto", dtype: Any
                         reason=f"{reason}; {dtype}: {why}")
 
 
-def _as_cpu(hardware: Hardware) -> Hardware:
+def as_cpu(hardware: Hardware) -> Hardware:
     """The host CPU of ``hardware`` (a backend that runs there: ONNX Runtime, torch on a Mac without MLX)."""
     if hardware.kind == "cpu":
         return hardware
@@ -212,25 +215,40 @@ def resident_census(census: WeightCensus, backend: str) -> WeightCensus:
 def plan_load(hardware: Hardware, scheme: str, footprint: Any, *, context: int, backend: str = "auto",
               dtype: Any = None, installed: Mapping[str, str | None], onnx_export: bool = False,
               bitsandbytes: bool = True, check_memory: bool = True, source: str = "DIR",
-              onnx_cuda: bool = False, state_cache: int | None = None) -> LoadDecision:
+              onnx_cuda: bool = False, state_cache: int | None = None, offload: str = "none",
+              read_rate: ReadRate | None = None) -> LoadDecision:
     """:func:`choose`, then the planner's check: raises :class:`InsufficientMemoryError` (with a suggestion) when
     the stored format does not fit at ``context`` tokens. ``footprint`` is a
     :class:`clef_local.planning.planner.Footprint` (``censuses`` per format, ``dims``); ``source`` names the
     directory in the suggestion. ``state_cache``: the state cache's budget in bytes, counted in the need (``None``:
     sized from what the plan leaves free, :func:`~clef_local.planning.estimate.auto_state_cache`; always 0 on a
-    backend outside :data:`STATE_CACHE_BACKENDS`). Pure."""
+    backend outside :data:`STATE_CACHE_BACKENDS`). ``offload``: ``"none"`` holds the backbone resident,
+    ``"auto"`` streams it from disk when it does not fit resident, ``"disk"`` always streams it
+    (:func:`streamed_decision`; ``read_rate`` only estimates the time a pass reads). Pure."""
     if state_cache is not None and state_cache < 0:
         raise ApiUsageError(f"the state cache size cannot be negative, got {state_cache}; 0 turns it off")
+    if offload not in OFFLOAD_MODES:
+        raise ApiUsageError(f"offload must be one of {', '.join(OFFLOAD_MODES)}, not {offload!r}")
     decision = choose(hardware, scheme, backend=backend, dtype=dtype, installed=installed, onnx_export=onnx_export,
                       bitsandbytes=bitsandbytes, onnx_cuda=onnx_cuda)
     cache = state_cache if decision.backend in STATE_CACHE_BACKENDS else 0
     if not check_memory or footprint is None:
+        if offload == "disk":
+            raise ApiUsageError("streaming from disk is planned from the release's headers; it cannot run with the "
+                                "memory check off")
         return replace(decision, state_cache_bytes=UNPLANNED_STATE_CACHE if cache is None else cache)
-    target = hardware if decision.device != "cpu" or hardware.kind == "cpu" else _as_cpu(hardware)
+    target = hardware if decision.device != "cpu" or hardware.kind == "cpu" else as_cpu(hardware)
     plans = {fmt: resident_plan(c, footprint, target, decision, context) for fmt, c in footprint.censuses.items()}
     mine = plans[scheme]
+    if offload == "disk" or (offload == "auto" and not mine.fits):
+        return streamed_decision(hardware, decision, scheme, footprint, context=context, backend=backend,
+                                 dtype=dtype, installed=installed, bitsandbytes=bitsandbytes, read_rate=read_rate,
+                                 resident=mine, source=source)
     if not mine.fits:
-        raise InsufficientMemoryError(refusal(mine, plans, footprint, target, decision, context, source))
+        message = refusal(mine, plans, footprint, target, decision, context, source)
+        streamed = _streamed_hint(hardware, decision, scheme, footprint, context, dtype, installed, bitsandbytes)
+        raise InsufficientMemoryError(message + (f"; or stream it from disk: --offload disk, offload=\"disk\" "
+                                                 f"({streamed.decision().summary()})" if streamed else ""))
     asked = cache is not None
     if cache is None:
         cache = auto_state_cache(mine, footprint.dims)  # fits by construction
@@ -255,6 +273,65 @@ def resident_plan(census: WeightCensus, footprint: Any, hardware: Hardware, deci
     return plan(resident_census(census, decision.backend), footprint.dims, hardware, context=context,
                 dtype=decision.dtype, host_embeddings=_host_embeddings(decision), media=decision.backend == "torch",
                 state_cache=state_cache, chunking=decision.backend in CHUNKED_PREFILL_BACKENDS)
+
+
+def _torch_for_stream(hardware: Hardware, decision: LoadDecision, scheme: str, *, backend: str, dtype: Any,
+                      installed: Mapping[str, str | None], bitsandbytes: bool) -> LoadDecision:
+    """``decision`` on the torch backend, the one that streams: ``auto`` moves MLX / ONNX Runtime to torch (on a
+    Mac: torch on the CPU); a backend asked for by name is refused."""
+    if decision.backend == "torch":
+        return decision
+    if backend != "auto":
+        raise ApiUsageError(f"streaming from disk runs on the torch backend, not {decision.backend}; drop --backend "
+                            f"{backend} (backend=) or the offload")
+    moved = choose(hardware, scheme, backend="torch", dtype=dtype, installed=installed, bitsandbytes=bitsandbytes)
+    return replace(moved, reason=f"{moved.reason}; torch, because only it streams from disk")
+
+
+def streamed_plan(hardware: Hardware, decision: LoadDecision, scheme: str, footprint: Any, *, context: int,
+                  read_rate: ReadRate | None = None) -> StreamPlan:
+    """The streamed plan of ``scheme`` as ``decision``'s torch backend would run it on ``hardware``."""
+    target = hardware if decision.device != "cpu" or hardware.kind == "cpu" else as_cpu(hardware)
+    return stream_plan(footprint.censuses[scheme], footprint.dims, target, context=context, dtype=decision.dtype,
+                       read_rate=read_rate)
+
+
+def streamed_decision(hardware: Hardware, decision: LoadDecision, scheme: str, footprint: Any, *, context: int,
+                      backend: str, dtype: Any, installed: Mapping[str, str | None], bitsandbytes: bool,
+                      read_rate: ReadRate | None, resident: Plan, source: str) -> LoadDecision:
+    """``decision`` streamed from disk (:mod:`clef_local.planning.stream`), or :class:`InsufficientMemoryError`
+    when not even that fits. The state cache is off: a streamed pass cannot keep its layers' states cheaply."""
+    torch_decision = _torch_for_stream(hardware, decision, scheme, backend=backend, dtype=dtype, installed=installed,
+                                       bitsandbytes=bitsandbytes)
+    sp = streamed_plan(hardware, torch_decision, scheme, footprint, context=context, read_rate=read_rate)
+    if not sp.fits:
+        raise InsufficientMemoryError(
+            f"{scheme} does not fit on {sp.hardware.device} ({sp.hardware.name}) even streamed from disk: it needs "
+            f"{sp.need / GiB:.1f} GiB at {context:,} tokens ({sp.resident / GiB:.1f} resident + "
+            f"{sp.groups / GiB:.2f} for two groups of {sp.group_layers} layer(s) + {sp.activations.total / GiB:.1f} of "
+            f"activations + overhead), {sp.available / GiB:.1f} GiB free; try a shorter max_length, more memory or a "
+            f"higher --max-memory (clef-local plan --model {source} shows the terms)")
+    why = ("asked for (offload=disk)" if resident.fits
+           else f"resident it needs {resident.need / GiB:.1f} GiB, {resident.available / GiB:.1f} GiB free")
+    stream = sp.decision()
+    # the streamed pass runs each layer over the whole batch at once (no chunks): its activations get what the
+    # streamed weights leave
+    room = sp.available - (sp.need - sp.activations.total)
+    return replace(torch_decision, need_bytes=sp.need, available_bytes=sp.available, state_cache_bytes=0,
+                   stream=stream, context=context, activation_room=room,
+                   reason=f"{torch_decision.reason}; streamed from disk: {why}")
+
+
+def _streamed_hint(hardware: Hardware, decision: LoadDecision, scheme: str, footprint: Any, context: int,
+                   dtype: Any, installed: Mapping[str, str | None], bitsandbytes: bool) -> StreamPlan | None:
+    """The streamed plan a refusal offers (None when streaming cannot run here or does not fit either)."""
+    try:
+        torch_decision = _torch_for_stream(hardware, decision, scheme, backend="auto", dtype=dtype,
+                                           installed=installed, bitsandbytes=bitsandbytes)
+    except ApiUsageError:
+        return None
+    sp = streamed_plan(hardware, torch_decision, scheme, footprint, context=context)
+    return sp if sp.fits else None
 
 
 def plan_split(devices: list[Hardware], scheme: str, footprint: Any, *, context: int, backend: str = "auto",

@@ -26,9 +26,12 @@ from clef_local.planning.census import (
     precision_groups,
     stored_format,
 )
+from clef_local.planning.choice import as_cpu
 from clef_local.planning.estimate import DTYPE_SIZE, ModelDims, Plan, best_fit, explain, max_context, plan
 from clef_local.planning.hardware import Hardware, resolve_device
+from clef_local.planning.read_probe import ReadRate
 from clef_local.planning.split import SplitPlan, render_split, split_plan
+from clef_local.planning.stream import StreamPlan, render_streamed, stream_plan
 from clef_local.planning.vision import ImageLoad, VisionDims, image_load, parse_image_size, vision_activation_bytes
 from clef_local.runtime.encoding import PUBLISHED_CONTEXT, default_max_length
 from clef_local.runtime.processor import ImageGeometry
@@ -92,6 +95,14 @@ class Footprint:
                           chunking=chunking)
                 for fmt, c in self.censuses.items()}
 
+    def streamed(self, hardware: Hardware, *, context: int, dtype: str = "bfloat16",
+                 read_rate: ReadRate | None = None) -> dict[str, StreamPlan]:
+        """Each format streamed from disk by the torch backend (:mod:`clef_local.planning.stream`; on a Mac torch
+        runs on the CPU, in the whole unified memory)."""
+        host = hardware if hardware.kind != "apple" else as_cpu(hardware)
+        return {fmt: stream_plan(c, self.dims, host, context=context, dtype=dtype, read_rate=read_rate)
+                for fmt, c in self.censuses.items()}
+
     def splits(self, devices: list[Hardware], *, context: int, batch: int = 1, dtype: str = "bfloat16",
                host_embeddings: bool = True, media: bool = False) -> dict[str, SplitPlan]:
         """Each format's pipeline split over ``devices`` (:mod:`clef_local.planning.split`)."""
@@ -153,8 +164,9 @@ def _gib(n: int) -> str:
 
 
 def render(footprint: Footprint, plans: dict[str, Plan], *, show_explain: bool,
-           images: ImageLoad | None = None) -> str:
-    """The human-readable report: one row per format, the verdict, and optionally the formula."""
+           images: ImageLoad | None = None, streamed: dict[str, StreamPlan] | None = None) -> str:
+    """The human-readable report: one row per format, the verdict (fits resident, streams from disk, does not fit),
+    the streamed table, and optionally the formula."""
     any_plan = next(iter(plans.values()))
     hw = any_plan.hardware
     lines = [f"{footprint.name} ({footprint.architecture}; weights from {any_plan.census.source}) on {hw.device}: "
@@ -170,8 +182,10 @@ def render(footprint: Footprint, plans: dict[str, Plan], *, show_explain: bool,
              "",
              f"{'format':<7}{'weights':>9}{'host':>7}{'activ.':>8}{'overhead':>10}{'need':>8}  verdict (GiB)"]
     for fmt, p in plans.items():
+        verdict = ("fits" if p.fits else "streams from disk" if streamed and streamed[fmt].fits
+                   else "does not fit")
         lines.append(f"{fmt:<7}{_gib(p.device_weights):>9}{_gib(p.host_weights):>7}{_gib(p.activations.total):>8}"
-                     f"{_gib(p.overhead + p.margin):>10}{_gib(p.need):>8}  {'fits' if p.fits else 'does not fit'}"
+                     f"{_gib(p.overhead + p.margin):>10}{_gib(p.need):>8}  {verdict}"
                      + (f" (prefill in {p.chunk:,}-token chunks)" if p.chunk else ""))
     if footprint.precision:
         lines += ["", f"{footprint.stored}: the format of each group of decoder layers (bytes as stored)"]
@@ -188,6 +202,8 @@ def render(footprint: Footprint, plans: dict[str, Plan], *, show_explain: bool,
                               chunking=chunked_prefill(hw))
         hint = f"; {smallest.fmt} fits up to {longest:,} tokens (--context)" if longest else ""
         lines.append(f"nothing fits: the smallest, {smallest.fmt}, needs {_gib(smallest.need)} GiB{hint}")
+    if streamed:
+        lines += ["", *render_streamed(streamed)]
     if show_explain:
         for fmt, p in plans.items():
             lines += ["", f"[{fmt}]", *explain(p)]
@@ -239,6 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--image-size", metavar="WxH", help="requests carry images of this size (e.g. 1024x768): "
                         "count their visual tokens and the vision tower's pass (implies --media)")
     parser.add_argument("--images", type=int, default=1, help="images per request with --image-size (default 1)")
+    parser.add_argument("--read-rate", metavar="RATE",
+                        help="the disk's read rate for the streamed estimates (e.g. 3GB/s; default: measured once "
+                             "on --model's files, or 2 GB/s assumed for --config)")
     parser.add_argument("--explain", action="store_true", help="print the formula with the numbers")
     parser.add_argument("--json", action="store_true", help="print JSON")
     return parser
@@ -280,19 +299,40 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 2
         return _main_split(args, footprint, devices, context)
-    plans = footprint.plans(hardware, context=context, batch=args.batch, dtype=args.dtype or default_dtype(hardware),
+    dtype = args.dtype or default_dtype(hardware)
+    plans = footprint.plans(hardware, context=context, batch=args.batch, dtype=dtype,
                             host_embeddings=not args.embeddings_on_device, media=args.media, images=images,
                             chunking=chunked_prefill(hardware))
+    try:
+        rate = _read_rate(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    streamed = footprint.streamed(hardware, context=context, dtype=dtype, read_rate=rate)
     best = best_fit(plans)
     if args.json:
         print(json.dumps({"model": footprint.name, "architecture": footprint.architecture,
                           "hardware": hardware.to_json(), "plans": [p.to_json() for p in plans.values()],
+                          "streamed": [sp.to_json() for sp in streamed.values()],
                           **({"images": images.to_json()} if images else {}),
                           **({"precision_groups": list(footprint.precision)} if footprint.precision else {}),
                           "best": best.fmt if best else None}, indent=2))
     else:
-        print(render(footprint, plans, show_explain=args.explain, images=images))
+        print(render(footprint, plans, show_explain=args.explain, images=images, streamed=streamed))
     return 0 if best is not None else 1
+
+
+def _read_rate(args: argparse.Namespace) -> ReadRate:
+    """``--read-rate``, else the rate measured once on ``--model``'s largest weight file, else the assumed one."""
+    from clef_local.planning import read_probe
+
+    if args.read_rate:
+        return read_probe.given(args.read_rate)
+    if args.model is not None:
+        release = read_release(args.model)
+        if release.weight_files:
+            return read_probe.read_rate(max(release.weight_files, key=lambda f: f.stat().st_size))
+    return read_probe.assumed()
 
 
 def _main_split(args: argparse.Namespace, footprint: Footprint, devices: list[Hardware], context: int) -> int:

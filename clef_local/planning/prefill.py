@@ -117,5 +117,7 @@ def prefill_budget(decision: Any, config: Mapping[str, Any], head_width: int,
     """The budget of a model loaded as ``decision`` (a :class:`~clef_local.planning.choice.LoadDecision`): its
     ``activation_room`` (None when no plan was made), dtype, device and backend; ``config``: the release's."""
     dims = ModelDims.from_config(config, head_width=head_width)
+    # a streamed pass runs each decoder layer over the whole batch (layer-major): it cannot be cut into chunks
+    chunking = decision.backend in CHUNKED_PREFILL_BACKENDS and getattr(decision, "stream", None) is None
     return PrefillBudget(dims=dims, dtype=decision.dtype, room=decision.activation_room, where=decision.device,
-                         chunking=decision.backend in CHUNKED_PREFILL_BACKENDS, forced_chunk=forced_chunk)
+                         chunking=chunking, forced_chunk=forced_chunk)

@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
                         "(default: the fit data)")
     parser.add_argument("--limit", type=int, help="first N requests of each file")
     parser.add_argument("--batch-size", type=int, default=8)
-    add_runtime_flags(parser, max_memory=True)  # the variant and --match's reference alike
+    add_runtime_flags(parser, max_memory=True, offload="auto")  # the variant and --match's reference alike
     parser.add_argument("--out-config", type=Path, help="write the updated config.json here, leaving the model as is")
     parser.add_argument("--error-budget", type=float, metavar="RATE",
                         help="also store the confidence threshold per type that keeps the error at or under RATE on "
@@ -272,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
             reference = None
             if args.match:
                 ref_model = clef_local.load(args.match, **options)
+                if (decision := ref_model.backend.load_decision) is not None and decision.stream is not None:
+                    log.info("reference streamed from disk: %s", decision.stream.summary())
                 reference = raw_predictions(ref_model, examples, args.batch_size)
                 del ref_model
             model = clef_local.load(args.model, **options)

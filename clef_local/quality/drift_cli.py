@@ -3,7 +3,9 @@
 Without ``--data`` the built-in probe set is used. Every figure carries its interval (``--confidence``,
 ``--resamples``, ``--seed``); with several ``--candidate``s the first table says which is closer and whether the
 difference is significant. The gate syntax (``flips<=0.02@upper95``), the metrics it takes and the exit codes (0 pass,
-1 a gate fails, 2 bad input): docs/quality.md#drift.
+1 a gate fails, 2 bad input): docs/quality.md#drift. A reference that does not fit in memory is streamed from disk
+(``--offload``); ``--save-reference FILE`` keeps its probabilities and ``--reference-file FILE`` compares with them
+without loading it (:mod:`clef_local.quality.reference_file`, docs/quality.md#reference-files).
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +30,8 @@ from clef_local.quality.results import DriftResult
 from clef_local.runtime.schema import QUESTION_TYPES
 
 __all__ = ["Gate", "GateSyntaxError", "drift_lookup", "main", "parse_gates"]
+
+log = logging.getLogger(__name__)
 
 _ALIASES = {"flips": "flip_rate", "flip_count": "flips", "kl": "kl_mean", "js": "js_mean"}
 SUMMARY_METRICS = ("kl_mean", "kl_p50", "kl_p99", "kl_max", "js_mean", "max_abs_max", "max_abs_mean", "rms_mean",
@@ -70,17 +76,34 @@ def _progress(desc: str, total: int, enabled: bool) -> Any:
     return tqdm(total=total, unit="req", desc=desc, disable=not enabled, file=sys.stderr)
 
 
+@dataclass(frozen=True)
+class Run:
+    """One model's predictions and what they were computed in (the dtype and context a reference file checks;
+    None on Ray, where the replicas' models are not seen here)."""
+
+    predictions: list[Any]
+    dtype: str | None
+    context: int | None
+
+
 def _run(path: str | Path, requests: list[dict[str, Any]], *, dtype: str | None, backend: str, device: str,
-         batch_size: int, desc: str, show: bool, ray: RaySettings | None = None, airgapped: bool = True) -> list[Any]:
+         batch_size: int, desc: str, show: bool, ray: RaySettings | None = None, airgapped: bool = True,
+         max_memory: str | None = None, offload: str = "auto") -> Run:
     import clef_local
     from clef_local.batch.ray_runner import RayPredictor
 
-    options: dict[str, Any] = {"dtype": dtype, "backend": backend, "device": device}
+    options: dict[str, Any] = {"dtype": dtype, "backend": backend, "device": device, "offload": offload,
+                               **({"max_memory": max_memory} if max_memory else {})}
     model = (RayPredictor(path, ray, load_options=options, airgapped=airgapped) if ray
-             else clef_local.load(path, dtype=dtype, backend=backend, device=device))
+             else clef_local.load(path, **options))
+    decision = getattr(getattr(model, "backend", None), "load_decision", None)
+    if decision is not None and decision.stream is not None:
+        log.info("%s streamed from disk: %s", desc, decision.stream.summary())
     bar = _progress(desc, len(requests), show)
     try:
-        return model.predict(requests, batch_size=batch_size, progress=lambda d, _t: bar.update(d - bar.n))
+        predictions = model.predict(requests, batch_size=batch_size, progress=lambda d, _t: bar.update(d - bar.n))
+        return Run(predictions, decision.dtype if decision is not None else dtype,
+                   getattr(model, "max_length", None))
     finally:
         bar.close()
         del model
@@ -94,8 +117,15 @@ def _floor_dtype(dtype: str | None) -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="clef-local drift", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--reference", required=True, help="the reference release (BF16)")
-    parser.add_argument("--candidate", action="append", required=True, help="a variant to compare (repeatable)")
+    parser.add_argument("--reference", help="the reference release (BF16); streamed from disk when it does not fit")
+    parser.add_argument("--candidate", action="append", default=[],
+                        help="a variant to compare (repeatable; none with --save-reference only)")
+    parser.add_argument("--save-reference", type=Path, metavar="FILE",
+                        help="write the reference's probabilities on these requests to FILE, for --reference-file "
+                             "here or on another machine")
+    parser.add_argument("--reference-file", type=Path, metavar="FILE",
+                        help="compare with the probabilities in FILE (from --save-reference) instead of running the "
+                             "reference; --dtype auto follows the file")
     parser.add_argument("--data", type=Path, help="labelled or plain request JSONL (default: the built-in probe set)")
     parser.add_argument("--limit", type=int, help="first N requests (probe set: N requests, default 64)")
     parser.add_argument("--gate", help='e.g. "flips<=0.01,kl_mean<=0.002@upper95"; exit 1 when one fails')
@@ -105,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the noise floor's dtype (default: float32, or bfloat16 when --dtype is float32)")
     parser.add_argument("--floor-backend", choices=["torch", "mlx", "onnx"], help="the noise floor's backend")
     add_interval_flags(parser)
-    add_runtime_flags(parser)  # every model (reference, candidates) runs with the same ones
+    add_runtime_flags(parser, max_memory=True, offload="auto")  # every model (reference, candidates) runs with them
     parser.add_argument("--batch-size", type=int, default=8, help="requests per forward pass (default 8)")
     parser.add_argument("--report", type=Path, help="write the HTML report")
     parser.add_argument("--json", type=Path, help="write the results as JSON (re-render with clef-local report)")
@@ -131,6 +161,22 @@ def _requests(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict
     return probe_requests(n), None, f"built-in probe set ({n} requests)"
 
 
+def _flag_problem(args: argparse.Namespace) -> str | None:
+    """Why the reference flags do not go together (None: they do)."""
+    if not args.reference and not args.reference_file:
+        return "give the reference: --reference DIR (run here) or --reference-file FILE (from --save-reference)"
+    if args.save_reference and (args.reference_file or not args.reference):
+        return "--save-reference runs the reference: give --reference DIR, not --reference-file"
+    if args.save_reference and args.ray:
+        return ("--save-reference records the reference's dtype and context, which Ray replicas do not report: save "
+                "it without --ray (the file then serves --reference-file runs on Ray)")
+    if args.reference_file and args.floor:
+        return "--floor runs the reference again in another dtype: give --reference DIR, not --reference-file"
+    if not args.candidate and not args.save_reference:
+        return "give at least one --candidate DIR to compare (or --save-reference FILE to only keep the reference)"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the drift check; exit 0 (gates pass), 1 (a gate fails) or 2 (bad input)."""
     parser = build_parser()
@@ -151,38 +197,70 @@ def main(argv: list[str] | None = None) -> int:
     from clef_local.data.jsonl import DataFormatError
     from clef_local.errors import ClefError
 
+    if problem := _flag_problem(args):
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     dtype = None if args.dtype == "auto" else args.dtype
     show = not args.no_progress
     common = {"backend": args.backend, "device": args.device, "batch_size": args.batch_size, "show": show,
-              "airgapped": not args.allow_network}
+              "airgapped": not args.allow_network, "max_memory": args.max_memory, "offload": args.offload}
     try:
         from clef_local.batch.ray_runner import ray_settings
+        from clef_local.quality import reference_file
 
         common["ray"] = ray_settings(args)
         with airgap(not args.allow_network) as network:
             requests, labels, source = _requests(args)
+            stored = None
+            if args.reference_file:  # checked before any model loads: a wrong file costs nothing
+                stored = reference_file.read(args.reference_file)
+                reference_file.check_requests(stored, requests, source)
+                if args.reference:
+                    reference_file.check_reference(stored, args.reference)
+                dtype = dtype or stored.dtype  # --dtype auto follows the file; another one is refused now
+                reference_file.check_run(stored, dtype=dtype, context=None)
+                print(f"reference: {args.reference_file}: {stored.describe()}")
+            reference_name = stored.reference["path"] if stored else str(args.reference)
             meta = {"network": network, "data": source, "dtype": args.dtype, "requests": len(requests)}
-            ref = _run(args.reference, requests, dtype=dtype, desc="reference", **common)
+            ref = None
+            if stored is None:
+                live = _run(args.reference, requests, dtype=dtype, desc="reference", **common)
+                ref = live.predictions
+                if args.save_reference:
+                    saved = reference_file.from_predictions(
+                        ref, requests, reference_dir=args.reference, dtype=live.dtype or args.dtype,
+                        context=live.context or 0, meta={"data": source, "backend": args.backend,
+                                                         "device": args.device})
+                    reference_file.write(saved, args.save_reference)
+                    print(f"reference saved: {args.save_reference}: {saved.describe()}")
             results = []
             for candidate in args.candidate:
-                if (difference := head_difference(args.reference, candidate)) is not None:
+                difference = (reference_file.check_candidate(stored, candidate) if stored
+                              else head_difference(args.reference, candidate))
+                if difference is not None:
                     print(f"warning: {difference}", file=sys.stderr)
                 cand = _run(candidate, requests, dtype=dtype, desc=Path(candidate).name, **common)
-                results.append(drift_from_predictions(ref, cand, requests, labels=labels,
-                                                      reference_name=str(args.reference), candidate_name=str(candidate),
+                if stored is not None:
+                    reference_file.check_run(stored, dtype=cand.dtype or stored.dtype, context=cand.context)
+                against = (reference_file.predictions_for(stored, cand.predictions) if stored is not None
+                           else ref or [])
+                results.append(drift_from_predictions(against, cand.predictions, requests, labels=labels,
+                                                      reference_name=reference_name, candidate_name=str(candidate),
                                                       meta={**meta, "head": difference or "same as the reference's"},
                                                       intervals=settings))
             floor = None
-            if args.floor:
+            if args.floor and ref is not None:
                 floor_dtype = args.floor_dtype or _floor_dtype(dtype)
                 floor_common = {**common, "backend": args.floor_backend or args.backend}
                 other = _run(args.reference, requests, dtype=floor_dtype, desc="noise floor", **floor_common)
                 label = f"{Path(args.reference).name} ({floor_dtype}, {floor_common['backend']})"
-                floor = drift_from_predictions(ref, other, requests, labels=labels, candidate_name=label,
+                floor = drift_from_predictions(ref, other.predictions, requests, labels=labels, candidate_name=label,
                                                reference_name=str(args.reference), meta=meta, intervals=settings)
     except (ClefError, DataFormatError, ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if not results and floor is None:  # --save-reference alone
+        return 0
     return _finish(args, results, floor, gates, network, settings)
 
 

@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     """``clef-local eval``: metrics, latency and throughput of a model on labelled JSONL."""
     parser = argparse.ArgumentParser(prog="clef-local eval", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_flags(parser)
+    add_model_flags(parser, offload="auto")  # a model that does not fit is streamed: eval is a reference run
     parser.add_argument("--data", type=Path, required=True, help="labelled JSONL (see `clef-local data convert`)")
     parser.add_argument("--limit", type=int, help="first N requests only")
     parser.add_argument("--batch-size", type=int, default=8, help="requests per forward pass (default 8)")

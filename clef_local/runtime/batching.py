@@ -15,21 +15,25 @@ CPU_PAD_WASTE = 1.0  # CPUs are compute-bound and padding is pure loss: only equ
 
 
 def split_by_length(costs: Sequence[float], waste: float = PAD_WASTE,
-                    max_size: int | None = None) -> list[list[int]]:
+                    max_size: int | None = None, max_padded: float | None = None) -> list[list[int]]:
     """Indices grouped so that padding each group to its longest member costs at most ``waste``× its total.
 
     Sorted by cost (ties keep their order); a request joins the current group while the group has fewer than
-    ``max_size`` members and ``size × its cost ≤ waste × the group's total``.
+    ``max_size`` members, ``size × its cost ≤ waste × the group's total`` and, with ``max_padded`` (a streamed
+    backend's padded tokens per batch), ``size × its cost ≤ max_padded`` (a request alone may exceed it).
     """
     if waste < 1:
         raise ValueError(f"waste is a ratio of padded to real cost and must be ≥ 1, got {waste}")
     if max_size is not None and max_size < 1:
         raise ValueError(f"max_size must be ≥ 1, got {max_size}")
+    if max_padded is not None and max_padded <= 0:
+        raise ValueError(f"max_padded must be positive, got {max_padded}")
     groups: list[list[int]] = []
     total = 0.0
     for i in sorted(range(len(costs)), key=lambda k: costs[k]):
         current = groups[-1] if groups else None
         if (current is not None and (max_size is None or len(current) < max_size)
+                and (max_padded is None or (len(current) + 1) * costs[i] <= max_padded)
                 and (len(current) + 1) * costs[i] <= waste * (total + costs[i])):
             current.append(i)
             total += costs[i]

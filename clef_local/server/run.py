@@ -57,14 +57,14 @@ def uvicorn_options(config: ServerConfig) -> dict[str, Any]:
 
 def load_models(specs: Mapping[str, Path], *, dtype: str | None = None, device: str | None = None,
                 confidence: str = "jev", media_limits: Any = None, state_cache: int | None = None,
-                max_length: int | None = None) -> dict[str, Any]:
+                max_length: int | None = None, offload: str = "none") -> dict[str, Any]:
     """Load each ``{name: release directory}`` with the public API (``clef_local.load``); ``state_cache``: bytes
     of state cache per model (None: sized by the planner); ``max_length``: each model's longest request (None: its
-    default)."""
+    default); ``offload``: ``clef_local.load``'s (``disk``: streamed from disk, slow)."""
     import clef_local
 
     kwargs: dict[str, Any] = {"dtype": dtype, "confidence": confidence, "state_cache": state_cache,
-                              "max_length": max_length}
+                              "max_length": max_length, "offload": offload}
     if media_limits is not None:
         kwargs["media_limits"] = media_limits
     if device:
@@ -82,7 +82,7 @@ def serve(model_specs: Sequence[str] = (), *, host: str = "127.0.0.1", port: int
           allowed_hosts: Sequence[str] = (), cors_origins: Sequence[str] = (),
           header_timeout: float = HEADER_TIMEOUT_S, body_timeout: float = BODY_TIMEOUT_S,
           max_connections: int = MAX_CONNECTIONS, threads: int | None = None, media_limits: Any = None,
-          state_cache: int | None = None, max_length: int | None = None) -> int:
+          state_cache: int | None = None, max_length: int | None = None, offload: str = "none") -> int:
     """Load the models and serve them until interrupted (SIGINT/SIGTERM finish in-flight requests first).
 
     ``model_specs`` are ``NAME=DIR`` strings; none means the default model, served as ``clef-local``.
@@ -107,7 +107,7 @@ def serve(model_specs: Sequence[str] = (), *, host: str = "127.0.0.1", port: int
         print(warning, file=sys.stderr)
     models = load_models(specs, dtype=None if dtype in (None, "auto") else dtype, device=device,
                          confidence=confidence, media_limits=media_limits, state_cache=config.state_cache,
-                         max_length=max_length)
+                         max_length=max_length, offload=offload)
     from clef_local.server.app import create_app
 
     app = create_app(models, config)
@@ -151,7 +151,7 @@ def add_server_flags(parser: argparse.ArgumentParser, *, port: int, model_help: 
                              "memory): a second schema on the same state runs only its own tokens (torch only)")
     add_confidence_flag(parser)
     add_max_length_flag(parser)
-    add_runtime_flags(parser, backend=False)
+    add_runtime_flags(parser, backend=False, offload="none")
     add_media_flags(parser)
     add_network_flag(parser)
 
@@ -192,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
                      log_level="debug" if logging.getLogger().getEffectiveLevel() <= logging.DEBUG else "info",
                      allowed_hosts=args.allowed_host, cors_origins=args.cors_origin,
                      header_timeout=args.header_timeout, body_timeout=args.body_timeout,
-                     max_connections=args.max_connections, threads=args.threads, max_length=args.max_length)
+                     max_connections=args.max_connections, threads=args.threads, max_length=args.max_length,
+                     offload=args.offload)
 
 
 def _state_cache_size(text: str) -> int | None:

@@ -125,7 +125,8 @@ def load_exportable(release: Release, dtype: torch.dtype) -> ExportableBackbone:
     import transformers
 
     from clef_local.backends.quantized import QuantizedLinear
-    from clef_local.backends.torch_backend import TorchBackbone, load_variant_backbone, variant_scheme
+    from clef_local.backends.skeleton import load_variant_backbone
+    from clef_local.backends.torch_backend import TorchBackbone, variant_scheme
 
     scheme = variant_scheme(release.config)
     if scheme not in (None, "int4", "int8"):

@@ -152,7 +152,7 @@ def test_quantize_validates_against_a_file_without_the_reference(tiny_llama: Pat
     assert drift_main(["--reference", str(tiny_llama), "--save-reference", str(few), "--limit", "3",
                        "--no-progress"]) == 0
     written: list = []
-    monkeypatch.setattr("clef_local.export.quantize._quantize_shards", lambda *a, **k: written.append(a))
+    monkeypatch.setattr("clef_local.export.quantize.quantize_shards", lambda *a, **k: written.append(a))
     assert quantize_main(["--model", str(tiny_llama), "--bits", "4", "--out", str(tmp_path / "x"),
                           "--reference-file", str(few)]) == 2
     assert written == [] and not (tmp_path / "x").exists()

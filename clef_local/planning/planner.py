@@ -186,7 +186,7 @@ def render(footprint: Footprint, plans: dict[str, Plan], *, show_explain: bool,
                    else "does not fit")
         lines.append(f"{fmt:<7}{_gib(p.device_weights):>9}{_gib(p.host_weights):>7}{_gib(p.activations.total):>8}"
                      f"{_gib(p.overhead + p.margin):>10}{_gib(p.need):>8}  {verdict}"
-                     + (f" (prefill in {p.chunk:,}-token chunks)" if p.chunk else ""))
+                     + (f" (prefill in {p.chunk:,}-token chunks)" if p.chunk and p.fits else ""))
     if footprint.precision:
         lines += ["", f"{footprint.stored}: the format of each group of decoder layers (bytes as stored)"]
         lines += [f"  layers {g['layers']:<8}{g['format']:<10}{g['bytes'] / 1e6:>10.2f} MB"

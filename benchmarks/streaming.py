@@ -74,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-memory", default="cpu=6GiB", help="the cap (default cpu=6GiB)")
     parser.add_argument("--requests", type=int, default=4, help="probe requests per run (default 4)")
     parser.add_argument("--dtype", default="auto", help="compute dtype (default auto)")
+    parser.add_argument("--max-length", type=int,
+                        help="the context the load plans for (default: the model's, 65,536; a streamed pass is not "
+                             "chunked, so its activations grow with it)")
     parser.add_argument("--resident", action="store_true", help="also run resident (no cap) and compare")
     parser.add_argument("--drift", action="store_true", help="also run clef-local drift under the cap")
     parser.add_argument("--quantize", type=Path, metavar="OUT", help="also run clef-local quantize --bits 4 to OUT")
@@ -81,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     dtype = None if args.dtype == "auto" else args.dtype
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        options = {"dtype": dtype, "offload": "disk", "max_memory": args.max_memory}
+        options = {"dtype": dtype, "offload": "disk", "max_memory": args.max_memory,
+                   **({"max_length": args.max_length} if args.max_length else {})}
         wall, peak, info = _predict(args.model, options, args.requests, Path(tmp) / "stream.npz")
         stream, streamed = info["loader"]["stream"], info["streamed"]
         passes = len(info["batch_s"])
@@ -92,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.resident:
             import numpy as np
 
-            wall, peak, info = _predict(args.model, {"dtype": dtype}, args.requests, Path(tmp) / "resident.npz")
+            resident = {"dtype": dtype, **({"max_length": args.max_length} if args.max_length else {})}
+            wall, peak, info = _predict(args.model, resident, args.requests, Path(tmp) / "resident.npz")
             a, b = np.load(Path(tmp) / "stream.npz"), np.load(Path(tmp) / "resident.npz")
             delta = max(float(np.max(np.abs(a[k] - b[k]))) for k in a.files)
             passes = len(info["batch_s"])
@@ -105,18 +110,21 @@ def main(argv: list[str] | None = None) -> int:
             report = Path(tmp) / "drift.json"
             wall, peak, _ = _run([*cli, "drift", "--reference", str(args.model), "--candidate", str(args.candidate),
                                   "--limit", str(args.requests), "--max-memory", args.max_memory, "--dtype",
-                                  args.dtype, "--json", str(report), "--no-progress"])
+                                  args.dtype, "--json", str(report), "--no-progress",
+                                  *(["--max-length", str(args.max_length)] if args.max_length else [])])
             summary = json.loads(report.read_text())["drift"][0]["summary"]
             rows.append(["drift", peak, None, None, None, None, None, None,
                          f"{wall:.0f} s wall; kl_mean {summary['kl_mean']:.3g}, flips {summary['flips']}"])
         if args.quantize:
             wall, peak, _ = _run([*cli, "quantize", "--model", str(args.model), "--bits", "4", "--out",
-                                  str(args.quantize), "--max-memory", args.max_memory, "--force"])
+                                  str(args.quantize), "--max-memory", args.max_memory, "--force",
+                                  *(["--max-length", str(args.max_length)] if args.max_length else [])])
             validation = json.loads((args.quantize / "validation.json").read_text())
             rows.append(["quantize + validation", peak, None, None, None, None, None, None,
                          f"{wall:.0f} s wall; validation {'passed' if validation.get('passed') else 'FAILED'} "
                          f"in {validation.get('seconds', 0):.0f} s, mean_kl {validation['metrics']['mean_kl']:.3g}"])
-    print(f"{args.model} under --max-memory {args.max_memory}, {args.requests} probe requests, dtype {args.dtype}\n")
+    print(f"{args.model} under --max-memory {args.max_memory}, {args.requests} probe requests, dtype {args.dtype}, "
+          f"max_length {args.max_length or 'default'}\n")
     print("| run | peak RSS (GiB) | planned peak (GiB) | bytes read (GB) | passes | s / pass | read s | wait s "
           "| notes |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---|")

@@ -43,7 +43,7 @@ def plan_backend(release: Release, *, backend: str = "auto", device: str = "auto
     from clef_local.planning.census import stored_format
     from clef_local.planning.hardware import detect
     from clef_local.planning.planner import footprint_from_release
-    from clef_local.runtime.encoding import default_max_length
+    from clef_local.runtime.encoding import REFERENCE_MAX_LENGTH, default_max_length
 
     try:
         caps = parse_max_memory(max_memory)
@@ -60,7 +60,9 @@ def plan_backend(release: Release, *, backend: str = "auto", device: str = "auto
     footprint = footprint_from_release(release.path) if check_memory or split or offload != "none" else None
     if footprint is not None and scheme not in footprint.censuses:
         raise ApiUsageError(f"{release.path} is a {footprint.stored} variant; it cannot be planned as {scheme}")
-    context = context or default_max_length(release.max_position_embeddings)
+    if context is None:  # no length asked for: the published context, falling back to the reference's
+        context = default_max_length(release.max_position_embeddings)
+        min_context = min(REFERENCE_MAX_LENGTH, context) if min_context is None else min_context
     onnx_export = (Path(release.path) / "onnx").is_dir()
     kwargs: dict[str, Any] = dict(backend=backend, dtype=dtype, installed=installed_backends(),
                                   bitsandbytes=importable("bitsandbytes"), check_memory=check_memory,

@@ -127,7 +127,7 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
                      validate: bool = True, *, int4_grid: str | None = None, calibrate: bool = False,
                      calibration_requests: int | None = None, log_summary: bool = True,
                      on_tensor: Callable[[str], None] | None = None, max_memory: str | None = None,
-                     reference_file: str | Path | None = None) -> dict[str, Any]:
+                     reference_file: str | Path | None = None, max_length: int | None = None) -> dict[str, Any]:
     """Write the ``scheme`` variant of the release at ``source`` to ``out``; return the summary.
 
     ``group_size``: int4 group (32/64/128; by default 32 when the source's weights already lie on a 4-bit grid per
@@ -139,7 +139,8 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
     does not load; the first two are found before anything is written: the memory rule is the loader's plan, each
     model streamed from disk when it does not fit, under ``max_memory``). ``reference_file``: validate against the
     reference's probabilities from ``drift --save-reference`` (checked first: its reference, probe set and dtype
-    must be this export's) instead of running it. ``validate=False`` writes the variant with ``validated: false``
+    must be this export's) instead of running it; ``max_length``: the context validation loads both models at (None:
+    the model's default). ``validate=False`` writes the variant with ``validated: false``
     in ``config.json`` and ``validation.json``.
     ``calibrate`` rounds with GPTQ on ``calibration_requests`` requests (default 128) instead of round-to-nearest
     (:mod:`clef_local.export.gptq_calibration`; every scheme; it loads the source like validation does).
@@ -176,7 +177,8 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
 
         # no probe set, too little memory for the reference or the variant, a wrong reference file: refused now,
         # not after minutes of quantizing
-        check_validation(source, scheme=spec.name, max_memory=max_memory, reference_file=reference_file)
+        check_validation(source, scheme=spec.name, max_memory=max_memory, reference_file=reference_file,
+                         max_length=max_length)
     shards = [f.name for f in release.weight_files]
     for file in release.weight_files:  # a truncated or garbled shard: one ReleaseError naming it, not a traceback
         read_header(file)
@@ -213,6 +215,7 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
             from clef_local.export.validate import validate_export
 
             validation = validate_export(source, tmp, spec.name, variant_name=out, max_memory=max_memory,
+                                         max_length=max_length,
                                          reference_file=reference_file)
         else:
             validation = {"validated": False, "skipped": "--no-validate"}
@@ -313,6 +316,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "SOURCE --save-reference FILE, on this machine or another) instead of running it")
     parser.add_argument("--max-memory", help="cap the memory validation plans with (e.g. cpu=6GiB): a model that "
                         "does not fit under it is streamed from disk")
+    parser.add_argument("--max-length", type=int, metavar="N",
+                        help="the context validation loads both models at (default: the model's, 65,536, or 16,384 "
+                             "where that does not fit); the probe requests are short, and a streamed pass is not "
+                             "chunked, so a short one lets a streamed reference fit a tight --max-memory")
     return parser
 
 
@@ -350,7 +357,8 @@ def main(argv: list[str] | None = None) -> int:
         summary = quantize_release(args.model, args.out, scheme, args.group_size, force=args.force,
                                    validate=not args.no_validate, int4_grid=args.int4_grid, calibrate=args.calibrate,
                                    calibration_requests=args.calibration_requests, log_summary=False,
-                                   max_memory=args.max_memory, reference_file=args.reference_file)
+                                   max_memory=args.max_memory, reference_file=args.reference_file,
+                                   max_length=args.max_length)
     except ClefError as exc:  # refusals, bad sources, validation that cannot run: 2; a variant that fails it: 1
         print(f"error: {exc}", file=sys.stderr)
         return 1 if isinstance(exc, ValidationFailed) else 2

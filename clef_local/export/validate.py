@@ -74,13 +74,13 @@ def compare(reference: Sequence[Sequence[np.ndarray]], variant: Sequence[Sequenc
 
 
 def _predictions(path: Path, requests: Sequence[dict[str, Any]], dtype: str | None, batch_size: int,
-                 max_memory: str | None = None, truncate_state: bool = True
+                 max_memory: str | None = None, truncate_state: bool = True, max_length: int | None = None
                  ) -> tuple[list[Prediction], str, int]:
     """``path``'s predictions of ``requests`` (resident, or streamed from disk when it does not fit), its compute
-    dtype and context."""
+    dtype and context (``max_length``; None: the model's default)."""
     import clef_local
 
-    model = clef_local.load(path, dtype=dtype, max_memory=max_memory, offload="auto")
+    model = clef_local.load(path, dtype=dtype, max_memory=max_memory, offload="auto", max_length=max_length)
     decision = model.backend.load_decision
     try:
         predictions = model.predict(requests, truncate_state=truncate_state, batch_size=batch_size)
@@ -91,8 +91,10 @@ def _predictions(path: Path, requests: Sequence[dict[str, Any]], dtype: str | No
 
 
 def _probabilities(path: Path, requests: Sequence[dict[str, Any]], dtype: str | None,
-                   batch_size: int, max_memory: str | None = None) -> list[list[np.ndarray]]:
-    return [p.probabilities for p in _predictions(path, requests, dtype, batch_size, max_memory)[0]]
+                   batch_size: int, max_memory: str | None = None, max_length: int | None = None
+                   ) -> list[list[np.ndarray]]:
+    return [p.probabilities for p in _predictions(path, requests, dtype, batch_size, max_memory,
+                                                  max_length=max_length)[0]]
 
 
 def _result(reference_dir: Path, variant_dir: Path, requests: Sequence[dict[str, Any]],
@@ -160,11 +162,11 @@ class ValidationInputs:
 
 def check_validation(reference_dir: Path, n: int = 64, seed: int = 0, *, scheme: str | None = None,
                      dtype: str | None = None, max_memory: str | None = None,
-                     reference_file: str | Path | None = None) -> ValidationInputs:
+                     reference_file: str | Path | None = None, max_length: int | None = None) -> ValidationInputs:
     """Check, before an export writes anything, that its validation can run: the probe set reads; the reference
     fits as the loader plans it (resident, else streamed from disk; logged), or ``reference_file`` holds its
-    probabilities on this probe set; and the ``scheme`` variant will fit too (planned from the source's headers).
-    :class:`ValidationUnavailable` naming why not."""
+    probabilities on this probe set; and the ``scheme`` variant will fit too (planned from the source's headers),
+    both at ``max_length`` tokens (None: the model's default). :class:`ValidationUnavailable` naming why not."""
     from clef_local.backends.loader import plan_backend
     from clef_local.formats.release import read_release
 
@@ -181,7 +183,7 @@ def check_validation(reference_dir: Path, n: int = 64, seed: int = 0, *, scheme:
         log.info("reference from %s: %s", reference_file, stored.describe())
     else:
         try:
-            decision = plan_backend(release, dtype=dtype, max_memory=max_memory, offload="auto")
+            decision = plan_backend(release, dtype=dtype, max_memory=max_memory, offload="auto", context=max_length)
         except InsufficientMemoryError as exc:
             raise ValidationUnavailable(
                 f"the reference does not fit here, not even streamed from disk ({one_line(exc)}); or compare with "
@@ -192,7 +194,7 @@ def check_validation(reference_dir: Path, n: int = 64, seed: int = 0, *, scheme:
     if scheme is not None:
         try:
             decision = plan_backend(release, dtype=dtype or (stored.dtype if stored else None), max_memory=max_memory,
-                                    offload="auto", fmt=scheme)
+                                    offload="auto", fmt=scheme, context=max_length)
         except InsufficientMemoryError as exc:
             raise ValidationUnavailable(f"the {scheme} variant will not fit here, not even streamed from disk "
                                         f"({one_line(exc)})") from exc
@@ -204,31 +206,32 @@ def check_validation(reference_dir: Path, n: int = 64, seed: int = 0, *, scheme:
 def validate_export(reference_dir: Path, variant_dir: Path, scheme: str, n: int = 64, seed: int = 0,
                     dtype: str | None = None, variant_name: str | Path | None = None, *,
                     thresholds: Mapping[str, float] | None = None, max_memory: str | None = None,
-                    reference_file: str | Path | None = None) -> dict[str, Any]:
+                    reference_file: str | Path | None = None, max_length: int | None = None) -> dict[str, Any]:
     """Validation as the export runs it: packaged probe set, scheme thresholds, ``validation.json`` in the variant;
     :class:`ValidationUnavailable` when it cannot run (:func:`check_validation`, or the reference does not load or
     run); :class:`ValidationFailed` naming each failing metric and its value when a threshold is exceeded or the
     variant does not load. ``variant_name`` is recorded instead of ``variant_dir`` (the export validates its
     temporary directory). ``thresholds`` replaces the scheme's :data:`THRESHOLDS` (a mixed variant's budget).
     ``max_memory`` caps both loads (each streamed from disk when it does not fit); ``reference_file``: the
-    reference's probabilities from ``drift --save-reference`` instead of running it."""
+    reference's probabilities from ``drift --save-reference`` instead of running it. ``max_length``: the context both
+    models are loaded at (None: the model's default)."""
     started = time.perf_counter()
     limits = thresholds if thresholds is not None else THRESHOLDS[scheme]
     inputs = check_validation(reference_dir, n, seed, dtype=dtype, max_memory=max_memory,
-                              reference_file=reference_file)
+                              reference_file=reference_file, max_length=max_length)
     requests, stored = inputs.requests, inputs.reference
     if stored is None:
         try:
-            ref = _probabilities(reference_dir, requests, dtype, 8, max_memory)
+            ref = _probabilities(reference_dir, requests, dtype, 8, max_memory, max_length)
         except (Exception, MemoryError) as exc:
             raise ValidationUnavailable(f"the reference could not be loaded or run ({type(exc).__name__}: "
                                         f"{' '.join(str(exc).split())})") from exc
     try:
         if stored is None:
-            var = _probabilities(variant_dir, requests, dtype, 8, max_memory)
+            var = _probabilities(variant_dir, requests, dtype, 8, max_memory, max_length)
         else:
             predictions, ran_in, context = _predictions(variant_dir, requests, dtype or stored.dtype, 8, max_memory,
-                                                        truncate_state=stored.truncate_state)
+                                                        truncate_state=stored.truncate_state, max_length=max_length)
             var = [p.probabilities for p in predictions]
     except Exception as exc:
         raise ValidationFailed(f"the variant could not be loaded or run for validation ({type(exc).__name__}: "

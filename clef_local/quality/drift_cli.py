@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from clef_local.batch.ray_runner import RaySettings, add_ray_flags
-from clef_local.options import add_network_flag, add_runtime_flags
+from clef_local.options import add_max_length_flag, add_network_flag, add_runtime_flags
 from clef_local.quality.drift import drift_from_predictions, head_difference
 from clef_local.quality.gates import Gate, GateSyntaxError, Lookup, bound_of
 from clef_local.quality.gates import parse_gates as _parse
@@ -88,12 +88,13 @@ class Run:
 
 def _run(path: str | Path, requests: list[dict[str, Any]], *, dtype: str | None, backend: str, device: str,
          batch_size: int, desc: str, show: bool, ray: RaySettings | None = None, airgapped: bool = True,
-         max_memory: str | None = None, offload: str = "auto") -> Run:
+         max_memory: str | None = None, offload: str = "auto", max_length: int | None = None) -> Run:
     import clef_local
     from clef_local.batch.ray_runner import RayPredictor
 
     options: dict[str, Any] = {"dtype": dtype, "backend": backend, "device": device, "offload": offload,
-                               **({"max_memory": max_memory} if max_memory else {})}
+                               **({"max_memory": max_memory} if max_memory else {}),
+                               **({"max_length": max_length} if max_length else {})}
     model = (RayPredictor(path, ray, load_options=options, airgapped=airgapped) if ray
              else clef_local.load(path, **options))
     decision = getattr(getattr(model, "backend", None), "load_decision", None)
@@ -136,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--floor-backend", choices=["torch", "mlx", "onnx"], help="the noise floor's backend")
     add_interval_flags(parser)
     add_runtime_flags(parser, max_memory=True, offload="auto")  # every model (reference, candidates) runs with them
+    add_max_length_flag(parser)
     parser.add_argument("--batch-size", type=int, default=8, help="requests per forward pass (default 8)")
     parser.add_argument("--report", type=Path, help="write the HTML report")
     parser.add_argument("--json", type=Path, help="write the results as JSON (re-render with clef-local report)")
@@ -203,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     dtype = None if args.dtype == "auto" else args.dtype
     show = not args.no_progress
     common = {"backend": args.backend, "device": args.device, "batch_size": args.batch_size, "show": show,
-              "airgapped": not args.allow_network, "max_memory": args.max_memory, "offload": args.offload}
+              "airgapped": not args.allow_network, "max_memory": args.max_memory, "offload": args.offload,
+              "max_length": args.max_length}
     try:
         from clef_local.batch.ray_runner import ray_settings
         from clef_local.quality import reference_file

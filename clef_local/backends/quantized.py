@@ -189,6 +189,9 @@ class Int4Linear(QuantizedLinear):
             self._set_kernel(DEQUANTIZE, reason)
             return
         layout = int4_cpu.cpu_layout()
+        if layout is None:  # unsupported() said so already; kept for the type checker
+            self._set_kernel(DEQUANTIZE, f"torch {torch.__version__} packs int4 in an unknown layout")
+            return
         repacked = repack_int4(self.packed(), self.group_size, self.compute_dtype,
                                convert=lambda block, group, dtype: int4_cpu.repack(block, group, dtype, layout))
         # The first rows through torch's kernel and through the blocked dequantize: two readers of the bytes, torch's

@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
-import os
 import sys
+from typing import Literal
 
 # name -> (module, function, one-line help). Quick commands log warnings only (their answer is their output);
 # the long-running ones in CHATTY report progress at INFO. -v adds one level (INFO, then DEBUG), -q keeps warnings.
@@ -38,6 +38,10 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 # (planning.hardware.thread_plan: never oversubscribe the physical cores) is set before any of them imports it.
 MODEL_COMMANDS = frozenset({"decide", "inspect", "serve", "mcp", "ui", "quantize", "export-onnx", "eval", "drift",
                             "probe", "calibrate", "train-head", "batch"})
+# The model commands that keep a core free for their event loop (the server's rule); every other one is one-shot and
+# computes on every physical core. With --ray the models run in Ray's replicas, which size their own threads, and
+# the driver keeps the server's rule (docs/hardware.md#threads).
+SERVER_COMMANDS = frozenset({"serve", "mcp", "ui"})
 CHATTY = frozenset({"serve", "mcp", "quantize", "export-onnx", "batch", "eval", "drift", "probe", "calibrate",
                     "train-head"})
 # An optional package that is missing -> the extra of pyproject.toml that installs it.
@@ -57,6 +61,20 @@ def install_hint(exc: ModuleNotFoundError) -> str | None:
     if top in INSTALL_COMMANDS:
         return INSTALL_COMMANDS[top]
     return f"pip install 'clef-local[{EXTRAS[top]}]'" if top in EXTRAS else None
+
+
+def thread_role(command: str, args: list[str]) -> Literal["command", "server"]:
+    """The thread rule ``clef-local COMMAND ARGS`` runs under: ``server`` for :data:`SERVER_COMMANDS` and for a run
+    on Ray (``--ray``; argparse takes no shorter prefix, ``--ra`` would also match ``--ray-timeout``), else
+    ``command`` (every physical core)."""
+    if command in SERVER_COMMANDS:
+        return "server"
+    for arg in args:
+        if arg == "--":
+            break
+        if arg == "--ray" or arg.startswith("--ray="):
+            return "server"
+    return "command"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,10 +124,10 @@ def main(argv: list[str] | None = None) -> int:
         from clef_local.airgap import isolate_process
 
         isolate_process(command, rest)
-        if command in MODEL_COMMANDS and "OMP_NUM_THREADS" not in os.environ:
-            from clef_local.planning.hardware import thread_plan
+        if command in MODEL_COMMANDS:
+            from clef_local.planning.hardware import use_process_threads
 
-            os.environ["OMP_NUM_THREADS"] = str(thread_plan().intra_op)
+            use_process_threads(thread_role(command, rest))
     module_name, function, _ = COMMANDS[command]
     from clef_local.errors import ClefError, one_line
 

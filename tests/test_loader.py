@@ -70,12 +70,12 @@ def test_a_mac_runs_mlx_and_dequantizes_nf4_and_fp8() -> None:
 def test_a_cpu_without_amx_runs_torch_in_float32() -> None:
     d = choose(CPU_8, "bf16", installed=ALL)
     assert (d.backend, d.device, d.dtype) == ("torch", "cpu", "float32") and "not measured" in d.reason
-    # float32 activations: torch's int8 CPU kernel loses to dequantize-then-matmul; bf16 ones use it (for calls
-    # shorter than a prefill); int4 prefills dequantize on a CPU in any dtype
+    # float32 activations: torch's int4/int8 CPU kernels lose to dequantize-then-matmul; bf16 ones use them (for
+    # calls shorter than a prefill; longer ones dequantize the same bytes block by block)
     assert _kernels(CPU_8) == {"bf16": "dense", "int8": DEQUANTIZE, "fp8": DEQUANTIZE,
                                "int4": DEQUANTIZE, "nf4": "bnb_matmul_4bit"}
     assert _kernels(CPU_8, dtype="bfloat16") == {"bf16": "dense", "int8": "torch_int8pack_cpu", "fp8": DEQUANTIZE,
-                                                 "int4": DEQUANTIZE, "nf4": "bnb_matmul_4bit"}
+                                                 "int4": "int4pack_cpu", "nf4": "bnb_matmul_4bit"}
     measured_fast = replace(CPU_8, fast_bf16=True, bf16_speedup=1.8)
     assert choose(measured_fast, "bf16", installed=ALL).dtype == "bfloat16"
     assert choose(CPU_8, "bf16", installed=ALL, dtype="bfloat16").dtype == "bfloat16"

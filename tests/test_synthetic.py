@@ -168,7 +168,7 @@ def test_clef_27b_shaped_int4_loads_and_answers_on_cpu(tmp_path: Path) -> None:
     assert stored.quantized_linears == 855_244_800 and stored.head_stored == 512_225_296
     model = clef_local.load(out, dtype="bfloat16")
     described = model.describe()
-    assert described["kernels"] == {"int4:dequantize": 25}
+    assert described["kernels"] == {"int4:int4pack_cpu": 25}
     assert model.backend.backbone.model.config.get_text_config().hidden_size == 5120
     response = model.decide(SHORT_REQUEST)
     probabilities = np.array(list(response["answers"]["team"]["probabilities"].values()))

@@ -63,17 +63,49 @@ def test_cgroup_quota_v2_and_v1(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("cores", "workers", "expected"), [(1, 1, 1), (2, 1, 1), (4, 1, 3), (16, 1, 15), (16, 2, 7),
                                                             (16, 3, 5), (2, 4, 1)])
-def test_the_rule(cores: int, workers: int, expected: int) -> None:
-    assert RESERVED_CORES == 1
-    plan = thread_plan(workers, cores=cores, environ={})
-    assert (plan.intra_op, plan.inter_op, plan.source) == (expected, 1, "rule")
-    assert plan.intra_op * workers + RESERVED_CORES <= max(cores, workers + RESERVED_CORES)  # never oversubscribed
-    assert f"{cores} physical core(s)" in plan.describe()
+def test_the_servers_rule(cores: int, workers: int, expected: int) -> None:
+    assert RESERVED_CORES["server"] == 1
+    plan = thread_plan(workers, role="server", cores=cores, environ={})
+    assert (plan.intra_op, plan.inter_op, plan.source, plan.role) == (expected, 1, "rule", "server")
+    reserve = RESERVED_CORES["server"]
+    assert plan.intra_op * workers + reserve <= max(cores, workers + reserve)  # never oversubscribed
+    assert f"{cores} physical core(s) − 1 for the event loop" in plan.describe()
+    assert thread_plan(workers, cores=cores, environ={}) == plan  # the library's default role
 
 
-def test_overrides_in_order() -> None:
+@pytest.mark.parametrize(("cores", "workers", "expected"), [(1, 1, 1), (2, 1, 2), (4, 1, 4), (16, 1, 16), (16, 2, 8),
+                                                            (16, 3, 5), (2, 4, 1)])
+def test_one_shot_commands_use_every_physical_core(cores: int, workers: int, expected: int) -> None:
+    assert RESERVED_CORES["command"] == 0
+    plan = thread_plan(workers, role="command", cores=cores, environ={})
+    assert (plan.intra_op, plan.inter_op, plan.source, plan.role) == (expected, 1, "rule", "command")
+    assert plan.intra_op * workers <= max(cores, workers)
+    assert f"all {cores} physical core(s)" in plan.describe()
+
+
+@pytest.mark.parametrize(("command", "args", "role"), [
+    ("decide", ["--example", "triage"], "command"), ("quantize", ["--bits", "4"], "command"), ("eval", [], "command"),
+    ("drift", [], "command"), ("calibrate", [], "command"), ("batch", ["in.jsonl"], "command"),
+    ("batch", ["--ray-timeout", "5"], "command"), ("batch", ["--", "--ray"], "command"),
+    ("batch", ["--ray", "local"], "server"), ("eval", ["--ray=auto"], "server"), ("drift", ["--ray", "x:1"], "server"),
+    ("serve", [], "server"), ("ui", [], "server"),
+])
+def test_the_cli_picks_each_commands_rule(command: str, args: list[str], role: str) -> None:
+    from clef_local.cli import thread_role
+
+    assert thread_role(command, args) == role
+
+
+def test_threads_error_on_an_unknown_role() -> None:
+    with pytest.raises(ApiUsageError, match="thread role must be one of command, server, got 'batch'"):
+        thread_plan(role="batch", cores=4, environ={})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("role", ["command", "server"])
+def test_overrides_in_order(role: str) -> None:
     env = {"CLEF_LOCAL_THREADS": "3", "OMP_NUM_THREADS": "5"}
-    assert thread_plan(threads=2, cores=8, environ=env).intra_op == 2
+    assert thread_plan(threads=2, role=role, cores=8, environ=env).intra_op == 2  # type: ignore[arg-type]
+    assert thread_plan(role=role, cores=8, environ={"OMP_NUM_THREADS": "5"}).intra_op == 5  # type: ignore[arg-type]
     assert (thread_plan(cores=8, environ=env).intra_op, thread_plan(cores=8, environ=env).source) == \
         (3, "CLEF_LOCAL_THREADS")
     assert thread_plan(cores=8, environ={"OMP_NUM_THREADS": "4,2"}).intra_op == 4
@@ -162,8 +194,71 @@ def test_doctor_shows_the_threads(capsys: pytest.CaptureFixture[str]) -> None:
 
     assert doctor.main(["--json", "--no-probe"]) == 0
     info = json.loads(capsys.readouterr().out)
-    plan = thread_plan(workers=1)
-    assert info["threads"]["intra_op"] == plan.intra_op and info["threads"]["inter_op"] == 1
-    assert info["threads"]["physical_cores"] == physical_cores()
+    for role in ("command", "server"):
+        plan = thread_plan(workers=1, role=role)  # type: ignore[arg-type]
+        shown = info["threads"][role]
+        assert (shown["intra_op"], shown["inter_op"], shown["role"]) == (plan.intra_op, 1, role)
+        assert shown["physical_cores"] == physical_cores()
     assert doctor.main(["--no-probe"]) == 0
-    assert plan.describe() in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert thread_plan(role="command").describe() in out and thread_plan(role="server").describe() in out
+
+
+PROCESS = """
+import json, os, sys
+from clef_local.planning.hardware import thread_plan, use_process_threads
+use_process_threads(sys.argv[1])
+import torch
+from clef_local.backends.onnx_backend import session_options
+plan = thread_plan()
+print(json.dumps({"omp": os.environ["OMP_NUM_THREADS"], "torch": torch.get_num_threads(), "source": plan.source,
+                  "role": plan.role, "onnx": session_options().intra_op_num_threads,
+                  "server": thread_plan(role="server").intra_op}))
+"""
+
+
+@pytest.mark.parametrize(("role", "env"), [("command", {}), ("server", {}), ("command", {"OMP_NUM_THREADS": "1"}),
+                                           ("command", {"CLEF_LOCAL_THREADS": "1"})],
+                         ids=["command", "server", "users-omp", "clef-local-threads"])
+def test_a_process_runs_torch_and_onnx_with_its_roles_plan(role: str, env: dict[str, str]) -> None:
+    """What the CLI does before a command's imports (use_process_threads), in a fresh process: torch's threads and
+    ONNX Runtime's session options follow the role's rule; the OMP_NUM_THREADS it set is the rule's, not a user's;
+    a user's OMP_NUM_THREADS / CLEF_LOCAL_THREADS still wins."""
+    pytest.importorskip("onnxruntime")
+    clean = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "CLEF_LOCAL_THREADS")}
+    done = subprocess.run([sys.executable, "-c", PROCESS, role], capture_output=True, text=True, timeout=120,
+                          env={**clean, **env}, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    seen = json.loads(done.stdout)
+    cores = physical_cores()
+    rule = {"command": cores, "server": max(1, cores - 1)}
+    if not env:
+        expected = {"omp": str(rule[role]), "torch": rule[role], "source": "rule", "role": role, "onnx": rule[role],
+                    "server": rule["server"]}
+    else:
+        (name, value), = env.items()
+        expected = {"omp": value, "torch": int(value), "source": name, "role": role, "onnx": int(value),
+                    "server": int(value)}
+    assert seen == expected
+
+
+ONE_SHOT = """
+import json, sys
+import clef_local.cli
+sys.argv = ["clef-local", *sys.argv[1:]]
+code = clef_local.cli.main()  # argv None: the console script's path, a process of its own
+import torch
+print(json.dumps({"code": code, "torch": torch.get_num_threads()}), file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("command", ["decide", "inspect"])
+def test_a_one_shot_command_computes_on_every_core(command: str, tiny_qwen: Path) -> None:
+    """``clef-local decide`` / ``inspect`` as their own process: torch runs on every physical core."""
+    clean = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "CLEF_LOCAL_THREADS")}
+    args = [command, "--model", str(tiny_qwen), *(["--example", "triage"] if command == "decide" else [])]
+    done = subprocess.run([sys.executable, "-c", ONE_SHOT, *args], capture_output=True, text=True, timeout=180,
+                          env=clean, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    seen = json.loads(done.stderr.strip().splitlines()[-1])
+    assert seen == {"code": 0, "torch": physical_cores()}

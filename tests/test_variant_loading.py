@@ -32,7 +32,7 @@ from clef_local.quant import nf4
 from clef_local.quant.predicate import should_quantize
 
 GROUP = {"int4": 32, "int8": None, "nf4": None, "fp8": None}  # tiny in_features (64, 128): int4 groups of 32
-CPU_KERNEL = {"int4": "dequantize", "int8": "torch_int8pack_cpu", "nf4": "bnb_matmul_4bit",
+CPU_KERNEL = {"int4": "int4pack_cpu", "int8": "torch_int8pack_cpu", "nf4": "bnb_matmul_4bit",
               "fp8": "dequantize"}  # bf16 activations
 # float32 activations: torch's int4/int8 CPU kernels are slower than dequantize-then-matmul, so they are not used
 CPU_KERNEL_FP32 = {**CPU_KERNEL, "int4": "dequantize", "int8": "dequantize"}
@@ -207,9 +207,9 @@ def test_loading_never_dequantizes_and_holds_packed_bytes(variants, tiny_llama, 
             assert held <= bound * 2 * module.in_features * module.out_features, (scheme, name, held)
 
 
-def test_int4_dequantizes_on_a_cpu_by_choice_without_a_warning(caplog):
-    """Prefills run faster dequantized than through torch's int4 CPU kernel (quantized's docstring): every int4
-    layer on a CPU dequantizes, as a choice (no fallback is logged), whatever its shape, with the right numbers."""
+def test_int4_on_a_cpu_takes_torchs_layout_where_it_can_without_a_warning(caplog):
+    """bf16 activations on a CPU: a layer torch's int4 kernel can hold (out % 16 == 0) runs ``int4pack_cpu``, one
+    it cannot dequantizes, with the reason logged at INFO (not a warning); both with the right numbers."""
     model = nn.Sequential(nn.Linear(64, 24, bias=True), nn.Linear(64, 32, bias=False))
     weights = {str(i): layer.weight.detach().clone() for i, layer in enumerate(model)}
     state = {f"{i}.{k}": v for i, w in weights.items() for k, v in quant.int4.quantize(w, 32).items()}
@@ -221,7 +221,8 @@ def test_int4_dequantizes_on_a_cpu_by_choice_without_a_warning(caplog):
     model.load_state_dict(state, strict=True, assign=True)
     with caplog.at_level(logging.INFO, logger="clef_local.backends.quantized"):
         layers = ql.prepare_quantized(model)
-    assert layers == {"0": "int4:dequantize", "1": "int4:dequantize"}
+    assert layers == {"0": "int4:dequantize", "1": "int4:int4pack_cpu"}
+    assert "out_features 24 is not a multiple of 16" in caplog.text
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     x = torch.randn(3, 64).to(torch.bfloat16).float()
     for i, layer in enumerate(model):
@@ -241,12 +242,12 @@ def test_int8_takes_its_kernel_for_short_calls_and_dequantizes_prefills(monkeypa
     calls: list[int] = []
     kernel = quant.int8.int8_matmul
     monkeypatch.setattr(quant.int8, "int8_matmul", lambda x, packed: calls.append(x.numel() // 64) or kernel(x, packed))
-    for shape in ((1, 63, 64), (2, 31, 64), (1, 64, 64), (4, 300, 64)):
+    for shape in ((1, 15, 64), (3, 5, 64), (1, 16, 64), (4, 300, 64)):
         x = torch.randn(*shape, generator=torch.Generator().manual_seed(8))
         reference = x @ quant.int8.dequantize(stored).T
         y = model[0](x.to(torch.bfloat16)).float()
         assert float((y - reference).abs().max() / reference.abs().max()) <= 2e-2, shape
-    assert calls == [63, 62] and ql.INT8_KERNEL_ROWS == 64  # 64 rows and more: dequantize
+    assert calls == [15, 15] and ql.INT8_KERNEL_ROWS == 16  # 16 rows and more: the blocked conversion
 
 
 def test_int8_kernel_gets_an_aligned_weight():

@@ -57,7 +57,9 @@ def providers_for(device: str, available: list[str]) -> list[Any]:
 
 def session_options(plan: ThreadPlan | None = None) -> Any:
     """``onnxruntime.SessionOptions`` for an inference session: all graph optimizations, warnings off, sequential
-    execution with ``plan``'s threads (default :func:`~clef_local.planning.hardware.thread_plan` for one worker)."""
+    execution with ``plan``'s threads (default :func:`~clef_local.planning.hardware.thread_plan` for one worker in
+    this process's role: every physical core in a one-shot ``clef-local`` command, one fewer in ``serve``, ``ui``
+    and the Python API)."""
     import onnxruntime as ort
 
     plan = plan or thread_plan(workers=1)

@@ -2,7 +2,7 @@
 
 Two-phase loading (gpt-fast's pattern): on the meta device each quantized ``nn.Linear`` becomes its scheme's module
 (:func:`swap_linears`) and the packed tensors are assigned as stored, so no full-precision copy is made; then
-:func:`prepare_quantized` picks each layer's kernel once (the table and why a CPU dequantizes: docs/quantization.md).
+:func:`prepare_quantized` picks each layer's kernel once (the table, and how a CPU runs prefills: docs/quantization.md).
 """
 
 from __future__ import annotations
@@ -18,17 +18,18 @@ from torch.nn import functional as F
 
 from clef_local.errors import ReleaseError
 from clef_local.formats.quant_plan import MIXED, LayerFormat, layer_index
-from clef_local.quant import fp8, int4, int8, nf4
+from clef_local.quant import fp8, int4, int4_cpu, int8, nf4
 
 log = logging.getLogger(__name__)
 
 TensorSpec = tuple[tuple[int, ...], torch.dtype]
 DEQUANTIZE = "dequantize"
-# torch's int8 CPU kernel is fast only with half-precision activations: with float32 ones dequantize-then-matmul
-# wins by far (docs/benchmarks.md, CPU kernels), so float32 dequantizes per call.
+# torch's int4 and int8 CPU kernels are fast only with half-precision activations: with float32 ones
+# dequantize-then-matmul wins by far (docs/benchmarks.md#int4-and-int8-on-a-cpu), so float32 dequantizes.
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
-# a prefill-sized call: from here the int8 kernel's per-row cost passes dequantize-then-matmul's fixed one
-INT8_KERNEL_ROWS = 64
+# from here the int8 kernel's per-row cost passes the blocked conversion's fixed one
+# (docs/benchmarks.md#int4-and-int8-on-a-cpu)
+INT8_KERNEL_ROWS = 16
 BNB_MISSING = "nf4 variants need bitsandbytes: pip install bitsandbytes"
 REPACK_ROWS_BUDGET = 1 << 18  # weights per block of the int4 repack (a few MiB of transient int64 nibbles)
 # tinygemm vs dequantize-then-matmul at load (bf16 activations, error / max |x @ W.T|): bf16 rounding of the
@@ -139,9 +140,13 @@ class Int4Linear(QuantizedLinear):
     (:func:`quant.int4.to_tinygemm`: ``w = (q - 8) * s + z`` with ``s = scale``, ``z = bias + 8 * scale``), the
     MLX-layout buffers are then released (one 4-bit copy stays), and ``y = aten._weight_int4pack_mm(x, ...)``;
     checked once at load against dequantize-then-matmul on a few random rows (a wrong repack would otherwise decide
-    silently wrong), falling back to ``dequantize`` with the error. ``dequantize`` (CPUs: torch's CPU int4 kernel,
-    :func:`quant.int4.int4_matmul`, loses to it on prefills, docs/quantization.md#kernels): ``y = x @ (scales * q +
-    biases).T`` rebuilt per call.
+    silently wrong), falling back to ``dequantize`` with the error. ``int4pack_cpu`` (a CPU with bf16 or fp16
+    activations): repacked the same way into torch's CPU kernel layout (:mod:`quant.int4_cpu`), checked once at load
+    on the first rows (torch's kernel against the blocked dequantize of the same bytes); calls under
+    :data:`quant.int4_cpu.KERNEL_ROWS` rows run ``aten._weight_int4pack_mm_for_cpu``, longer ones dequantize the
+    same bytes block by block into the dense matmul (docs/quantization.md#kernels). ``dequantize``: ``y = x @
+    (scales * q + biases).T`` rebuilt per call (on a CPU a block of rows at a time:
+    :func:`quant.int4_cpu.stored_matmul`).
     """
 
     scheme = "int4"
@@ -175,8 +180,38 @@ class Int4Linear(QuantizedLinear):
             self._prepare_tinygemm(device)
         elif device.type != "cpu":
             self._set_kernel(DEQUANTIZE, f"no int4 kernel wired for {device.type}")
-        else:  # a choice, not a fallback: prefills run faster dequantized (docs/quantization.md#kernels)
+        elif self.compute_dtype not in KERNEL_DTYPES:  # a choice, not a fallback (docs/quantization.md#kernels)
             self._set_kernel(DEQUANTIZE)
+        else:
+            self._prepare_int4pack_cpu()
+
+    def _prepare_int4pack_cpu(self) -> None:
+        if reason := int4_cpu.unsupported(self.out_features, self.in_features, self.group_size):
+            self._set_kernel(DEQUANTIZE, reason)
+            return
+        layout = int4_cpu.cpu_layout()
+        if layout is None:  # unsupported() said so already; kept for the type checker
+            self._set_kernel(DEQUANTIZE, f"torch {torch.__version__} packs int4 in an unknown layout")
+            return
+        repacked = repack_int4(self.packed(), self.group_size, self.compute_dtype,
+                               convert=lambda block, group, dtype: int4_cpu.repack(block, group, dtype, layout))
+        # The first rows through torch's kernel and through the blocked dequantize: two readers of the bytes, torch's
+        # and ours, so a layout that is not the one torch reads is off by 10-100% (no full-precision copy is made).
+        rows = min(self.out_features, int4_cpu.CHUNK)
+        pairs = repacked.scales_and_zeros[:, :rows].contiguous()  # the kernel reads them with a stride of rows
+        head = int4.TorchInt4(repacked.weight[:rows], self.group_size, pairs)
+        x = torch.randn(4, self.in_features, dtype=self.compute_dtype, generator=torch.Generator().manual_seed(0))
+        with torch.inference_mode():
+            reference = int4_cpu.matmul(x, head, layout, kernel_rows=0).float()
+            kernel = int4_cpu.matmul(x, head, layout, kernel_rows=len(x) + 1).float()
+            error = float((kernel - reference).abs().max() / reference.abs().max().clamp_min(1e-12))
+        if error > TINYGEMM_CHECK:
+            log.warning("int4 layer [%d, %d]: torch's CPU int4 kernel disagrees with the blocked dequantize of the "
+                        "same bytes (max relative error %.2e > %.0e); using dequantize", self.out_features,
+                        self.in_features, error, TINYGEMM_CHECK)
+            self._set_kernel(DEQUANTIZE, f"int4pack_cpu self-check failed (error {error:.1e})")
+            return
+        self._use_repack(repacked, "int4pack_cpu")
 
     def _prepare_tinygemm(self, device: torch.device) -> None:
         if reason := int4.tinygemm_unsupported(device, self.compute_dtype, self.out_features, self.in_features,
@@ -212,12 +247,17 @@ class Int4Linear(QuantizedLinear):
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if (matmul := INT4_MATMULS.get(self.kernel)) is not None:
             return matmul(x, int4.TorchInt4(self.int4pack, self.group_size, self.scales_and_zeros)).to(x.dtype)
+        if self.weight is not None and self.weight.device.type == "cpu":  # dequantize, a block of rows at a time
+            packed = self.packed()
+            packed["weight"] = packed["weight"].view(torch.int32)
+            y = int4_cpu.stored_matmul(x.reshape(-1, x.shape[-1]), packed, self.group_size)
+            return y.reshape(*x.shape[:-1], self.out_features)
         return super()._matmul(x)
 
 
 # the repacked int4 kernels by the name Int4Linear records
 INT4_MATMULS: dict[str, Callable[[torch.Tensor, int4.TorchInt4], torch.Tensor]] = {
-    "tinygemm_cuda": int4.tinygemm_matmul}
+    "tinygemm_cuda": int4.tinygemm_matmul, "int4pack_cpu": int4_cpu.matmul}
 
 
 def bnb_int8_matmul(x: torch.Tensor, weight: torch.Tensor, scb: torch.Tensor) -> torch.Tensor:
@@ -250,10 +290,11 @@ class Int8Linear(_PerRowLinear):
     """int8 symmetric per row: ``W[r, c] = q[r, c] * weight_scale[r]``.
 
     ``torch_int8pack_cpu``: ``y = aten._weight_int8pack_mm(x, q, scale)`` = ``(x @ q.T) * scale`` (weight-only;
-    the scale is cast to the activation dtype) for calls of fewer than :data:`INT8_KERNEL_ROWS` rows, dequantize for
-    longer ones. ``bnb_int8``: :func:`bnb_int8_matmul` (activations quantized too). ``int_mm_cuda`` (CUDA without
-    bitsandbytes; in and out multiples of 8): :func:`quant.int8.int_mm_matmul`, ``torch._int_mm`` on int8
-    activations. ``dequantize``: ``y = x @ (q * scale).T`` per call.
+    the scale is cast to the activation dtype) for calls of fewer than :data:`INT8_KERNEL_ROWS` rows; longer ones,
+    and ``dequantize`` on a CPU, run :func:`quant.int8.blocked_matmul` (``q`` converted block by block, the scale
+    applied to the output). ``bnb_int8``: :func:`bnb_int8_matmul` (activations quantized too). ``int_mm_cuda``
+    (CUDA without bitsandbytes; in and out multiples of 8): :func:`quant.int8.int_mm_matmul`, ``torch._int_mm`` on
+    int8 activations. ``dequantize`` elsewhere: ``y = x @ (q * scale).T`` per call.
     """
 
     scheme = "int8"
@@ -291,6 +332,8 @@ class Int8Linear(_PerRowLinear):
             return bnb_int8_matmul(x, self.weight, self.scb)
         if self.kernel == "int_mm_cuda":  # CPUs run it too (tests, the kernel table of benchmarks/flagship.py)
             return int8.int_mm_matmul(x, self.packed())
+        if self.weight.device.type == "cpu":  # the kernel's long calls and dequantize: block by block
+            return int8.blocked_matmul(x, self.packed())
         return super()._matmul(x)
 
 

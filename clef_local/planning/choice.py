@@ -38,7 +38,7 @@ PER_LAYER = "per_layer"  # a mixed-precision variant: its layers' schemes choose
 DEQUANTIZE = "dequantize"  # clef_local.backends.quantized.DEQUANTIZE: W rebuilt per call, never cached
 # (backend, device kind) -> scheme -> kernel; the torch names are clef_local.backends.quantized's.
 KERNELS: dict[tuple[str, str], dict[str, str]] = {
-    ("torch", "cpu"): {"int4": DEQUANTIZE, "int8": "torch_int8pack_cpu", "nf4": "bnb_matmul_4bit",
+    ("torch", "cpu"): {"int4": "int4pack_cpu", "int8": "torch_int8pack_cpu", "nf4": "bnb_matmul_4bit",
                        "fp8": DEQUANTIZE},
     ("torch", "cuda"): {"int4": "tinygemm_cuda", "int8": "bnb_int8", "nf4": "bnb_matmul_4bit",
                         "fp8": "scaled_mm_rowwise"},

@@ -131,9 +131,10 @@ def _videos(parts: list[Component], probe: bool) -> str:
 
 def report(probe: bool = True) -> dict[str, Any]:
     """Hardware, components, the backends the loader can use, what ``auto`` would pick here, the inference threads
-    (:func:`~clef_local.planning.hardware.thread_plan`) and the network isolation (:func:`network_isolation`)."""
+    of each role (:func:`~clef_local.planning.hardware.thread_plan`: one-shot commands and the server) and the
+    network isolation (:func:`network_isolation`)."""
     from clef_local.planning.choice import choose, installed_backends
-    from clef_local.planning.hardware import detect, thread_plan
+    from clef_local.planning.hardware import ROLES, detect, thread_plan
 
     hardware = detect(measure_bf16=probe)  # the one-off bf16 measurement is a probe too (about a second, cached)
     backends = installed_backends()
@@ -149,7 +150,8 @@ def report(probe: bool = True) -> dict[str, Any]:
     return {"hardware": hardware.to_json(), "hardware_summary": hardware.summary(),
             "backends": {name: {"available": why is None, "why_not": why} for name, why in backends.items()},
             "components": [asdict(c) | {"install": c.install} for c in parts], "media": media, "auto": auto,
-            "threads": thread_plan(workers=1).to_json(), "network": network_isolation(),
+            "threads": {role: thread_plan(workers=1, role=role).to_json() for role in ROLES},
+            "network": network_isolation(),
             "state_cache": state_cache_support()}
 
 
@@ -195,7 +197,10 @@ def render(info: dict[str, Any]) -> str:
         text = choice.get("error") or (f"{choice['backend']} on {choice['device']}, {choice['dtype']}, kernel "
                                        f"{choice['kernel']}")
         lines.append(f"  {scheme:<5} {text}")
-    lines += ["", "threads (the server's inference thread, ONNX Runtime sessions)", f"  {info['threads']['summary']}"]
+    lines += ["", "threads (torch's intra-op threads, ONNX Runtime sessions)",
+              f"  one-shot commands (decide, quantize, eval, drift, calibrate, batch, ...): "
+              f"{info['threads']['command']['summary']}",
+              f"  serve, ui, --ray drivers, the Python API's ONNX sessions: {info['threads']['server']['summary']}"]
     net = info["network"]
     lines += ["", "network (air-gapped by default; --allow-network lifts it)"]
     if net["namespace"]:

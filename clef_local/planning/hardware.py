@@ -306,10 +306,20 @@ def resolve_device(device: str) -> Hardware:
 
 # ------------------------------------------------------------------------------------------------------ threads
 THREADS_ENV = "CLEF_LOCAL_THREADS"
-# Cores left to everything that is not the forward: the event loop, HTTP parsing and JSON, the OS, and whatever
-# else shares the machine. An OpenMP forward waits at every barrier for its slowest thread, so one thread that
-# shares its core with other work stalls all of them (docs/hardware.md#threads, docs/benchmarks.md#threads).
-RESERVED_CORES = 1
+OMP_ENV = "OMP_NUM_THREADS"
+Role = Literal["command", "server"]
+ROLES: tuple[Role, ...] = ("command", "server")
+# Cores left to everything that is not the forward. The server keeps one for its event loop, HTTP parsing and JSON,
+# the OS and whatever else shares the machine: an OpenMP forward waits at every barrier for its slowest thread, so
+# one thread that shares its core with other work stalls all of them (docs/hardware.md#threads,
+# docs/benchmarks.md#threads). A one-shot command (decide, quantize, eval, ...) has nothing else to run while it
+# computes, so it keeps none.
+RESERVED_CORES: dict[Role, int] = {"command": 0, "server": 1}
+# The role a thread_plan without one plans for: "server" (the library's default: a caller may be serving), or what
+# the CLI set for its own process (use_process_threads).
+_process_role: Role = "server"
+# The OMP_NUM_THREADS value use_process_threads set from the rule: the rule's own, not a user's choice.
+_rule_omp: str | None = None
 
 
 def _cgroup_paths() -> dict[str, str]:
@@ -390,18 +400,24 @@ def physical_cores(cpus: Iterable[int] | None = None, sysfs: Path = Path("/sys/d
 class ThreadPlan:
     """Threads for inference: ``intra_op`` per forward (``torch.set_num_threads``, ONNX Runtime's
     ``intra_op_num_threads``) and ``inter_op`` (1: clef-local runs no parallel graph branches), for ``workers``
-    inference threads on ``physical_cores`` cores; ``source`` says who chose ``intra_op``."""
+    inference threads on ``physical_cores`` cores in ``role`` (a one-shot ``command`` or a ``server``); ``source``
+    says who chose ``intra_op``."""
 
     intra_op: int
     inter_op: int
     physical_cores: int
     workers: int
     source: Literal["rule", "argument", "CLEF_LOCAL_THREADS", "OMP_NUM_THREADS"]
+    role: Role = "server"
 
     def describe(self) -> str:
-        why = {"rule": f"{self.physical_cores} physical core(s) − {RESERVED_CORES} for the event loop and the rest "
-                       f"of the machine, over {self.workers} inference thread(s); set {THREADS_ENV} to override",
-               "argument": "as asked", THREADS_ENV: f"from {THREADS_ENV}", "OMP_NUM_THREADS": "from OMP_NUM_THREADS"}
+        if self.role == "server":
+            rule = (f"{self.physical_cores} physical core(s) − {RESERVED_CORES['server']} for the event loop and the "
+                    "rest of the machine")
+        else:
+            rule = f"all {self.physical_cores} physical core(s): a one-shot command has no event loop to leave one to"
+        why = {"rule": f"{rule}, over {self.workers} inference thread(s); set {THREADS_ENV} to override",
+               "argument": "as asked", THREADS_ENV: f"from {THREADS_ENV}", OMP_ENV: f"from {OMP_ENV}"}
         return (f"{self.intra_op} intra-op thread(s) per inference thread, {self.inter_op} inter-op "
                 f"({why[self.source]})")
 
@@ -419,21 +435,47 @@ def _threads_value(name: str, value: str) -> int:
     return number
 
 
-def thread_plan(workers: int = 1, threads: int | None = None, *, cores: int | None = None,
+def thread_plan(workers: int = 1, threads: int | None = None, *, role: Role | None = None, cores: int | None = None,
                 environ: Mapping[str, str] | None = None) -> ThreadPlan:
-    """How many threads each of ``workers`` inference threads may use. ``threads`` (an explicit setting, e.g. a
-    ``--threads`` flag) wins, then ``$CLEF_LOCAL_THREADS``, then ``$OMP_NUM_THREADS`` (the user's choice for every
-    OpenMP program), then the rule: ``(physical cores − RESERVED_CORES) // workers``, at least 1. The rule comes
-    from measurements under a competing load (docs/benchmarks.md#threads)."""
+    """How many threads each of ``workers`` inference threads may use in ``role``. ``threads`` (an explicit setting,
+    e.g. a ``--threads`` flag) wins, then ``$CLEF_LOCAL_THREADS``, then ``$OMP_NUM_THREADS`` (the user's choice for
+    every OpenMP program), then the rule: ``(physical cores − RESERVED_CORES[role]) // workers``, at least 1 — every
+    physical core for a one-shot ``command``, one fewer for a ``server`` (its event loop needs a core; measured
+    under a competing load, docs/benchmarks.md#threads). ``role`` defaults to this process's
+    (:func:`process_role`: ``server`` unless the CLI runs a one-shot command)."""
     if workers < 1:
         raise ApiUsageError(f"inference workers must be ≥ 1, got {workers}")
+    role = _process_role if role is None else role
+    if role not in ROLES:
+        raise ApiUsageError(f"thread role must be one of {', '.join(ROLES)}, got {role!r}")
     environ = os.environ if environ is None else environ
     cores = physical_cores() if cores is None else cores
     if threads is not None:
         if threads < 1:
             raise ApiUsageError(f"threads must be ≥ 1, got {threads}")
-        return ThreadPlan(threads, 1, cores, workers, "argument")
-    for name in (THREADS_ENV, "OMP_NUM_THREADS"):
-        if environ.get(name):
-            return ThreadPlan(_threads_value(name, environ[name]), 1, cores, workers, name)  # type: ignore[arg-type]
-    return ThreadPlan(max(1, (cores - RESERVED_CORES) // workers), 1, cores, workers, "rule")
+        return ThreadPlan(threads, 1, cores, workers, "argument", role)
+    for name in (THREADS_ENV, OMP_ENV):
+        value = environ.get(name)
+        if value and not (name == OMP_ENV and environ is os.environ and value == _rule_omp):
+            return ThreadPlan(_threads_value(name, value), 1, cores, workers, name, role)  # type: ignore[arg-type]
+    return ThreadPlan(max(1, (cores - RESERVED_CORES[role]) // workers), 1, cores, workers, "rule", role)
+
+
+def process_role() -> Role:
+    """The thread role of this process: ``server`` (the default) or what :func:`use_process_threads` set."""
+    return _process_role
+
+
+def use_process_threads(role: Role) -> ThreadPlan:
+    """For ``clef-local COMMAND`` run as its own process, before torch is imported: every later :func:`thread_plan`
+    of this process plans for ``role`` (ONNX Runtime sessions among them), and ``$OMP_NUM_THREADS`` is set to the
+    plan's intra-op threads unless the user set it (torch and OpenMP read it once, when torch is imported). Returns
+    the plan. Never call it in a process that must keep its own threads: tests, notebooks, an embedding app."""
+    global _process_role, _rule_omp
+    if role not in ROLES:
+        raise ApiUsageError(f"thread role must be one of {', '.join(ROLES)}, got {role!r}")
+    _process_role = role
+    plan = thread_plan(role=role)
+    if not os.environ.get(OMP_ENV):
+        _rule_omp = os.environ[OMP_ENV] = str(plan.intra_op)
+    return plan

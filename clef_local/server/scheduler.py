@@ -94,7 +94,8 @@ class BatchScheduler:
         self._running = 0  # requests in the batch being computed
         self._taken: list[_Job] = []  # the collected batch: taken off the queue, not all answered yet
         self._batch_seconds = 0.05  # moving average, for Retry-After
-        self.thread_plan = thread_plan(workers=1, threads=threads)  # one inference thread (see the class doc)
+        # one inference thread (see the class doc) beside the event loop: the server's rule, whatever the process
+        self.thread_plan = thread_plan(workers=1, threads=threads, role="server")
         self._threads_before: int | None = None
 
     # ------------------------------------------------------------------ state

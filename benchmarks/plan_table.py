@@ -23,7 +23,7 @@ from clef_local.planning.census import FORMATS
 from clef_local.planning.choice import resident_census
 from clef_local.planning.estimate import best_fit, plan
 from clef_local.planning.hardware import named_device
-from clef_local.planning.planner import CONFIGS_DIR, Footprint, footprint_from_config
+from clef_local.planning.planner import CONFIGS_DIR, Footprint, chunked_prefill, footprint_from_config
 from clef_local.units import GiB
 
 STREAM_DESKS = (("one 24 GB card", ("rtx4090",)), ("two 24 GB cards", ("rtx4090", "rtx4090")),
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
             cells = []
             for fmt in FORMATS:
                 census = fp.censuses[fmt] if hw.kind == "cuda" else resident_census(fp.censuses[fmt], "mlx")
-                p = plan(census, fp.dims, hw, context=args.context, dtype="bfloat16")
+                p = plan(census, fp.dims, hw, context=args.context, dtype="bfloat16", chunking=chunked_prefill(hw))
                 cells.append(f"{p.need / GiB:.1f}")
             print(f"| {label} | {where} | " + " | ".join(cells) + " |")
     print(f"\nBest-precision format that fits at {args.context:,} tokens (need / available GiB)\n")
@@ -65,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in DEVICES:
             hw = named_device(name)
             plans = {fmt: plan(c if hw.kind == "cuda" else resident_census(c, "mlx"), fp.dims, hw,
-                               context=args.context, dtype="bfloat16") for fmt, c in fp.censuses.items()}
+                               context=args.context, dtype="bfloat16", chunking=chunked_prefill(hw))
+                     for fmt, c in fp.censuses.items()}
             best = best_fit(plans)
             cells.append(f"**{best.fmt}** ({best.need / GiB:.1f} / {best.available / GiB:.0f})" if best
                          else f"none (int4 needs {plans['int4'].need / GiB:.1f})")
@@ -88,9 +89,9 @@ def _cell(fp: Footprint, fmt: str, names: tuple[str, ...], context: int) -> str:
     else:
         hw = devices[0]
         census = fp.censuses[fmt] if hw.kind == "cuda" else resident_census(fp.censuses[fmt], "mlx")
-        resident = plan(census, fp.dims, hw, context=context, dtype="bfloat16")
-        if resident.fits:
-            return f"R {resident.need / GiB:.1f}"
+        resident = plan(census, fp.dims, hw, context=context, dtype="bfloat16", chunking=chunked_prefill(hw))
+        if resident.fits:  # torch chunks a prefill whose one pass does not fit (docs/hardware.md#chunked-prefill)
+            return f"R {resident.need / GiB:.1f}" + (f" ({resident.chunk:,}-token chunks)" if resident.chunk else "")
     streamed = fp.streamed(devices[0], context=context, dtype="bfloat16")[fmt]  # streaming runs on one device
     if streamed.fits:
         return f"S {streamed.peak / GiB:.1f} / {streamed.read_bytes / 1e9:.1f} GB"

@@ -33,8 +33,10 @@ QUESTIONS = {
 
 
 @pytest.fixture(scope="module")
-def server(vision_model: Any, tiny_llama: Any) -> Iterator[ThreadedServer]:
-    models = {"clef-vision": vision_model, "text-only": clef_local.load(tiny_llama, dtype="float32")}
+def server(tiny_vision: Any, tiny_llama: Any) -> Iterator[ThreadedServer]:
+    # max_length 16,384: a 4200×4000 image (~21K visual tokens) is over it, under the 65,536 default
+    models = {"clef-vision": clef_local.load(tiny_vision, dtype="float32", max_length=16_384),
+              "text-only": clef_local.load(tiny_llama, dtype="float32")}
     with ThreadedServer(create_app(models, ServerConfig())) as running:
         yield running
 

@@ -4,6 +4,7 @@ kind, for quantized variants and with images; layer-major reads; the file reader
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -144,8 +145,12 @@ print(json.dumps({"peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1
 
 
 def _peak(path: Path, options: dict) -> dict:
+    # the child runs as a user's process would, without the variables earlier tests left in this process's
+    # environment (the thread rule's OMP_NUM_THREADS, Ray's, the air gap's)
+    keep = ("PATH", "HOME", "LANG", "TMPDIR", "CLEF_LOCAL_CACHE", "PYTHONPATH", "VIRTUAL_ENV")
+    env = {k: v for k, v in os.environ.items() if k in keep}
     done = subprocess.run([sys.executable, "-c", _PEAK, str(path), json.dumps(options)], capture_output=True,
-                          text=True, check=True, timeout=600)
+                          text=True, check=True, timeout=600, env=env)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

@@ -137,7 +137,8 @@ def test_plan_counts_visual_tokens_like_the_processor(tiny_vision: Path, vision_
     assert plan_main(["--config", "clef", "--image-size", "1024x768", "--images", "2"]) in (0, 1)
     text = capsys.readouterr().out
     assert "2 images of 1024×768: 768 visual tokens each, 1,536 of the context" in text
-    assert plan_main(["--config", "clef", "--image-size", "4096x4096", "--images", "2"]) == 2
+    # 2 × 21,390 visual tokens: over a 16,384-token context (under the 65,536 default)
+    assert plan_main(["--config", "clef", "--image-size", "4096x4096", "--images", "2", "--context", "16384"]) == 2
     assert "more than the context" in capsys.readouterr().err
     assert plan_main(["--config", "clef", "--image-size", "1024by768"]) == 2
     assert "WIDTHxHEIGHT" in capsys.readouterr().err

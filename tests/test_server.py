@@ -378,7 +378,7 @@ SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([a-zA-Z_][a-zA-Z0-9_]*="(?:
 def test_metrics_text_format(client: httpx.Client) -> None:
     for _ in range(3):
         client.post("/v1/systemone", json=REQUEST)
-    client.post("/v1/systemone", content=b"{")
+    client.post("/v1/systemone", content=b"{", headers={"content-type": "application/json"})  # 422
     response = client.get("/metrics")
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
@@ -406,14 +406,16 @@ def test_metrics_text_format(client: httpx.Client) -> None:
     assert samples['clef_requests_total{route="/v1/systemone",status="200"}'] >= 3
     assert samples['clef_requests_total{route="/v1/systemone",status="422"}'] >= 1
     route = 'route="/v1/systemone"'
-    buckets = [v for k, v in samples.items() if k.startswith("clef_request_duration_seconds_bucket{" + route)]
+    # the bucket's labels in any order (prometheus_client sorts them: le before route)
+    buckets = [v for k, v in samples.items() if k.startswith("clef_request_duration_seconds_bucket{") and route in k]
+    assert len(buckets) == 13
     assert buckets == sorted(buckets)  # cumulative
     assert buckets[-1] == samples["clef_request_duration_seconds_count{" + route + "}"]
     assert samples['clef_batch_size_bucket{le="+Inf"}'] == samples["clef_batch_size_count"] >= 3
     assert samples["clef_queue_depth"] == 0
     # the same state three times: one state pass, then hits (tests/test_state_cache_use.py checks the numbers)
     assert samples['clef_state_cache_hits_total{model="clef-local"}'] >= 2
-    assert samples['clef_state_cache_budget_bytes{model="clef-local",memory="host"}'] == 0
+    assert samples['clef_state_cache_budget_bytes{memory="host",model="clef-local"}'] == 0
 
 
 # ---------------------------------------------------------------- CLI
@@ -480,3 +482,20 @@ def test_missing_extra_fails_at_once(command: str, blocked: str, extra: str, tmp
         f"error: clef-local {command} needs {blocked}, which is not installed: pip install 'clef-local[{extra}]'"]
     assert "TORCH False" in done.stdout  # no model was loaded (nor the release looked at: it does not exist)
     assert time.perf_counter() - started < 30
+
+
+def test_each_app_keeps_its_own_metrics_registry() -> None:
+    """One prometheus_client registry per app: two apps in a process (the tests' many) never share counts, and the
+    process-wide default registry is left alone."""
+    from prometheus_client import REGISTRY
+
+    from clef_local.server.metrics import ServerMetrics
+
+    first, second = ServerMetrics(), ServerMetrics()
+    first.requests.labels("/health", "200").inc()
+    first.batch_size.observe(3)
+    assert first.sample("clef_requests_total", route="/health", status="200") == 1
+    assert second.sample("clef_requests_total", route="/health", status="200") == 0
+    assert first.sample("clef_batch_size_bucket", le="4.0") == 1 and first.sample("clef_batch_size_sum") == 3
+    assert REGISTRY.get_sample_value("clef_requests_total", {"route": "/health", "status": "200"}) is None
+    assert "_created" not in first.render()

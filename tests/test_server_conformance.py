@@ -160,7 +160,7 @@ def test_sdk_large_body_is_zstd(sdk: Any, sdk_server: tuple[ThreadedServer, Any]
 
     assert "zstd" in COMPRESSORS, "typesafe-sdk[zstd] is needed for this test"
     metrics = sdk_server[1]
-    before = metrics.bodies.value("zstd")
+    before = metrics.sample("clef_request_bodies_total", encoding="zstd")
     state = "The customer wrote a long message. " * 60  # > 1 KiB: the SDK compresses it
     assert len(state.encode()) > 1024
     queues = {f"Queue {i:03d}": f"Tickets routed to queue {i}" for i in range(40)}
@@ -168,7 +168,7 @@ def test_sdk_large_body_is_zstd(sdk: Any, sdk_server: tuple[ThreadedServer, Any]
         "refund": Noul(instructions="Refund?"),
         "queue": Choice(instructions="Which queue?", criteria=queues),
         "anger": Score(instructions="How angry?", criteria=["calm", "annoyed", "angry", "furious"])})
-    assert metrics.bodies.value("zstd") == before + 1
+    assert metrics.sample("clef_request_bodies_total", encoding="zstd") == before + 1
     expected = _expected(qwen, {"refund": {"type": "noul", "instructions": "Refund?"},
                                 "queue": {"type": "choice", "instructions": "Which queue?", "criteria": queues},
                                 "anger": {"type": "score", "instructions": "How angry?",

@@ -58,9 +58,9 @@ def test_the_server_counts_hits_misses_and_bytes(tiny_llama: Path) -> None:
         samples = _samples(client.get("/metrics").text)
     assert samples['clef_state_cache_misses_total{model="m"}'] == 2
     assert samples['clef_state_cache_hits_total{model="m"}'] == 4
-    assert samples['clef_state_cache_entries{model="m",memory="device"}'] == 2
-    assert samples['clef_state_cache_bytes{model="m",memory="device"}'] == model.state_cache.stats().bytes > 0
-    assert samples['clef_state_cache_budget_bytes{model="m",memory="device"}'] == 16 << 20
+    assert samples['clef_state_cache_entries{memory="device",model="m"}'] == 2
+    assert samples['clef_state_cache_bytes{memory="device",model="m"}'] == model.state_cache.stats().bytes > 0
+    assert samples['clef_state_cache_budget_bytes{memory="device",model="m"}'] == 16 << 20
     assert samples['clef_state_cache_evictions_total{model="m"}'] == 0
     expected = [json.loads(json.dumps(round_floats(cold.decide(r)))) for r in requests]
     assert answers == expected  # the wire's 4 decimals: a hit answers exactly what a cold pass does

@@ -98,35 +98,14 @@ def _available(module: str) -> bool:
         return False
 
 
-def _meminfo() -> dict[str, int]:
-    try:
-        text = Path("/proc/meminfo").read_text()
-    except OSError:
-        return {}
-    out = {}
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        parts = value.split()
-        if parts and parts[0].isdigit():
-            out[key] = int(parts[0]) * 1024
-    return out
-
-
 def host_memory() -> tuple[int, int]:
-    """(total, available) RAM in bytes: /proc/meminfo's MemTotal/MemAvailable, else sysconf."""
-    info = _meminfo()
-    if "MemTotal" in info:
-        return info["MemTotal"], info.get("MemAvailable", info.get("MemFree", info["MemTotal"]))
-    try:
-        page = os.sysconf("SC_PAGE_SIZE")
-        total = page * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0, 0
-    try:
-        free = page * os.sysconf("SC_AVPHYS_PAGES")
-    except (ValueError, OSError):
-        free = total  # macOS has no SC_AVPHYS_PAGES; MLX's working-set size is the real limit there
-    return total, free
+    """(total, available) RAM in bytes, from psutil: on Linux MemTotal/MemAvailable, on macOS the free and inactive
+    pages (before: macOS reported free = total, having no ``SC_AVPHYS_PAGES``), on Windows the OS's
+    available physical memory."""
+    import psutil
+
+    memory = psutil.virtual_memory()
+    return int(memory.total), int(memory.available)
 
 
 def cpu_flags_and_name() -> tuple[tuple[str, ...], str]:

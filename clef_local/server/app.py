@@ -207,7 +207,7 @@ class ServerState:
             content_type = request.headers.get("content-type")
             encoding = request.headers.get("content-encoding")
             label = (encoding or "identity").strip().lower()
-            self.metrics.bodies.inc(label if label in KNOWN_ENCODINGS else "other")
+            self.metrics.bodies.labels(label if label in KNOWN_ENCODINGS else "other").inc()
             if self.encoder is None:
                 raise ShuttingDownError("the server is not running; retry on another instance")
             loop = asyncio.get_running_loop()

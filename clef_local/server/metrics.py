@@ -1,89 +1,24 @@
-"""Prometheus metrics for ``clef-local serve``, hand-written (text exposition format 0.0.4, no dependency); the list
-is docs/serving.md#metrics. Routes are labelled by their template (``/v1/systemone``), never by the raw path, so a
+"""Prometheus metrics for ``clef-local serve`` through ``prometheus_client``, in one registry per app (never the
+process-wide default, so two apps in a process, or the tests' many, do not share counts); the list is
+docs/serving.md#metrics. Routes are labelled by their template (``/v1/systemone``), never by the raw path, so a
 client cannot grow the label set; anything that matched no route is ``other``.
 """
 
 from __future__ import annotations
 
-import bisect
-import math
-import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # what generate_latest writes
 
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _labels(names: Sequence[str], values: Sequence[str], extra: str = "") -> str:
-    parts = [f'{n}="{_escape(v)}"' for n, v in zip(names, values, strict=True)]
-    if extra:
-        parts.append(extra)
-    return "{" + ",".join(parts) + "}" if parts else ""
-
-
-def _number(value: float) -> str:
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    if float(value).is_integer():
-        return str(int(value))
-    return repr(float(value))
-
-
-class Counter:
-    """A monotonically increasing count per label set."""
-
-    def __init__(self, name: str, help_text: str, labels: Sequence[str] = ()) -> None:
-        self.name, self.help, self.label_names = name, help_text, tuple(labels)
-        self._values: dict[tuple[str, ...], float] = {}
-        self._lock = threading.Lock()
-
-    def inc(self, *labels: str, amount: float = 1.0) -> None:
-        with self._lock:
-            self._values[labels] = self._values.get(labels, 0.0) + amount
-
-    def value(self, *labels: str) -> float:
-        with self._lock:
-            return self._values.get(labels, 0.0)
-
-    def render(self) -> list[str]:
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} counter"]
-        with self._lock:
-            items = sorted(self._values.items())
-        lines += [f"{self.name}{_labels(self.label_names, k)} {_number(v)}" for k, v in items]
-        return lines
-
-
-class Gauge:
-    """A value read when scraped (``read`` is called then)."""
-
-    def __init__(self, name: str, help_text: str, read: Callable[[], float]) -> None:
-        self.name, self.help, self.read = name, help_text, read
-
-    def render(self) -> list[str]:
-        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} gauge", f"{self.name} {_number(self.read())}"]
-
-
-class Collected:
-    """Values per label set read when scraped (``read`` returns ``[(label values, value), ...]``)."""
-
-    def __init__(self, name: str, help_text: str, kind: str, labels: Sequence[str],
-                 read: Callable[[], Iterable[tuple[tuple[str, ...], float]]]) -> None:
-        self.name, self.help, self.kind, self.label_names, self.read = name, help_text, kind, tuple(labels), read
-
-    def render(self) -> list[str]:
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
-        lines += [f"{self.name}{_labels(self.label_names, k)} {_number(v)}" for k, v in sorted(self.read())]
-        return lines
-
-
-# (metric, help, kind, CacheStats field per memory) of the state cache (clef_local.runtime.state_cache)
+# (metric, help, CacheStats field) of the state cache (clef_local.runtime.state_cache), counters by model
 _CACHE_COUNTERS = (
     ("clef_state_cache_hits_total", "Records whose state came from the state cache (only their schema ran).", "hits"),
     ("clef_state_cache_misses_total", "State passes run because the state was not cached.", "misses"),
@@ -91,6 +26,7 @@ _CACHE_COUNTERS = (
     ("clef_state_cache_memory_clears_total", "Times the state cache was emptied after a pass ran out of memory.",
      "memory_clears"),
 )
+# (metric, help, (device field, host field)), gauges by model and memory
 _CACHE_GAUGES = (
     ("clef_state_cache_bytes", "Bytes held by the state cache.", ("bytes", "host_bytes")),
     ("clef_state_cache_budget_bytes", "The state cache's budget in bytes (0: off).", ("budget", "host_budget")),
@@ -98,59 +34,43 @@ _CACHE_GAUGES = (
 )
 
 
-def state_cache_metrics(models: Callable[[], Mapping[str, Any]]) -> list[Collected]:
-    """The state cache metrics of each served model that has one (``model.state_cache.stats()``), by model name;
-    the byte gauges also by ``memory`` (``device``: the compute device, ``host``: entries spilled off a GPU)."""
-    def stats() -> list[tuple[str, Any]]:
-        return [(name, cache.stats()) for name, model in models().items()
-                if (cache := getattr(model, "state_cache", None)) is not None]
+class StateCacheCollector:
+    """The state cache metrics of each served model that has one (``model.state_cache.stats()``), read at each
+    scrape, by model name; the byte gauges also by ``memory`` (``device``: the compute device, ``host``: entries
+    spilled off a GPU)."""
 
-    def counter(field: str) -> Callable[[], list[tuple[tuple[str, ...], float]]]:
-        return lambda: [((name, ), float(getattr(s, field))) for name, s in stats()]
+    def __init__(self, models: Callable[[], Mapping[str, Any]] = dict) -> None:
+        self.models = models
 
-    def gauge(fields: tuple[str, str]) -> Callable[[], list[tuple[tuple[str, ...], float]]]:
-        return lambda: [((name, memory), float(getattr(s, field))) for name, s in stats()
-                        for memory, field in zip(("device", "host"), fields, strict=True)]
+    def collect(self) -> Iterator[Metric]:
+        stats = [(name, cache.stats()) for name, model in self.models().items()
+                 if (cache := getattr(model, "state_cache", None)) is not None]
+        for metric, text, field in _CACHE_COUNTERS:
+            counter = CounterMetricFamily(metric, text, labels=("model",))
+            for name, s in stats:
+                counter.add_metric((name,), float(getattr(s, field)))
+            yield counter
+        for metric, text, fields in _CACHE_GAUGES:
+            gauge = GaugeMetricFamily(metric, text, labels=("model", "memory"))
+            for name, s in stats:
+                for memory, field in zip(("device", "host"), fields, strict=True):
+                    gauge.add_metric((name, memory), float(getattr(s, field)))
+            yield gauge
 
-    return ([Collected(name, text, "counter", ("model",), counter(field)) for name, text, field in _CACHE_COUNTERS]
-            + [Collected(name, text, "gauge", ("model", "memory"), gauge(fields))
-               for name, text, fields in _CACHE_GAUGES])
 
+class WithoutCreated:
+    """``metrics`` as one collector, less their ``_created`` samples: prometheus_client adds a creation-time series
+    to each counter and histogram, which this server's metric list does not have (turning it off in the library is
+    process-wide: ``disable_created_metrics``)."""
 
-class Histogram:
-    """Cumulative buckets, sum and count per label set."""
+    def __init__(self, metrics: Iterable[Any]) -> None:
+        self.metrics = tuple(metrics)
 
-    def __init__(self, name: str, help_text: str, buckets: Iterable[float], labels: Sequence[str] = ()) -> None:
-        self.name, self.help, self.label_names = name, help_text, tuple(labels)
-        self.buckets = tuple(sorted(buckets))
-        self._data: dict[tuple[str, ...], list[float]] = {}  # per bucket counts (not cumulative), then sum, count
-        self._lock = threading.Lock()
-
-    def observe(self, value: float, *labels: str) -> None:
-        with self._lock:
-            row = self._data.setdefault(labels, [0.0] * (len(self.buckets) + 3))
-            row[bisect.bisect_left(self.buckets, value)] += 1
-            row[-2] += value
-            row[-1] += 1
-
-    def count(self, *labels: str) -> int:
-        with self._lock:
-            row = self._data.get(labels)
-            return int(row[-1]) if row else 0
-
-    def render(self) -> list[str]:
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-        with self._lock:
-            items = sorted((k, list(v)) for k, v in self._data.items())
-        for key, row in items:
-            running = 0.0
-            for bound, n in zip((*self.buckets, math.inf), row, strict=False):
-                running += n
-                le = 'le="' + _number(bound) + '"'
-                lines.append(f"{self.name}_bucket{_labels(self.label_names, key, le)} {_number(running)}")
-            lines.append(f"{self.name}_sum{_labels(self.label_names, key)} {_number(row[-2])}")
-            lines.append(f"{self.name}_count{_labels(self.label_names, key)} {_number(row[-1])}")
-        return lines
+    def collect(self) -> Iterator[Metric]:
+        for metric in self.metrics:
+            for family in metric.collect():
+                family.samples = [s for s in family.samples if not s.name.endswith("_created")]
+                yield family
 
 
 class ServerMetrics:
@@ -158,33 +78,45 @@ class ServerMetrics:
 
     def __init__(self, queue_depth: Callable[[], float] = lambda: 0, in_flight: Callable[[], float] = lambda: 0,
                  ) -> None:
+        self.registry = CollectorRegistry()
+        # registry=None: registered below, once, through WithoutCreated
         self.requests = Counter("clef_requests_total", "HTTP requests answered, by route and status code.",
-                                ("route", "status"))
+                                ("route", "status"), registry=None)
         self.latency = Histogram("clef_request_duration_seconds", "HTTP request latency in seconds, by route.",
-                                 LATENCY_BUCKETS, ("route",))
-        self.bodies = Counter("clef_request_bodies_total", "POST bodies read, by Content-Encoding.", ("encoding",))
-        self.batch_size = Histogram("clef_batch_size", "Requests per inference batch.", BATCH_BUCKETS)
+                                 ("route",), buckets=LATENCY_BUCKETS, registry=None)
+        self.bodies = Counter("clef_request_bodies_total", "POST bodies read, by Content-Encoding.", ("encoding",),
+                              registry=None)
+        self.batch_size = Histogram("clef_batch_size", "Requests per inference batch.", buckets=BATCH_BUCKETS,
+                                    registry=None)
         self.inference = Histogram("clef_batch_inference_seconds",
-                                   "Time of one model group on the inference thread in seconds.", LATENCY_BUCKETS)
-        self.queue_depth = Gauge("clef_queue_depth", "Requests waiting for the inference thread.", queue_depth)
-        self.in_flight = Gauge("clef_requests_in_batch", "Requests in the batch being computed now.", in_flight)
-        self.state_caches: list[Collected] = []
+                                   "Time of one model group on the inference thread in seconds.",
+                                   buckets=LATENCY_BUCKETS, registry=None)
         self.started = time.time()
+        gauges = []
+        for name, text, read in (
+                ("clef_queue_depth", "Requests waiting for the inference thread.", queue_depth),
+                ("clef_requests_in_batch", "Requests in the batch being computed now.", in_flight),
+                ("clef_uptime_seconds", "Seconds since the server started.", lambda: time.time() - self.started)):
+            gauge = Gauge(name, text, registry=None)
+            gauge.set_function(read)
+            gauges.append(gauge)
+        self.state_caches = StateCacheCollector()
+        self.registry.register(WithoutCreated([self.requests, self.latency, self.bodies, self.batch_size,
+                                               self.inference, *gauges]))
+        self.registry.register(self.state_caches)
 
     def watch_state_caches(self, models: Mapping[str, Any]) -> None:
         """Export the state cache metrics of ``models`` (``{served name: ClefModel}``), read at each scrape."""
-        self.state_caches = state_cache_metrics(lambda: models)
+        self.state_caches.models = lambda: models
+
+    def sample(self, name: str, **labels: str) -> float:
+        """One sample's value (``sample("clef_requests_total", route="/health", status="200")``), 0 when it has
+        not been observed."""
+        return self.registry.get_sample_value(name, labels) or 0.0
 
     def render(self) -> str:
-        """The Prometheus text exposition of every metric."""
-        uptime = Gauge("clef_uptime_seconds", "Seconds since the server started.", lambda: time.time() - self.started)
-        lines: list[str] = []
-        metrics: list[Counter | Histogram | Gauge | Collected] = [
-            self.requests, self.latency, self.bodies, self.batch_size, self.inference, self.queue_depth,
-            self.in_flight, *self.state_caches, uptime]
-        for metric in metrics:
-            lines += metric.render()
-        return "\n".join(lines) + "\n"
+        """The Prometheus text exposition (format 0.0.4) of every metric."""
+        return generate_latest(self.registry).decode()
 
 
 class MetricsMiddleware:
@@ -214,5 +146,5 @@ class MetricsMiddleware:
             if route is None:
                 route = scope["path"] if scope.get("path") in self.static_paths else "other"
             route = str(route)
-            self.metrics.requests.inc(route, str(status[0]))
-            self.metrics.latency.observe(time.perf_counter() - started, route)
+            self.metrics.requests.labels(route, str(status[0])).inc()
+            self.metrics.latency.labels(route).observe(time.perf_counter() - started)

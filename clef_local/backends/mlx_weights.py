@@ -19,6 +19,7 @@ import numpy as np
 from clef_local.errors import ReleaseError
 from clef_local.formats.quant_plan import MIXED, LayerFormat, layer_index, mixed_plan
 from clef_local.formats.safetensors import DTYPES, read_arrays, read_header
+from clef_local.formats.variant import variant_format
 
 log = logging.getLogger(__name__)
 
@@ -71,26 +72,22 @@ def read_safetensors(file: Path) -> dict[str, Stored]:
 
 
 def variant_scheme(config: Mapping[str, Any]) -> tuple[str | None, int | None]:
-    """(scheme, group size) of a variant's ``config.json``; (None, None) for a full-precision release, (``mixed``,
-    None) for a mixed-precision one (its per-layer plan: :func:`clef_local.formats.quant_plan.mixed_plan`)."""
-    quant = config.get("quantization_config")
-    member = quant.get("clef_local") if isinstance(quant, dict) else None
-    if not isinstance(quant, dict) or not isinstance(member, dict):
+    """(scheme, group size) of a variant's ``config.json`` (:func:`clef_local.formats.variant.variant_format`);
+    (None, None) for a full-precision release, (``mixed``, None) for a mixed-precision one (its per-layer plan:
+    :func:`clef_local.formats.quant_plan.mixed_plan`)."""
+    fmt = variant_format(config)
+    if fmt is None:
         return None, None
-    scheme = member.get("scheme")
-    if scheme == MIXED:
-        for fmt in (mixed_plan(config) or {}).values():
-            if fmt.scheme == "int4" and fmt.group_size not in MLX_GROUP_SIZES:
-                raise ReleaseError(f"config.json: a mixed plan's int4 group_size {fmt.group_size!r} is not one MLX "
-                                   f"supports ({MLX_GROUP_SIZES})")
+    if fmt.scheme == MIXED:
+        for layer in (mixed_plan(config) or {}).values():
+            if layer.scheme == "int4" and layer.group_size not in MLX_GROUP_SIZES:
+                raise ReleaseError(f"config.json: a mixed plan's int4 group_size {layer.group_size!r} is not one "
+                                   f"MLX supports ({MLX_GROUP_SIZES})")
         return MIXED, None
-    if scheme not in SCHEMES:
-        raise ReleaseError(f"config.json: quantization_config.clef_local.scheme {scheme!r} is not one of "
-                           f"{', '.join(SCHEMES)}")
-    group = member.get("group_size") or quant.get("group_size")
-    if scheme == "int4" and group not in MLX_GROUP_SIZES:
-        raise ReleaseError(f"config.json: int4 group_size {group!r} is not one MLX supports ({MLX_GROUP_SIZES})")
-    return scheme, group
+    if fmt.scheme == "int4" and fmt.group_size not in MLX_GROUP_SIZES:
+        raise ReleaseError(f"config.json: int4 group_size {fmt.group_size!r} is not one MLX supports "
+                           f"({MLX_GROUP_SIZES})")
+    return fmt.scheme, fmt.group_size
 
 
 @dataclass

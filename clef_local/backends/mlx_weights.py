@@ -125,6 +125,19 @@ def int8_to_mlx(q: np.ndarray, scale: np.ndarray) -> QuantizedLayer:
                           row_scale=scale.reshape(-1).astype(np.float32))
 
 
+def int4_dequantize(layer: QuantizedLayer) -> np.ndarray:
+    """``scales · q + biases`` per group of a 4-bit layer, float32 [out, in] (quant.int4's math, in numpy)."""
+    out_f, in_f = layer.shape
+    shifts = np.arange(0, 32, 4, dtype=np.uint32)
+    q = ((layer.weight[..., None] >> shifts) & 0xF).reshape(out_f, in_f // layer.group_size, layer.group_size)
+    w = q.astype(np.float32) * layer.scales[..., None] + layer.biases[..., None]
+    return w.reshape(out_f, in_f)
+
+
+# mlx-lm's conversions quantize the embeddings too; the backend gathers rows from a float matrix
+EMBEDDINGS = ("embed_tokens", "lm_head")
+
+
 def fp8_dequantize(q: Stored, scale: np.ndarray) -> np.ndarray:
     """``float32(e4m3fn q) · scale`` (quant.fp8's math, in numpy)."""
     return q.float32() * scale.astype(np.float32)
@@ -231,7 +244,10 @@ def load_backbone_tensors(files: Sequence[Path], scheme: str | None, group: int 
         start = prefix + "."
         names = [n for n in plain if n.startswith(start) and n != start + "bias"]
         layer = _layer(prefix, {n[len(start):]: plain.pop(n) for n in names}, fmt.scheme, fmt.group_size)
-        if isinstance(layer, QuantizedLayer):
+        if isinstance(layer, QuantizedLayer) and prefix.rpartition(".")[2] in EMBEDDINGS:
+            log.info("dequantizing the int4 embedding %s %s to full precision", prefix, list(layer.shape))
+            plain[start + "weight"] = Stored(int4_dequantize(layer), "F32")
+        elif isinstance(layer, QuantizedLayer):
             quantized[prefix] = layer
         else:
             plain[start + "weight"] = layer

@@ -139,3 +139,32 @@ def test_variants_written_before_the_standard_configs_still_load(variants, tmp_p
     fmt = variant_format(config)
     assert (fmt.scheme, fmt.writer) == (scheme, "clef-local")
     np.testing.assert_array_equal(_ours(old), _ours(path))
+
+
+def test_variant_format_reads_the_ecosystems_configs_and_names_what_it_does_not():
+    from clef_local.errors import ReleaseError
+    from clef_local.quant import compressed
+
+    assert variant_format({}) is None
+    assert variant_format({"quantization": {"group_size": 32, "bits": 4, "mode": "affine"}}).label == (
+        "int4 g32 (mlx affine, written by mlx-lm)")
+    ct = compressed.quantization_config("int8", ["lm_head"])
+    assert variant_format({"quantization_config": ct}).label == "int8 (compressed-tensors int-quantized, written by " \
+                                                                "compressed-tensors)"
+    assert variant_format({"quantization_config": {"quant_method": "bitsandbytes", "bnb_4bit_quant_type": "nf4"}
+                           }).writer == "bitsandbytes"
+    with pytest.raises(ReleaseError, match=r"mlx-lm quantization .* 4-bit affine"):
+        variant_format({"quantization": {"group_size": 64, "bits": 8}})
+    with pytest.raises(ReleaseError, match=r"no per-layer entries \(found model.layers.0.mlp\)"):
+        variant_format({"quantization": {"group_size": 64, "bits": 4, "model.layers.0.mlp": {"bits": 8}}})
+    with pytest.raises(ReleaseError, match="format 'pack-quantized' is not one clef-local reads"):
+        variant_format({"quantization_config": {**ct, "format": "pack-quantized"}})
+    group = ct["config_groups"]["group_0"]
+    grouped = {**ct, "config_groups": {"group_0": {**group, "weights": {**group["weights"], "strategy": "group"}}}}
+    with pytest.raises(ReleaseError, match=r"weights .* clef-local reads"):
+        variant_format({"quantization_config": grouped})
+    with pytest.raises(ReleaseError, match="quant_method 'gptq' is not a format clef-local reads"):
+        variant_format({"quantization_config": {"quant_method": "gptq"}})
+    mislabelled = {**ct, "clef_local": {"scheme": "fp8"}}
+    with pytest.raises(ReleaseError, match="describes int8 tensors but its clef_local member says fp8"):
+        variant_format({"quantization_config": mislabelled})

@@ -72,6 +72,15 @@ def test_the_conversion_is_read_as_mlx_lm_int4_with_the_same_linears(pair):
     assert "model.embed_tokens.scales" in theirs and "model.embed_tokens.scales" not in mine
 
 
+def test_inspect_names_the_format_and_the_tool_that_wrote_it(pair, capsys):
+    from clef_local.decide import inspect_main
+
+    for path, writer in zip(pair, ("mlx-lm", "clef-local"), strict=True):
+        assert inspect_main(["--model", str(path), "--dtype", "float32", "--backend", "torch"]) == 0
+        assert json.loads(capsys.readouterr().out)["format"] == {"scheme": "int4", "group_size": GROUP,
+                                                                 "layout": "mlx affine", "written_by": writer}
+
+
 def test_the_conversion_answers_on_both_backends_like_clef_locals_int4(pair, probes):
     converted, ours = pair
     torch_p = _probabilities(converted, "torch", probes)

@@ -34,6 +34,11 @@ class VariantFormat:
     layout: str
     writer: str
 
+    def to_json(self) -> dict[str, Any]:
+        """What ``inspect`` prints under ``format``: ``{"scheme", "group_size", "layout", "written_by"}``."""
+        return {"scheme": self.scheme, "group_size": self.group_size, "layout": self.layout,
+                "written_by": self.writer}
+
     @property
     def label(self) -> str:
         """``fp8 (compressed-tensors float-quantized, written by clef-local)``."""

@@ -87,11 +87,12 @@ def _mlx_lm(block: Mapping[str, Any]) -> VariantFormat:
 def variant_format(config: Mapping[str, Any]) -> VariantFormat | None:
     """The quantized format ``config`` (a ``config.json``) describes; None for a full-precision release.
     :class:`ReleaseError` names a quantization config clef-local does not read."""
-    quant = config.get("quantization_config")
+    found = config.get("quantization_config")
     block = config.get("quantization")
-    if not isinstance(quant, Mapping) and not isinstance(block, Mapping):
+    if not isinstance(found, Mapping) and not isinstance(block, Mapping):
         return None
-    member = quant.get("clef_local") if isinstance(quant, Mapping) else None
+    quant: Mapping[str, Any] = found if isinstance(found, Mapping) else {}
+    member = quant.get("clef_local")
     if isinstance(member, Mapping):
         return _ours(quant, member)
     if isinstance(block, Mapping):

@@ -19,6 +19,7 @@ import numpy as np
 from clef_local.backends.base import Backend
 from clef_local.errors import ApiUsageError, ReleaseError
 from clef_local.formats.release import Release, read_release
+from clef_local.formats.variant import variant_format
 from clef_local.runtime.answers import CONFIDENCE_MODES, Confidence, build_response, softmax_rows
 from clef_local.runtime.batching import device_pad_waste, split_by_length
 from clef_local.runtime.encoder import MediaSupport, RequestEncoder
@@ -302,6 +303,8 @@ class ClefModel:
             "context": self.max_length,
             "weight_files": [f.name for f in release.weight_files],
             "weight_bytes": release.weight_bytes,
+            # the stored format and the tool that wrote it (clef-local, mlx-lm, compressed-tensors, bitsandbytes)
+            "format": fmt.to_json() if (fmt := variant_format(release.config)) else None,
             "quantization": release.quantization,
             **({"precision_groups": groups} if (groups := _precision_groups(release)) else {}),
             "head_config": release.head_config.to_json_dict(),

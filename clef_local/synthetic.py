@@ -400,12 +400,9 @@ def _quantization_config(scheme: str, group_size: int, model: Any, backbone: Bac
 
     spec = quant.get(scheme)
     group = group_size if spec.default_group_size is not None else None
-    if scheme == "nf4":
-        done = {n.removesuffix(".weight") for n in backbone.quantized}
-        linear = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-        qconfig = spec.quantization_config(group, skip_modules=[m for m in linear if m not in done])
-    else:
-        qconfig = spec.quantization_config(group)
+    done = {n.removesuffix(".weight") for n in backbone.quantized}
+    linear = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    qconfig = spec.quantization_config(group, skip_modules=[m for m in linear if m not in done])
     if scheme == "int4":
         qconfig["grid"] = "random"
     qconfig["clef_local"] = {"scheme": scheme, "group_size": group, "quantized": len(backbone.quantized),
@@ -463,6 +460,9 @@ def write_shaped_weights(config_path: str | Path, out: str | Path, *, scheme: st
             "weight_map": dict(sorted((t.name, f) for f, shard in zip(names, shards, strict=True) for t in shard))})
     if scheme != "bf16":
         config["quantization_config"] = _quantization_config(scheme, group_size, model, backbone)
+        from clef_local import quant
+
+        config.update(quant.get(scheme).top_level_config(group_size))
         write_json(out / "config.json", config)
     write_json(out / "generation_config.json", {"eos_token_id": text.get("eos_token_id"),
                                            "pad_token_id": text.get("pad_token_id")})

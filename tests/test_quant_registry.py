@@ -46,8 +46,14 @@ def test_config_dicts_and_group_sizes() -> None:
     assert int4.predicate_group_size() == 64 and int4.predicate_group_size(128) == 128
     assert quant.get("nf4").predicate_group_size(64) is None and quant.get("int8").predicate_group_size() is None
     assert quant.get("nf4").quantization_config(64, skip_modules=["lm_head"])["llm_int8_skip_modules"] == ["lm_head"]
-    assert quant.get("fp8").quantization_config()["weight_dtype"] == "float8_e4m3fn"
-    assert quant.get("int8").quantization_config()["scale_dtype"] == "float32"
+    fp8 = quant.get("fp8").quantization_config(skip_modules=["lm_head", "a.b"])
+    assert (fp8["quant_method"], fp8["format"], fp8["ignore"]) == ("compressed-tensors", "float-quantized",
+                                                                  ["a.b", "lm_head"])
+    assert fp8["config_groups"]["group_0"]["weights"]["type"] == "float"
+    int8 = quant.get("int8").quantization_config()
+    assert (int8["format"], int8["config_groups"]["group_0"]["weights"]["type"]) == ("int-quantized", "int")
+    assert int4.top_level_config(32) == {"quantization": {"group_size": 32, "bits": 4, "mode": "affine"}}
+    assert quant.get("fp8").top_level_config() == {}
     assert quant.get("int4").bits_per_weight(128) == 4.25
 
 

@@ -90,6 +90,8 @@ def test_variant_layout_and_exactness(sources, variants, backbone: str, scheme: 
     src_config = json.loads((source / "config.json").read_text())
     config = json.loads((variant / "config.json").read_text())
     qconfig = config.pop("quantization_config")
+    # int4 also carries mlx-lm's block, which mlx-lm reads before quantization_config
+    assert config.pop("quantization", None) == spec.top_level_config(group).get("quantization")
     assert config == src_config
     assert qconfig["clef_local"]["scheme"] == scheme and qconfig["clef_local"]["quantized"] == summary["quantized"]
     assert qconfig["clef_local"]["validated"] is False

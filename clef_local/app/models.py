@@ -26,22 +26,30 @@ def is_release(path: Path) -> bool:
 
 
 def scheme_of(path: Path) -> str | None:
-    """The quantization scheme a release's ``config.json`` names, or None for an unquantized release."""
-    qconfig = (_config(path) or {}).get("quantization_config")
-    if not isinstance(qconfig, dict):
-        return None
-    ours = qconfig.get("clef_local")
-    if isinstance(ours, dict) and ours.get("scheme"):
-        return str(ours["scheme"])
-    return str(qconfig.get("quant_method") or qconfig.get("format") or "quantized")
+    """The quantization scheme a release's ``config.json`` describes
+    (:func:`clef_local.formats.variant.variant_format`), or None for an unquantized release."""
+    from clef_local.formats.variant import variant_format
+
+    fmt = variant_format(_config(path) or {})
+    return None if fmt is None else fmt.scheme
 
 
 def find_variants(reference: Path) -> list[Path]:
-    """Sibling directories of ``reference`` that are releases with a ``quantization_config`` (sorted by name)."""
+    """Sibling directories of ``reference`` that are quantized releases clef-local reads (sorted by name); one
+    whose quantization config it does not read is left out with a warning naming why."""
+    from clef_local.errors import ReleaseError
+
     parent = reference.resolve().parent
     out = []
     for child in sorted(parent.iterdir()):
-        if child.resolve() != reference.resolve() and is_release(child) and scheme_of(child) is not None:
+        if child.resolve() == reference.resolve() or not is_release(child):
+            continue
+        try:
+            quantized = scheme_of(child) is not None
+        except ReleaseError as exc:
+            log.warning("not offering %s as a variant: %s", child, exc)
+            continue
+        if quantized:
             out.append(child)
     return out
 

@@ -19,6 +19,7 @@ import numpy as np
 from clef_local.errors import ReleaseError
 from clef_local.formats.quant_plan import MIXED, LayerFormat, layer_index, mixed_plan
 from clef_local.formats.safetensors import DTYPES, read_arrays, read_header
+from clef_local.formats.variant import variant_format
 
 log = logging.getLogger(__name__)
 
@@ -71,26 +72,22 @@ def read_safetensors(file: Path) -> dict[str, Stored]:
 
 
 def variant_scheme(config: Mapping[str, Any]) -> tuple[str | None, int | None]:
-    """(scheme, group size) of a variant's ``config.json``; (None, None) for a full-precision release, (``mixed``,
-    None) for a mixed-precision one (its per-layer plan: :func:`clef_local.formats.quant_plan.mixed_plan`)."""
-    quant = config.get("quantization_config")
-    member = quant.get("clef_local") if isinstance(quant, dict) else None
-    if not isinstance(quant, dict) or not isinstance(member, dict):
+    """(scheme, group size) of a variant's ``config.json`` (:func:`clef_local.formats.variant.variant_format`);
+    (None, None) for a full-precision release, (``mixed``, None) for a mixed-precision one (its per-layer plan:
+    :func:`clef_local.formats.quant_plan.mixed_plan`)."""
+    fmt = variant_format(config)
+    if fmt is None:
         return None, None
-    scheme = member.get("scheme")
-    if scheme == MIXED:
-        for fmt in (mixed_plan(config) or {}).values():
-            if fmt.scheme == "int4" and fmt.group_size not in MLX_GROUP_SIZES:
-                raise ReleaseError(f"config.json: a mixed plan's int4 group_size {fmt.group_size!r} is not one MLX "
-                                   f"supports ({MLX_GROUP_SIZES})")
+    if fmt.scheme == MIXED:
+        for layer in (mixed_plan(config) or {}).values():
+            if layer.scheme == "int4" and layer.group_size not in MLX_GROUP_SIZES:
+                raise ReleaseError(f"config.json: a mixed plan's int4 group_size {layer.group_size!r} is not one "
+                                   f"MLX supports ({MLX_GROUP_SIZES})")
         return MIXED, None
-    if scheme not in SCHEMES:
-        raise ReleaseError(f"config.json: quantization_config.clef_local.scheme {scheme!r} is not one of "
-                           f"{', '.join(SCHEMES)}")
-    group = member.get("group_size") or quant.get("group_size")
-    if scheme == "int4" and group not in MLX_GROUP_SIZES:
-        raise ReleaseError(f"config.json: int4 group_size {group!r} is not one MLX supports ({MLX_GROUP_SIZES})")
-    return scheme, group
+    if fmt.scheme == "int4" and fmt.group_size not in MLX_GROUP_SIZES:
+        raise ReleaseError(f"config.json: int4 group_size {fmt.group_size!r} is not one MLX supports "
+                           f"({MLX_GROUP_SIZES})")
+    return fmt.scheme, fmt.group_size
 
 
 @dataclass
@@ -126,6 +123,19 @@ def int8_to_mlx(q: np.ndarray, scale: np.ndarray) -> QuantizedLayer:
     return QuantizedLayer(weight=words, scales=np.ones((out_f, groups), np.float32),
                           biases=np.full((out_f, groups), -INT8_OFFSET, np.float32), group_size=group, bits=8,
                           row_scale=scale.reshape(-1).astype(np.float32))
+
+
+def int4_dequantize(layer: QuantizedLayer) -> np.ndarray:
+    """``scales · q + biases`` per group of a 4-bit layer, float32 [out, in] (quant.int4's math, in numpy)."""
+    out_f, in_f = layer.shape
+    shifts = np.arange(0, 32, 4, dtype=np.uint32)
+    q = ((layer.weight[..., None] >> shifts) & 0xF).reshape(out_f, in_f // layer.group_size, layer.group_size)
+    w = q.astype(np.float32) * layer.scales[..., None] + layer.biases[..., None]
+    return w.reshape(out_f, in_f)
+
+
+# mlx-lm's conversions quantize the embeddings too; the backend gathers rows from a float matrix
+EMBEDDINGS = ("embed_tokens", "lm_head")
 
 
 def fp8_dequantize(q: Stored, scale: np.ndarray) -> np.ndarray:
@@ -234,7 +244,10 @@ def load_backbone_tensors(files: Sequence[Path], scheme: str | None, group: int 
         start = prefix + "."
         names = [n for n in plain if n.startswith(start) and n != start + "bias"]
         layer = _layer(prefix, {n[len(start):]: plain.pop(n) for n in names}, fmt.scheme, fmt.group_size)
-        if isinstance(layer, QuantizedLayer):
+        if isinstance(layer, QuantizedLayer) and prefix.rpartition(".")[2] in EMBEDDINGS:
+            log.info("dequantizing the int4 embedding %s %s to full precision", prefix, list(layer.shape))
+            plain[start + "weight"] = Stored(int4_dequantize(layer), "F32")
+        elif isinstance(layer, QuantizedLayer):
             quantized[prefix] = layer
         else:
             plain[start + "weight"] = layer

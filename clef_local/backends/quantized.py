@@ -60,12 +60,16 @@ class QuantizedLinear(nn.Module):
         if missing or unknown:
             raise ReleaseError(f"{self.scheme} layer: missing stored tensor(s) {missing}, unknown {unknown}")
         for key, (shape, dtype) in specs.items():
-            self.register_buffer(self.KEYS[key], torch.empty(shape, dtype=dtype, device=device))
+            self.register_buffer(self.KEYS[key], torch.empty(shape, dtype=self.held_dtype(key, dtype), device=device))
         self.register_buffer("bias", None if bias is None else torch.empty(bias[0], dtype=bias[1], device=device))
         self._check(specs)
 
     def _check(self, specs: Mapping[str, TensorSpec]) -> None:
         """Raise :class:`ReleaseError` when the stored shapes/dtypes do not fit [out, in]."""
+
+    def held_dtype(self, key: str, stored: torch.dtype) -> torch.dtype:
+        """The dtype a stored tensor is held in (the loader casts floating tensors to it): as stored."""
+        return stored
 
     def _expect(self, specs: Mapping[str, TensorSpec], key: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         found = specs[key]
@@ -272,6 +276,9 @@ def bnb_int8_matmul(x: torch.Tensor, weight: torch.Tensor, scb: torch.Tensor) ->
     return y.reshape(*lead, y.shape[-1])
 
 
+SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # a per-row scale's stored dtypes
+
+
 class _PerRowLinear(QuantizedLinear):
     """Shared layout of int8 and fp8: ``weight`` [out, in] (one byte each) and ``weight_scale`` float32 [out, 1]."""
 
@@ -283,7 +290,13 @@ class _PerRowLinear(QuantizedLinear):
 
     def _check(self, specs: Mapping[str, TensorSpec]) -> None:
         self._expect(specs, "weight", (self.out_features, self.in_features), self.WEIGHT_DTYPE)
-        self._expect(specs, "weight_scale", (self.out_features, 1), torch.float32)
+        stored = specs["weight_scale"][1]
+        self._expect(specs, "weight_scale", (self.out_features, 1), stored if stored in SCALE_DTYPES else torch.float32)
+
+    def held_dtype(self, key: str, stored: torch.dtype) -> torch.dtype:
+        """``weight_scale`` in float32 whatever float dtype it is stored in: compressed-tensors' compressors store
+        it in the model's dtype (bf16), clef-local in float32; the widening is exact."""
+        return torch.float32 if key == "weight_scale" and stored in SCALE_DTYPES else stored
 
 
 class Int8Linear(_PerRowLinear):

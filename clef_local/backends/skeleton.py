@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from clef_local.backends.quantized import quantized_prefixes, swap_linears
+from clef_local.backends.quantized_embeddings import dequantize_embeddings, embedding_prefixes
 from clef_local.errors import ReleaseError, one_line
 from clef_local.formats.safetensors import DTYPES as SAFETENSORS_DTYPES
 from clef_local.formats.safetensors import read_header
@@ -61,7 +62,9 @@ def build_skeleton(cls: Any, path: Path, weight_files: Sequence[Path], scheme: s
             model = cls._from_config(config, dtype=dtype)
     headers = read_headers(weight_files)
     if scheme is not None:
-        swap_linears(model, quantized_prefixes(headers, scheme, plan), headers, dtype=dtype)
+        prefixes = quantized_prefixes(headers, scheme, plan)
+        embeddings = embedding_prefixes(model, prefixes)  # mlx-lm's int4 embeddings stay nn.Embedding
+        swap_linears(model, {p: s for p, s in prefixes.items() if p not in embeddings}, headers, dtype=dtype)
     return model, headers
 
 
@@ -78,13 +81,15 @@ def load_variant_backbone(cls: Any, path: Path, weight_files: Sequence[Path], sc
     """
     from safetensors.torch import load_file
 
-    model, _ = build_skeleton(cls, path, weight_files, scheme, dtype, plan)
+    model, headers = build_skeleton(cls, path, weight_files, scheme, dtype, plan)
+    embeddings = embedding_prefixes(model, quantized_prefixes(headers, scheme, plan))
     expected = model.state_dict(keep_vars=True)
     for file in weight_files:
         try:
             state = load_file(str(file))
         except Exception as exc:  # truncated data past a valid header
             raise ReleaseError(f"{file}: cannot read tensor data ({exc})") from exc
+        dequantize_embeddings(state, embeddings, dtype)
         unexpected = sorted(set(state) - set(expected))
         if unexpected:
             raise ReleaseError(f"{file}: tensors the backbone does not have: {', '.join(unexpected[:10])}")

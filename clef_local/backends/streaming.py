@@ -206,6 +206,11 @@ class StreamedModel:
         text_model = getattr(base, "language_model", base)
         names = _module_names(model)
         expected = model.state_dict(keep_vars=True)
+        for embedding in (text_model.get_input_embeddings(), model.get_output_embeddings()):
+            if f"{names[id(embedding)]}.scales" in reader:
+                raise ReleaseError(f"{path}: {names[id(embedding)]}.weight is int4 (an mlx-lm conversion quantizes "
+                                   f"embeddings); streamed runs read embedding rows from the file as stored, which "
+                                   f"needs them as released: load it without streaming (it is dequantized at load)")
         ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
         unknown = sorted(n for n in reader.tensors if n not in expected and not any(p.search(n) for p in ignored))
         if unknown:

@@ -25,6 +25,7 @@ from clef_local.errors import ReleaseError, one_line
 from clef_local.formats.quant_plan import mixed_plan
 from clef_local.formats.release import QWEN3_5, SINGLE_WEIGHTS, WEIGHTS_INDEX, Release, find_weight_files
 from clef_local.formats.safetensors import read_header
+from clef_local.formats.variant import variant_format
 from clef_local.heads.torch_head import load_head
 from clef_local.runtime.hf_bars import hf_progress_bars
 from clef_local.runtime.layout import HeadLayout, pad_batch
@@ -58,15 +59,10 @@ def qwen3_5_type(config: Any) -> str:
 
 
 def variant_scheme(config: dict[str, Any]) -> str | None:
-    """The scheme of a quantized variant's ``config.json`` (``quantization_config.clef_local.scheme``), else None."""
-    quant = config.get("quantization_config")
-    member = quant.get("clef_local") if isinstance(quant, dict) else None
-    if not isinstance(member, dict):
-        return None
-    scheme = member.get("scheme")
-    if not isinstance(scheme, str):
-        raise ReleaseError(f"config.json: quantization_config.clef_local has no scheme ({member!r})")
-    return scheme
+    """The scheme of a quantized variant's ``config.json`` (:func:`clef_local.formats.variant.variant_format`),
+    else None."""
+    fmt = variant_format(config)
+    return None if fmt is None else fmt.scheme
 
 
 class TorchBackbone:

@@ -106,20 +106,19 @@ def _linear_modules(source: Path, names: list[str], config: dict[str, Any]) -> l
 def _write_config(source: Path, tmp: Path, config: dict[str, Any], scheme: Scheme, group: int | None,
                   result: dict[str, Any], options: dict[str, Any], calibration: dict[str, Any] | None = None, *,
                   validated: bool = True) -> dict[str, Any]:
-    if scheme.name == "nf4":
-        done = {n.removesuffix(".weight") for n in result["quantized"]}
-        linear = _linear_modules(source, list(result["skipped"]), config)
-        qconfig = scheme.quantization_config(group, skip_modules=[m for m in linear if m not in done])
-    else:
-        qconfig = scheme.quantization_config(group, **options)
+    done = {n.removesuffix(".weight") for n in result["quantized"]}
+    linear = _linear_modules(source, list(result["skipped"]), config) if scheme.name != "int4" else []
+    # bitsandbytes' and compressed-tensors' configs name every linear kept as released (their loaders would
+    # otherwise expect quantized tensors there); mlx-lm finds int4's quantized layers by their scales
+    qconfig = scheme.quantization_config(group, skip_modules=[m for m in linear if m not in done], **options)
     # validated: False only with --no-validate (a variant that fails or cannot run validation is not written)
     qconfig["clef_local"] = {"scheme": scheme.name, "group_size": group, **options,
                              "quantized": len(result["quantized"]), "skipped": result["skipped"],
                              "validated": validated}
     if calibration:
         qconfig["clef_local"]["calibration"] = calibration
-    (tmp / CONFIG).write_text(json.dumps({**config, "quantization_config": qconfig}, indent=2, ensure_ascii=False)
-                              + "\n", encoding="utf-8")
+    written = {**config, "quantization_config": qconfig, **scheme.top_level_config(group)}
+    (tmp / CONFIG).write_text(json.dumps(written, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     return qconfig
 
 

@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from clef_local.errors import ReleaseError
-from clef_local.formats.quant_plan import MIXED, layer_groups, mixed_plan, span
+from clef_local.formats.quant_plan import layer_groups, mixed_plan, span
 from clef_local.formats.safetensors import TensorInfo, read_header
+from clef_local.formats.variant import variant_format
 
 FORMATS = ("bf16", "int8", "fp8", "int4", "nf4")  # best precision first
 DEFAULT_GROUP_SIZE = 64
@@ -170,19 +171,10 @@ def census_from_shapes(shapes: Mapping[str, tuple[tuple[int, ...], int]], fmt: s
 
 
 def stored_format(config: Mapping[str, Any]) -> str:
-    """``bf16`` for a release, else the variant's scheme (``quantization_config.scheme`` or bitsandbytes nf4;
+    """``bf16`` for a release, else the variant's scheme (:func:`clef_local.formats.variant.variant_format`;
     ``mixed`` for a variant with a format per layer group, :mod:`clef_local.formats.quant_plan`)."""
-    quant = config.get("quantization_config")
-    if not isinstance(quant, Mapping):
-        return "bf16"
-    inner = quant.get("clef_local")
-    member = inner if isinstance(inner, Mapping) else quant
-    scheme = member.get("scheme") or ("nf4" if member.get("bnb_4bit_quant_type") == "nf4" else None)
-    if scheme == MIXED:
-        return MIXED
-    if scheme not in FORMATS:
-        raise ReleaseError(f"config.json: unknown quantization scheme in quantization_config ({dict(quant)!r})")
-    return str(scheme)
+    fmt = variant_format(config)
+    return "bf16" if fmt is None else fmt.scheme
 
 
 def census_from_release(path: Path, weight_files: Iterable[Path], config: Mapping[str, Any], fmt: str | None = None,

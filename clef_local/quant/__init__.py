@@ -10,9 +10,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["SCHEMES", "Scheme", "fp8", "get", "int4", "int8", "nf4", "predicate"]
+__all__ = ["SCHEMES", "Scheme", "compressed", "fp8", "get", "int4", "int8", "nf4", "predicate"]
 
-_SUBMODULES = ("fp8", "int4", "int8", "nf4", "predicate")
+_SUBMODULES = ("compressed", "fp8", "int4", "int8", "nf4", "predicate")
 
 
 def __getattr__(name: str) -> Any:

@@ -5,9 +5,11 @@ The rule, its error bound and the stored keys: docs/quantization.md#the-rounding
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
-from . import _rowwise
+from . import _rowwise, compressed
 
 BITS = 8
 FP8_DTYPE = torch.float8_e4m3fn
@@ -31,21 +33,7 @@ def bits_per_weight(group_size: int | None = None, in_features: int = 4096) -> f
     return _rowwise.bits_per_weight(BITS, in_features)
 
 
-def quantization_config(group_size: int | None = None) -> dict:
-    """config.json ``quantization_config``: a plain description, not compressed-tensors' ``config_groups`` schema.
-
-    The tensors are compressed-tensors' FP8 weight layout (``weight`` e4m3fn + per-channel ``weight_scale``), but
-    the config names our scheme (``quant_method`` "clef-local"), so no engine mistakes it for a full
-    compressed-tensors or transformers ``fp8`` (block-scaled ``weight_scale_inv``) checkpoint.
-    """
-    return {
-        "quant_method": "clef-local",
-        "scheme": "fp8",
-        "bits": BITS,
-        "fmt": "float8_e4m3fn",
-        "granularity": "per_output_channel",
-        "weight_dtype": "float8_e4m3fn",
-        "scale_dtype": "float32",
-        "activation_scheme": "none (weight-only)",
-        "tensors": ["weight", "weight_scale"],
-    }
+def quantization_config(ignore: Iterable[str] = ()) -> dict:
+    """config.json ``quantization_config``: compressed-tensors' ``float-quantized`` schema for these tensors
+    (:func:`.compressed.quantization_config`; ``ignore``: the linear modules kept as released)."""
+    return compressed.quantization_config("fp8", ignore)

@@ -5,9 +5,11 @@ The rule, its error bound and the stored keys: docs/quantization.md#the-rounding
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
-from . import _rowwise
+from . import _rowwise, compressed
 
 BITS = 8
 QMAX = 127
@@ -30,18 +32,10 @@ def bits_per_weight(group_size: int | None = None, in_features: int = 4096) -> f
     return _rowwise.bits_per_weight(BITS, in_features)
 
 
-def quantization_config(group_size: int | None = None) -> dict:
-    """config.json ``quantization_config`` (descriptive; ``quant_method`` is ours, transformers skips it)."""
-    return {
-        "quant_method": "clef-local",
-        "scheme": "int8",
-        "bits": BITS,
-        "symmetric": True,
-        "granularity": "per_output_channel",
-        "weight_dtype": "int8",
-        "scale_dtype": "float32",
-        "tensors": ["weight", "weight_scale"],
-    }
+def quantization_config(ignore: Iterable[str] = ()) -> dict:
+    """config.json ``quantization_config``: compressed-tensors' ``int-quantized`` schema for these tensors
+    (:func:`.compressed.quantization_config`; ``ignore``: the linear modules kept as released)."""
+    return compressed.quantization_config("int8", ignore)
 
 
 def aligned(tensor: torch.Tensor, alignment: int = 64) -> torch.Tensor:

@@ -17,7 +17,9 @@ class Scheme:
 
     ``quantize(weight, group_size, **options)`` -> tensors (int4's option: ``grid``, see :mod:`.int4`);
     ``dequantize(tensors, group_size, dtype)`` -> weight; ``bits_per_weight(group_size)``;
-    ``quantization_config(group_size, **options)`` -> the config.json dict (the same options).
+    ``quantization_config(group_size, skip_modules=None, **options)`` -> the config.json dict (the same options;
+    ``skip_modules``: the linear modules kept as released, which bitsandbytes' and compressed-tensors' configs list;
+    int4's readers find its quantized layers by their ``scales`` instead).
     ``default_group_size`` is None where the scheme has no groups (int8, fp8: one scale per row); for nf4 it is the
     bitsandbytes block size, over the flattened weight. ``needs_divisible_input`` says whether the predicate must
     check ``in % group_size`` (only int4 groups run along the input dimension).
@@ -35,6 +37,14 @@ class Scheme:
     def predicate_group_size(self, group_size: int | None = None) -> int | None:
         """The group size to hand to ``predicate.should_quantize`` for this scheme."""
         return (group_size or self.default_group_size) if self.needs_divisible_input else None
+
+    def top_level_config(self, group_size: int | None = None) -> dict[str, Any]:
+        """config.json members written beside ``quantization_config``: for int4 mlx-lm's ``quantization`` block
+        (``{"group_size", "bits": 4, "mode": "affine"}``, which mlx-lm reads before ``quantization_config``);
+        none for the other schemes."""
+        if self.name == "int4":
+            return {"quantization": int4.mlx_quantization(group_size or int4.DEFAULT_GROUP_SIZE)}
+        return {}
 
 
 def _int4_quantize(weight: torch.Tensor, group_size: int | None = None, grid: str = int4.DEFAULT_GRID
@@ -83,8 +93,8 @@ SCHEMES: dict[str, Scheme] = {
         quantize=_int4_quantize,
         dequantize=_int4_dequantize,
         bits_per_weight=lambda group_size=None: int4.bits_per_weight(group_size or int4.DEFAULT_GROUP_SIZE),
-        quantization_config=lambda group_size=None, grid=int4.DEFAULT_GRID: int4.quantization_config(
-            group_size or int4.DEFAULT_GROUP_SIZE, grid),
+        quantization_config=lambda group_size=None, skip_modules=None, grid=int4.DEFAULT_GRID: (
+            int4.quantization_config(group_size or int4.DEFAULT_GROUP_SIZE, grid)),
     ),
     "int8": Scheme(
         name="int8",
@@ -94,7 +104,7 @@ SCHEMES: dict[str, Scheme] = {
         quantize=_per_channel_quantize(int8),
         dequantize=_per_channel_dequantize(int8),
         bits_per_weight=lambda group_size=None: int8.bits_per_weight(),
-        quantization_config=lambda group_size=None: int8.quantization_config(),
+        quantization_config=lambda group_size=None, skip_modules=None: int8.quantization_config(skip_modules or ()),
     ),
     "nf4": Scheme(
         name="nf4",
@@ -114,7 +124,7 @@ SCHEMES: dict[str, Scheme] = {
         quantize=_per_channel_quantize(fp8),
         dequantize=_per_channel_dequantize(fp8),
         bits_per_weight=lambda group_size=None: fp8.bits_per_weight(),
-        quantization_config=lambda group_size=None: fp8.quantization_config(),
+        quantization_config=lambda group_size=None, skip_modules=None: fp8.quantization_config(skip_modules or ()),
     ),
 }
 

@@ -1,0 +1,65 @@
+"""The demo model's variants in the ecosystem's tools: last hidden states vs clef-local's, float32, on the CPU.
+
+    python benchmarks/ecosystem_parity.py                 # fp8, int8 (transformers) and int4 (mlx-lm)
+    python benchmarks/ecosystem_parity.py --out DIR fp8   # keep the exported variants in DIR
+
+fp8 / int8: transformers with compressed-tensors (``CompressedTensorsConfig(dequantize=True)``: the only route that
+runs on a CPU, docs/quantization.md#what-reads-each-variant); int4: ``mlx_lm.utils.load_model`` cast to float32.
+Each variant is exported with ``validate=False`` from the demo release; the input is 2 × 64 random token ids.
+Results in docs/benchmarks.md#variants-in-the-ecosystems-tools.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def reference_hidden_states(path: Path, scheme: str, ids: torch.Tensor, mask: torch.Tensor) -> np.ndarray:
+    """The other tool's last hidden states of ``ids`` for the variant at ``path``."""
+    if scheme == "int4":
+        import mlx.core as mx
+        from mlx_lm.utils import load_model
+
+        model, _ = load_model(path)
+        model.set_dtype(mx.float32)
+        return np.array(model.model(mx.array(ids.numpy())).astype(mx.float32))
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, quantization_config=transformers.CompressedTensorsConfig(dequantize=True))
+    with torch.inference_mode():
+        return model.model(input_ids=ids, attention_mask=mask).last_hidden_state.numpy()
+
+
+def main() -> None:
+    import clef_local
+    from clef_local.demo.default import default_model_path
+    from clef_local.export.quantize import quantize_release
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("schemes", nargs="*", default=["fp8", "int8", "int4"])
+    parser.add_argument("--out", type=Path, help="where the variants are written (default: a temporary directory)")
+    args = parser.parse_args()
+    root = args.out or Path(tempfile.mkdtemp(prefix="ecosystem-"))
+    ids = torch.tensor(np.random.default_rng(0).integers(100, 40000, (2, 64)))
+    mask = torch.ones_like(ids)
+    print("| scheme | read by | max abs Δ | relative to max abs h |\n|---|---|---|---|")
+    for scheme in args.schemes:
+        out = root / scheme
+        if not out.exists():
+            quantize_release(default_model_path(), out, scheme, validate=False, log_summary=False)
+        model = clef_local.load(out, dtype="float32", backend="torch")
+        ours = model.backend.backbone.forward(ids, mask).float().numpy()
+        reference = reference_hidden_states(out, scheme, ids, mask)
+        delta = float(np.abs(ours - reference).max())
+        tool = "mlx-lm" if scheme == "int4" else "transformers + compressed-tensors"
+        print(f"| {scheme} | {tool} | {delta:.3g} | {delta / float(np.abs(reference).max()):.3g} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -413,3 +413,25 @@ def test_int4_load_peak_memory_stays_below_the_bf16_size(tmp_path):
           f"for {bf16_bytes / 2**20:.0f} MiB of bf16 weights")
     assert result["peak"] <= 0.8 * bf16_bytes
     assert result["anon"] <= 0.5 * bf16_bytes
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads the process's mappings (Linux)")
+def test_the_stored_codes_do_not_keep_the_shard_mapped(tmp_path: Path) -> None:
+    """read_shard maps the unquantized tensors and reads the quantized linears' own: once the mapped ones are gone,
+    the file is no longer mapped however long the codes live (a kernel that repacks them frees the stored copy)."""
+    import gc
+
+    from clef_local.backends.skeleton import read_shard
+
+    file = tmp_path / "model.safetensors"
+    stored = {"model.layers.0.mlp.up_proj.weight": torch.randint(0, 255, (64, 32), dtype=torch.uint8),
+              "model.layers.0.mlp.up_proj.scales": torch.rand(64, 1), "model.norm.weight": torch.rand(32)}
+    save_file(stored, file)
+    state = read_shard(file, ("model.layers.0.mlp.up_proj.",))
+    assert set(state) == set(stored) and all(torch.equal(state[k], stored[k]) for k in stored)
+    assert str(file) in Path("/proc/self/maps").read_text()  # the norm is mapped
+    codes = {k: v for k, v in state.items() if k.startswith("model.layers.0.mlp.up_proj.")}
+    del state
+    gc.collect()
+    assert str(file) not in Path("/proc/self/maps").read_text()
+    assert torch.equal(codes["model.layers.0.mlp.up_proj.weight"], stored["model.layers.0.mlp.up_proj.weight"])

@@ -79,14 +79,13 @@ def load_variant_backbone(cls: Any, path: Path, weight_files: Sequence[Path], sc
     The model stays on the CPU; the caller moves it and then calls ``prepare_quantized``. ``plan``: a mixed
     variant's format per decoder layer (:func:`clef_local.formats.quant_plan.mixed_plan`).
     """
-    from safetensors.torch import load_file
-
     model, headers = build_skeleton(cls, path, weight_files, scheme, dtype, plan)
-    embeddings = embedding_prefixes(model, quantized_prefixes(headers, scheme, plan))
+    quantized = quantized_prefixes(headers, scheme, plan)
+    embeddings = embedding_prefixes(model, quantized)
     expected = model.state_dict(keep_vars=True)
     for file in weight_files:
         try:
-            state = load_file(str(file))
+            state = read_shard(file, tuple(f"{prefix}." for prefix in quantized))
         except Exception as exc:  # truncated data past a valid header
             raise ReleaseError(f"{file}: cannot read tensor data ({exc})") from exc
         dequantize_embeddings(state, embeddings, dtype)
@@ -108,6 +107,26 @@ def load_variant_backbone(cls: Any, path: Path, weight_files: Sequence[Path], sc
     if missing:
         raise ReleaseError(f"{path}: tensors missing from the weight files: {', '.join(missing[:10])}")
     return model
+
+
+def read_shard(file: Path, copied: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """A shard's tensors: those whose names start with one of ``copied`` (the quantized linears') read into memory
+    of their own, the rest mapped from the file.
+
+    Mapped tensors share the file's mapping, and every page they touched stays resident while any of them lives. The
+    stored codes of a quantized linear are replaced at ``prepare()`` (torch's CPU int4 kernel and tinygemm repack
+    them) or by a move to a GPU, so mapped they would stay resident beside their replacement: read on their own
+    (safetensors' ``pread`` backend) they are freed when replaced.
+    """
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="pt", backend="mmap") as mapped:
+        names = list(mapped.keys())
+        state = {name: mapped.get_tensor(name) for name in names if not name.startswith(copied)}
+    if len(state) < len(names):
+        with safe_open(str(file), framework="pt", backend="pread") as read:
+            state.update((name, read.get_tensor(name)) for name in names if name.startswith(copied))
+    return state
 
 
 def materialize_non_persistent_buffers(model: Any) -> None:

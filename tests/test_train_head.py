@@ -317,17 +317,16 @@ def test_every_setting_is_a_flag_whose_help_is_its_reason(capsys):
 
 
 def test_data_reads_what_data_convert_writes_and_names_a_bad_line(tmp_path: Path, capsys) -> None:
-    from clef_local.data.jsonl import write_jsonl
-    from clef_local.training.records import read_examples
+    from clef_local.data.jsonl import read_jsonl, write_jsonl
 
     examples = training_examples(banking77=3, nlupp=2, seed=1)
     converted, wrapped = tmp_path / "converted.jsonl", tmp_path / "wrapped.jsonl"
     write_jsonl(examples, converted)  # data convert's lines: the request's fields, id and labels
     wrapped.write_text("".join(json.dumps({"request": e.request, "labels": e.labels}) + "\n" for e in examples))
     for path in (converted, wrapped):
-        read = read_examples(path)
+        read = read_jsonl(path)
         assert [(e.request, e.labels) for e in read] == [(e.request, e.labels) for e in examples]
-    assert [e.id for e in read_examples(converted)] == [e.id for e in examples]
+    assert [e.id for e in read_jsonl(converted)] == [e.id for e in examples]
     with converted.open("a") as f:
         f.write('{"state": "x", "questions": {}}\n')
     with pytest.raises(SystemExit) as exit_info:

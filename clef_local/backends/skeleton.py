@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -40,13 +40,23 @@ def read_headers(files: Sequence[Path]) -> dict[str, tuple[tuple[int, ...], torc
     return headers
 
 
+class Skeleton(NamedTuple):
+    """What :func:`build_skeleton` built: the model on the meta device, the weight files' headers ({name: (shape,
+    dtype)}), the quantized modules the headers name ({path: scheme}; empty for a full-precision release) and, of
+    those, the int4 embeddings an mlx-lm conversion stores (kept as ``nn.Embedding``, dequantized at load)."""
+
+    model: Any
+    headers: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    quantized: dict[str, str]
+    embeddings: set[str]
+
+
 def build_skeleton(cls: Any, path: Path, weight_files: Sequence[Path], scheme: str | None,
-                   dtype: torch.dtype, plan: Mapping[int, LayerFormat] | None = None
-                   ) -> tuple[Any, dict[str, tuple[tuple[int, ...], torch.dtype]]]:
+                   dtype: torch.dtype, plan: Mapping[int, LayerFormat] | None = None) -> Skeleton:
     """``cls`` built from ``path``'s ``config.json`` on the meta device in ``dtype`` (no memory), with a variant's
     quantized linears swapped in (``scheme`` None: a full-precision release, nothing swapped; ``plan``: a mixed
     variant's format per decoder layer, :func:`clef_local.formats.quant_plan.mixed_plan`), and the headers of
-    ``weight_files`` ({name: (shape, dtype)}, each checked against its file)."""
+    ``weight_files``, each checked against its file."""
     import transformers
 
     try:
@@ -61,11 +71,12 @@ def build_skeleton(cls: Any, path: Path, weight_files: Sequence[Path], scheme: s
         else:
             model = cls._from_config(config, dtype=dtype)
     headers = read_headers(weight_files)
-    if scheme is not None:
-        prefixes = quantized_prefixes(headers, scheme, plan)
-        embeddings = embedding_prefixes(model, prefixes)  # mlx-lm's int4 embeddings stay nn.Embedding
-        swap_linears(model, {p: s for p, s in prefixes.items() if p not in embeddings}, headers, dtype=dtype)
-    return model, headers
+    if scheme is None:
+        return Skeleton(model, headers, {}, set())
+    prefixes = quantized_prefixes(headers, scheme, plan)
+    embeddings = embedding_prefixes(model, prefixes)  # mlx-lm's int4 embeddings stay nn.Embedding
+    swap_linears(model, {p: s for p, s in prefixes.items() if p not in embeddings}, headers, dtype=dtype)
+    return Skeleton(model, headers, prefixes, embeddings)
 
 
 def load_variant_backbone(cls: Any, path: Path, weight_files: Sequence[Path], scheme: str,
@@ -79,9 +90,7 @@ def load_variant_backbone(cls: Any, path: Path, weight_files: Sequence[Path], sc
     The model stays on the CPU; the caller moves it and then calls ``prepare_quantized``. ``plan``: a mixed
     variant's format per decoder layer (:func:`clef_local.formats.quant_plan.mixed_plan`).
     """
-    model, headers = build_skeleton(cls, path, weight_files, scheme, dtype, plan)
-    quantized = quantized_prefixes(headers, scheme, plan)
-    embeddings = embedding_prefixes(model, quantized)
+    model, _, quantized, embeddings = build_skeleton(cls, path, weight_files, scheme, dtype, plan)
     expected = model.state_dict(keep_vars=True)
     for file in weight_files:
         try:

@@ -198,7 +198,7 @@ class StreamedModel:
     def __init__(self, cls: Any, path: Path, weight_files: Sequence[Path], scheme: str | None, dtype: torch.dtype,
                  device: torch.device, stream: StreamDecision,
                  plan: Mapping[int, LayerFormat] | None = None) -> None:
-        model, _ = build_skeleton(cls, path, weight_files, scheme, dtype, plan)
+        model = build_skeleton(cls, path, weight_files, scheme, dtype, plan).model
         model.requires_grad_(False)
         self.model = model
         self.reader = reader = WeightReader(weight_files)

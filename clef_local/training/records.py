@@ -10,7 +10,6 @@ from pathlib import Path
 import torch
 
 from clef_local.data.datasets import Example, Twin
-from clef_local.data.jsonl import read_jsonl
 from clef_local.formats.release import read_json
 from clef_local.runtime.encoding import EncodedRecord, encode_request
 from clef_local.runtime.schema import validate_request
@@ -57,12 +56,6 @@ def encode_records(tokenizer: ReleaseTokenizer, records: Sequence[Example], back
     record's gold option indices."""
     pairs = encode_examples(tokenizer, records, max_length(backbone_dir))
     return [e for e, _ in pairs], [g for _, g in pairs]
-
-
-def read_examples(path: Path) -> list[Example]:
-    """``--data FILE.jsonl``: labelled requests as ``clef-local data convert`` writes them
-    (:mod:`clef_local.data.jsonl`; a bad line is a ``DataFormatError`` naming it)."""
-    return read_jsonl(path)
 
 
 def output_embedding(backbone_dir: Path, backbone_config: dict, device: str) -> torch.Tensor:

@@ -160,9 +160,9 @@ def _training_data(data: str, config: TrainConfig
                    ) -> tuple[list[Example], list[Twin], tuple[str, ...], list[Example]]:
     """(examples, twins, option universe of the full views, canonical records) of ``--data``."""
     if data != "demo":
-        from clef_local.training.records import read_examples
+        from clef_local.data.jsonl import read_jsonl
 
-        return read_examples(Path(data)), [], (), []
+        return read_jsonl(Path(data)), [], (), []
     from clef_local.training.demo_data import demo_universe, training_examples, twin_records
 
     examples = training_examples(config.banking77, config.nlupp, config.seed, hard=config.hard_negatives,

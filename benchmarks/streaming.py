@@ -5,20 +5,20 @@
     python benchmarks/streaming.py --model DIR --max-memory cpu=1GiB --resident          # + resident, max |Δp|
     python benchmarks/streaming.py --model BF16 --candidate INT4 --max-memory cpu=6GiB --drift --quantize OUT
 
-Each run is a fresh subprocess; its peak RSS is the kernel's (``wait4``'s ``ru_maxrss``: every page the process held
-at once, torch and Python included). ``stream`` loads ``--model`` with ``offload="disk"`` under ``--max-memory``
-and predicts ``--requests`` probe requests (the planner's batch budget decides how many passes); ``resident`` the
-same without streaming (no cap) and the largest |Δp| between the two; ``drift`` runs ``clef-local drift
---reference MODEL --candidate CANDIDATE --limit N`` under the cap (the reference streams by itself when it does not
-fit); ``quantize`` runs ``clef-local quantize --model MODEL --bits 4 --out OUT`` under the cap (its validation
-streams the reference). Prints one Markdown table. Numbers in docs/benchmarks.md#streamed-from-disk.
+Each run is a fresh subprocess; its peak RSS is the kernel's high-water mark of that process (``VmHWM``, read while it
+runs: a child's ``ru_maxrss`` would carry this parent's), torch and Python included. ``stream`` loads ``--model`` with
+``offload="disk"`` under ``--max-memory`` and predicts ``--requests`` probe requests (the planner's batch budget decides
+how many passes); ``resident`` the same without streaming (no cap) and the largest |Δp| between the two; ``drift`` runs
+``clef-local drift --reference MODEL --candidate CANDIDATE --limit N`` under the cap (the reference streams by itself
+when it does not fit); ``quantize`` runs ``clef-local quantize --model MODEL --bits 4 --out OUT`` under the cap (its
+validation streams the reference and the variant when they do not fit: one row each, from ``validation.json``).
+``--no-stream`` skips the first run. Prints one Markdown table. Numbers in docs/benchmarks.md#streamed-from-disk.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -45,17 +45,31 @@ print(json.dumps({"load_s": loaded, "batch_s": seconds, "streamed": info.get("st
 """
 
 
+def _high_water(pid: int) -> int:
+    """``pid``'s peak resident set so far (bytes; VmHWM), 0 once it has exited."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def _run(command: list[str]) -> tuple[float, int, str]:
     """(wall seconds, peak RSS bytes, stdout) of ``command`` in a subprocess; its stderr passes through."""
     started = time.perf_counter()
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
-    assert process.stdout is not None
-    out = process.stdout.read()
-    _, status, usage = os.wait4(process.pid, 0)
-    process.returncode = os.waitstatus_to_exitcode(status)
+    with tempfile.TemporaryFile("w+") as out:
+        process = subprocess.Popen(command, stdout=out, text=True)
+        peak = 0
+        while process.poll() is None:
+            peak = max(peak, _high_water(process.pid))
+            time.sleep(0.2)
+        out.seek(0)
+        text = out.read()
     if process.returncode not in (0, 1):  # drift exits 1 when a gate fails: still a measurement
         raise SystemExit(f"{' '.join(command)} failed with exit status {process.returncode}")
-    return time.perf_counter() - started, usage.ru_maxrss * 1024, out
+    return time.perf_counter() - started, peak, text
 
 
 def _predict(model: Path, options: dict[str, Any], n: int, out: Path) -> tuple[float, int, dict[str, Any]]:
@@ -77,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-length", type=int,
                         help="the context the load plans for (default: the model's, 65,536; a streamed pass is not "
                              "chunked, so its activations grow with it)")
+    parser.add_argument("--no-stream", action="store_true", help="skip the streamed prediction run")
     parser.add_argument("--resident", action="store_true", help="also run resident (no cap) and compare")
     parser.add_argument("--drift", action="store_true", help="also run clef-local drift under the cap")
     parser.add_argument("--quantize", type=Path, metavar="OUT", help="also run clef-local quantize --bits 4 to OUT")
@@ -86,14 +101,15 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         options = {"dtype": dtype, "offload": "disk", "max_memory": args.max_memory,
                    **({"max_length": args.max_length} if args.max_length else {})}
-        wall, peak, info = _predict(args.model, options, args.requests, Path(tmp) / "stream.npz")
-        stream, streamed = info["loader"]["stream"], info["streamed"]
-        passes = len(info["batch_s"])
-        rows.append(["stream", peak, stream["peak_bytes"], streamed["bytes_read"], passes,
-                     sum(info["batch_s"]) / passes, streamed["read_seconds"], streamed["wait_seconds"],
-                     f"load {info['load_s']:.1f} s, {info['loader']['dtype']}, batch budget {stream['batch_tokens']:,}"
-                     f" tokens, planned reads {stream['read_bytes'] / 1e9:.2f} GB/pass"])
-        if args.resident:
+        if not args.no_stream:
+            wall, peak, info = _predict(args.model, options, args.requests, Path(tmp) / "stream.npz")
+            stream, streamed = info["loader"]["stream"], info["streamed"]
+            passes = len(info["batch_s"])
+            rows.append(["stream", peak, stream["peak_bytes"], streamed["bytes_read"], passes,
+                         sum(info["batch_s"]) / passes, streamed["read_seconds"], streamed["wait_seconds"],
+                         f"load {info['load_s']:.1f} s, {info['loader']['dtype']}, batch budget "
+                         f"{stream['batch_tokens']:,} tokens, planned reads {stream['read_bytes'] / 1e9:.2f} GB/pass"])
+        if args.resident and not args.no_stream:
             import numpy as np
 
             resident = {"dtype": dtype, **({"max_length": args.max_length} if args.max_length else {})}
@@ -122,7 +138,15 @@ def main(argv: list[str] | None = None) -> int:
             validation = json.loads((args.quantize / "validation.json").read_text())
             rows.append(["quantize + validation", peak, None, None, None, None, None, None,
                          f"{wall:.0f} s wall; validation {'passed' if validation.get('passed') else 'FAILED'} "
-                         f"in {validation.get('seconds', 0):.0f} s, mean_kl {validation['metrics']['mean_kl']:.3g}"])
+                         f"in {validation.get('seconds', 0):.0f} s on {validation['requests']} probe requests, "
+                         f"mean_kl {validation['metrics']['mean_kl']:.3g}, flips {validation['flips']}"])
+            for role, run in validation.get("runs", {}).items():
+                streamed = run.get("streamed")
+                batches = max(run["batches"], 1)
+                rows.append([f"validation: {role}", None, None, streamed and streamed["bytes_read"], run["batches"],
+                             run["seconds"] / batches, streamed and streamed["read_seconds"],
+                             streamed and streamed["wait_seconds"],
+                             f"{'streamed' if streamed else 'resident'}, load {run['load_seconds']:.0f} s"])
     print(f"{args.model} under --max-memory {args.max_memory}, {args.requests} probe requests, dtype {args.dtype}, "
           f"max_length {args.max_length or 'default'}\n")
     print("| run | peak RSS (GiB) | planned peak (GiB) | bytes read (GB) | passes | s / pass | read s | wait s "

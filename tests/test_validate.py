@@ -133,12 +133,12 @@ def test_validation_that_cannot_run_is_an_error_not_a_skip(tiny_llama: Path, cop
         validate_export(tiny_llama, same, "int8")
     monkeypatch.undo()
 
-    def no_reference(path, *args):
+    def no_reference(path, *args, **kwargs):
         if Path(path) == Path(tiny_llama):
             raise MemoryError("cannot allocate")
         raise AssertionError("the variant is not run when the reference cannot be")
 
-    monkeypatch.setattr(validate, "_probabilities", no_reference)
+    monkeypatch.setattr(validate, "_predictions", no_reference)
     with pytest.raises(ValidationUnavailable) as info:
         validate_export(tiny_llama, same, "int8")
     assert str(info.value) == ("validation cannot run: the reference could not be loaded or run (MemoryError: cannot "

@@ -73,28 +73,48 @@ def compare(reference: Sequence[Sequence[np.ndarray]], variant: Sequence[Sequenc
             "flip_rate": float(np.mean(flips)), "flips": int(np.sum(flips)), "max_abs_dp": float(np.max(dps))}
 
 
+@dataclass(frozen=True)
+class ModelRun:
+    """One model's pass over the probe set: its predictions, compute dtype, context, and how it ran (seconds,
+    batches; bytes read, group loads and read seconds when streamed from disk), which validation.json records."""
+
+    predictions: list[Prediction]
+    dtype: str
+    context: int
+    summary: dict[str, Any]
+
+
 def _predictions(path: Path, requests: Sequence[dict[str, Any]], dtype: str | None, batch_size: int,
-                 max_memory: str | None = None, truncate_state: bool = True, max_length: int | None = None
-                 ) -> tuple[list[Prediction], str, int]:
+                 max_memory: str | None = None, truncate_state: bool = True, max_length: int | None = None,
+                 role: str = "model") -> ModelRun:
     """``path``'s predictions of ``requests`` (resident, or streamed from disk when it does not fit), its compute
-    dtype and context (``max_length``; None: the model's default)."""
+    dtype and context (``max_length``; None: the model's default); a streamed run logs what it read per pass."""
     import clef_local
 
+    started = time.perf_counter()
     model = clef_local.load(path, dtype=dtype, max_memory=max_memory, offload="auto", max_length=max_length)
     decision = model.backend.load_decision
     try:
-        predictions = model.predict(requests, truncate_state=truncate_state, batch_size=batch_size)
-        return predictions, decision.dtype if decision else str(dtype), model.max_length
+        loaded = time.perf_counter() - started
+        batches: list[float] = []
+        predictions = model.predict(requests, truncate_state=truncate_state, batch_size=batch_size,
+                                    batch_seconds=batches)
+        summary: dict[str, Any] = {"load_seconds": round(loaded, 2), "batches": len(batches),
+                                   "seconds": round(sum(batches), 2)}
+        streamed = model.backend.describe().get("streamed")
+        if streamed is not None:
+            summary["streamed"] = streamed
+            log.info("%s streamed from disk: %.2f GB read in %d passes, %.1f s per pass (%.1f s reading)", role,
+                     streamed["bytes_read"] / 1e9, len(batches), sum(batches) / max(len(batches), 1),
+                     streamed["read_seconds"])
+        return ModelRun(predictions, decision.dtype if decision else str(dtype), model.max_length, summary)
     finally:
         del model
         gc.collect()
 
 
-def _probabilities(path: Path, requests: Sequence[dict[str, Any]], dtype: str | None,
-                   batch_size: int, max_memory: str | None = None, max_length: int | None = None
-                   ) -> list[list[np.ndarray]]:
-    return [p.probabilities for p in _predictions(path, requests, dtype, batch_size, max_memory,
-                                                  max_length=max_length)[0]]
+def _probabilities(run: ModelRun) -> list[list[np.ndarray]]:
+    return [p.probabilities for p in run.predictions]
 
 
 def _result(reference_dir: Path, variant_dir: Path, requests: Sequence[dict[str, Any]],
@@ -124,8 +144,8 @@ def validate_variant(reference_dir: str | Path, variant_dir: str | Path, request
     ``metrics``, ``thresholds``, ``checks`` ({metric: {value, threshold, ok}}), ``passed`` and ``failed`` (one
     "metric value > threshold" line per failing metric); exceptions of either load propagate."""
     started = time.perf_counter()
-    ref = _probabilities(Path(reference_dir), requests, dtype, batch_size)
-    var = _probabilities(Path(variant_dir), requests, dtype, batch_size)
+    ref = _probabilities(_predictions(Path(reference_dir), requests, dtype, batch_size, role="reference"))
+    var = _probabilities(_predictions(Path(variant_dir), requests, dtype, batch_size, role="variant"))
     return _result(Path(reference_dir), Path(variant_dir), requests, ref, var, thresholds, dtype, started)
 
 
@@ -220,30 +240,38 @@ def validate_export(reference_dir: Path, variant_dir: Path, scheme: str, n: int 
     inputs = check_validation(reference_dir, n, seed, dtype=dtype, max_memory=max_memory,
                               reference_file=reference_file, max_length=max_length)
     requests, stored = inputs.requests, inputs.reference
+    runs: dict[str, dict[str, Any]] = {}
     if stored is None:
         try:
-            ref = _probabilities(reference_dir, requests, dtype, 8, max_memory, max_length)
+            reference = _predictions(reference_dir, requests, dtype, 8, max_memory, max_length=max_length,
+                                     role="reference")
         except (Exception, MemoryError) as exc:
             raise ValidationUnavailable(f"the reference could not be loaded or run ({type(exc).__name__}: "
                                         f"{' '.join(str(exc).split())})") from exc
+        runs["reference"] = reference.summary
     try:
         if stored is None:
-            var = _probabilities(variant_dir, requests, dtype, 8, max_memory, max_length)
+            variant = _predictions(variant_dir, requests, dtype, 8, max_memory, max_length=max_length,
+                                   role="variant")
         else:
-            predictions, ran_in, context = _predictions(variant_dir, requests, dtype or stored.dtype, 8, max_memory,
-                                                        truncate_state=stored.truncate_state, max_length=max_length)
-            var = [p.probabilities for p in predictions]
+            variant = _predictions(variant_dir, requests, dtype or stored.dtype, 8, max_memory,
+                                   truncate_state=stored.truncate_state, max_length=max_length, role="variant")
     except Exception as exc:
         raise ValidationFailed(f"the variant could not be loaded or run for validation ({type(exc).__name__}: "
                                f"{' '.join(str(exc).split())}); pass --no-validate to export without validating"
                                ) from exc
-    if stored is not None:
+    runs["variant"] = variant.summary
+    var = _probabilities(variant)
+    if stored is None:
+        ref = _probabilities(reference)
+    else:
         from clef_local.quality import reference_file as files
 
-        files.check_run(stored, dtype=ran_in, context=context)
-        ref = [p.probabilities for p in files.predictions_for(stored, predictions)]
+        files.check_run(stored, dtype=variant.dtype, context=variant.context)
+        ref = [p.probabilities for p in files.predictions_for(stored, variant.predictions)]
     result = _result(reference_dir, Path(variant_name or variant_dir), requests, ref, var, limits,
                      dtype or (stored.dtype if stored else None), started)
+    result["runs"] = runs
     if stored is not None:
         result["reference_file"] = str(reference_file)
     result = {"validated": not result["failed"], **result}

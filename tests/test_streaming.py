@@ -230,6 +230,13 @@ def test_reference_runs_stream_by_themselves_under_a_cap(tiny_llama: Path, tmp_p
         summary = quantize_release(tiny_llama, tmp_path / "int8", "int8", max_memory=cap, log_summary=False)
     assert summary["validation"]["passed"]
     assert "reference streamed from disk: peak" in caplog.text and " GB per pass" in caplog.text
+    # validation.json says how the reference ran: every group of layers read once per pass, nothing skipped
+    ran = json.loads((tmp_path / "int8" / "validation.json").read_text())["runs"]["reference"]
+    streamed = ran["streamed"]
+    assert ran["batches"] >= 1 and streamed["group_loads"] == streamed["groups"] * ran["batches"]
+    assert streamed["bytes_read"] >= streamed["layer_bytes"] * ran["batches"]
+    assert f"reference streamed from disk: {streamed['bytes_read'] / 1e9:.2f} GB read in {ran['batches']} passes" \
+        in caplog.text
     caplog.clear()
     with caplog.at_level(logging.INFO):
         assert drift_main(["--reference", str(tiny_llama), "--candidate", str(tmp_path / "int8"), "--limit", "4",

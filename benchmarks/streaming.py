@@ -95,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resident", action="store_true", help="also run resident (no cap) and compare")
     parser.add_argument("--drift", action="store_true", help="also run clef-local drift under the cap")
     parser.add_argument("--quantize", type=Path, metavar="OUT", help="also run clef-local quantize --bits 4 to OUT")
+    parser.add_argument("--validation-requests", type=int, metavar="N",
+                        help="--quantize: probe requests its validation runs (default: quantize's, 64)")
     args = parser.parse_args(argv)
     dtype = None if args.dtype == "auto" else args.dtype
     rows = []
@@ -134,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.quantize:
             wall, peak, _ = _run([*cli, "quantize", "--model", str(args.model), "--bits", "4", "--out",
                                   str(args.quantize), "--max-memory", args.max_memory, "--force",
+                                  *(["--validation-requests", str(args.validation_requests)]
+                                    if args.validation_requests else []),
                                   *(["--max-length", str(args.max_length)] if args.max_length else [])])
             validation = json.loads((args.quantize / "validation.json").read_text())
             rows.append(["quantize + validation", peak, None, None, None, None, None, None,

@@ -23,6 +23,7 @@ from clef_local.export.validate import (
     compare,
     validate_export,
     validate_variant,
+    validation_requests,
     validation_table,
 )
 from clef_local.formats.manifest import read_manifest, verify
@@ -210,3 +211,20 @@ def test_export_with_validation_end_to_end(tiny_llama: Path, tmp_path: Path, cap
     assert stored["passed"] and stored["metrics"]["mean_kl"] <= THRESHOLDS["int4"]["mean_kl"]
     assert "validation.json" in read_manifest(out)["files"] and verify(out) == []
     assert not torch.isnan(torch.tensor(list(stored["metrics"].values()))).any()
+
+
+def test_validation_requests_sets_the_probe_set_size(tiny_llama: Path, tmp_path: Path, capsys) -> None:
+    """--validation-requests N runs the first-seeded N-request probe set through both models (a reference streamed
+    on a slow machine); below 1 it is refused before anything is written."""
+    out = tmp_path / "int8"
+    assert quantize_main(["--model", str(tiny_llama), "--bits", "8", "--out", str(out),
+                          "--validation-requests", "6"]) == 0
+    stored = json.loads((out / "validation.json").read_text())
+    assert stored["requests"] == 6 and stored["questions"] == sum(len(r["questions"]) for r in validation_requests(6))
+    assert {run["batches"] >= 1 for run in stored["runs"].values()} == {True}
+    capsys.readouterr()
+    assert quantize_main(["--model", str(tiny_llama), "--bits", "8", "--out", str(tmp_path / "none"),
+                          "--validation-requests", "0"]) == 2
+    assert capsys.readouterr().err.strip() == ("error: --validation-requests 0: validation needs at least 1 probe "
+                                               "request (default 64; --no-validate skips it)")
+    assert not (tmp_path / "none").exists()

@@ -46,6 +46,7 @@ from clef_local.export.shards import (
     write_index,
 )
 from clef_local.export.staging import ExportError, check_paths, resolve_out, staged
+from clef_local.export.validate import VALIDATION_REQUESTS
 from clef_local.formats.manifest import MANIFEST, check_files, file_entries, list_files, write_manifest
 from clef_local.formats.quant_plan import MIXED, SOURCE, LayerFormat, layer_index
 
@@ -64,7 +65,6 @@ GRID = 2000  # KL grid steps per budget in the knapsack
 ROUNDS = 6  # re-plans when the whole plan's KL exceeds the budget
 CONFIG = "config.json"
 VALIDATION = "validation.json"
-VALIDATION_REQUESTS = 64  # the export validation's probe set (test split, seed 0), as for every scheme
 
 
 @dataclass(frozen=True)

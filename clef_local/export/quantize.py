@@ -32,6 +32,7 @@ from clef_local.export.shards import (
     write_index,
 )
 from clef_local.export.staging import ExportError, check_paths, resolve_out, staged
+from clef_local.export.validate import VALIDATION_REQUESTS
 from clef_local.formats.manifest import MANIFEST, check_files, file_entries, list_files, write_manifest
 
 if TYPE_CHECKING:
@@ -126,7 +127,8 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
                      validate: bool = True, *, int4_grid: str | None = None, calibrate: bool = False,
                      calibration_requests: int | None = None, log_summary: bool = True,
                      on_tensor: Callable[[str], None] | None = None, max_memory: str | None = None,
-                     reference_file: str | Path | None = None, max_length: int | None = None) -> dict[str, Any]:
+                     reference_file: str | Path | None = None, max_length: int | None = None,
+                     validation_requests: int = VALIDATION_REQUESTS) -> dict[str, Any]:
     """Write the ``scheme`` variant of the release at ``source`` to ``out``; return the summary.
 
     ``group_size``: int4 group (32/64/128; by default 32 when the source's weights already lie on a 4-bit grid per
@@ -139,7 +141,8 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
     model streamed from disk when it does not fit, under ``max_memory``). ``reference_file``: validate against the
     reference's probabilities from ``drift --save-reference`` (checked first: its reference, probe set and dtype
     must be this export's) instead of running it; ``max_length``: the context validation loads both models at (None:
-    the model's default). ``validate=False`` writes the variant with ``validated: false``
+    the model's default); ``validation_requests``: how many packaged probe requests validation runs (fewer: faster, and
+    a coarser verdict). ``validate=False`` writes the variant with ``validated: false``
     in ``config.json`` and ``validation.json``.
     ``calibrate`` rounds with GPTQ on ``calibration_requests`` requests (default 128) instead of round-to-nearest
     (:mod:`clef_local.export.gptq_calibration`; every scheme; it loads the source like validation does).
@@ -171,13 +174,16 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
     check_paths(source, out, force)  # a bad --out is refused before any work (staged checks again)
     if reference_file is not None and not validate:
         raise ExportError("--reference-file is what validation compares with; drop it or --no-validate")
+    if validation_requests < 1:
+        raise ExportError(f"--validation-requests {validation_requests}: validation needs at least 1 probe request "
+                          f"(default {VALIDATION_REQUESTS}; --no-validate skips it)")
     if validate:
         from clef_local.export.validate import check_validation
 
         # no probe set, too little memory for the reference or the variant, a wrong reference file: refused now,
         # not after minutes of quantizing
-        check_validation(source, scheme=spec.name, max_memory=max_memory, reference_file=reference_file,
-                         max_length=max_length)
+        check_validation(source, validation_requests, scheme=spec.name, max_memory=max_memory,
+                         reference_file=reference_file, max_length=max_length)
     shards = [f.name for f in release.weight_files]
     for file in release.weight_files:  # a truncated or garbled shard: one ReleaseError naming it, not a traceback
         read_header(file)
@@ -213,8 +219,8 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
         if validate:
             from clef_local.export.validate import validate_export
 
-            validation = validate_export(source, tmp, spec.name, variant_name=out, max_memory=max_memory,
-                                         max_length=max_length,
+            validation = validate_export(source, tmp, spec.name, validation_requests, variant_name=out,
+                                         max_memory=max_memory, max_length=max_length,
                                          reference_file=reference_file)
         else:
             validation = {"validated": False, "skipped": "--no-validate"}
@@ -310,6 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-validate", action="store_true",
                         help="write the variant without comparing it with the source (config.json and "
                              "validation.json record validated: false)")
+    parser.add_argument("--validation-requests", type=int, metavar="N", default=VALIDATION_REQUESTS,
+                        help=f"packaged probe requests validation runs (default {VALIDATION_REQUESTS}); fewer is "
+                             "faster and a coarser verdict, for a reference streamed on a slow machine")
     parser.add_argument("--reference-file", type=Path, metavar="FILE",
                         help="validate against the source's probabilities in FILE (clef-local drift --reference "
                              "SOURCE --save-reference FILE, on this machine or another) instead of running it")
@@ -357,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
                                    validate=not args.no_validate, int4_grid=args.int4_grid, calibrate=args.calibrate,
                                    calibration_requests=args.calibration_requests, log_summary=False,
                                    max_memory=args.max_memory, reference_file=args.reference_file,
-                                   max_length=args.max_length)
+                                   max_length=args.max_length, validation_requests=args.validation_requests)
     except ClefError as exc:  # refusals, bad sources, validation that cannot run: 2; a variant that fails it: 1
         print(f"error: {exc}", file=sys.stderr)
         return 1 if isinstance(exc, ValidationFailed) else 2

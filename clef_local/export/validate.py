@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 
 VALIDATION = "validation.json"
 METRICS = ("mean_kl", "max_kl", "flip_rate", "max_abs_dp")
+# the packaged probe set's size: every type of question, enough for a 5% flip threshold to mean something, and a few
+# minutes resident on a laptop (a reference streamed on a CPU takes hours: --validation-requests lowers it)
+VALIDATION_REQUESTS = 64
 THRESHOLDS: dict[str, dict[str, float]] = {
     "int8": {"mean_kl": 0.002, "flip_rate": 0.01},
     "fp8": {"mean_kl": 0.002, "flip_rate": 0.01},
@@ -163,7 +166,7 @@ def validation_table(result: Mapping[str, Any]) -> Any:
     return table
 
 
-def validation_requests(n: int = 64, seed: int = 0) -> list[dict[str, Any]]:
+def validation_requests(n: int = VALIDATION_REQUESTS, seed: int = 0) -> list[dict[str, Any]]:
     """The probe set export validation runs on: ``n`` requests from the datasets shipped in the package."""
     try:
         return probe_requests(n, seed, root=packaged_datasets_dir())
@@ -180,7 +183,7 @@ class ValidationInputs:
     reference: ReferenceFile | None = None
 
 
-def check_validation(reference_dir: Path, n: int = 64, seed: int = 0, *, scheme: str | None = None,
+def check_validation(reference_dir: Path, n: int = VALIDATION_REQUESTS, seed: int = 0, *, scheme: str | None = None,
                      dtype: str | None = None, max_memory: str | None = None,
                      reference_file: str | Path | None = None, max_length: int | None = None) -> ValidationInputs:
     """Check, before an export writes anything, that its validation can run: the probe set reads; the reference
@@ -223,7 +226,7 @@ def check_validation(reference_dir: Path, n: int = 64, seed: int = 0, *, scheme:
     return ValidationInputs(requests, stored)
 
 
-def validate_export(reference_dir: Path, variant_dir: Path, scheme: str, n: int = 64, seed: int = 0,
+def validate_export(reference_dir: Path, variant_dir: Path, scheme: str, n: int = VALIDATION_REQUESTS, seed: int = 0,
                     dtype: str | None = None, variant_name: str | Path | None = None, *,
                     thresholds: Mapping[str, float] | None = None, max_memory: str | None = None,
                     reference_file: str | Path | None = None, max_length: int | None = None) -> dict[str, Any]:

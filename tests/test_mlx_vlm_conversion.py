@@ -90,7 +90,9 @@ def _max_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
     return max(float(np.abs(x - y).max()) for x, y in zip(a, b, strict=True))
 
 
-def test_what_mlx_vlm_writes_and_how_it_is_read(pair, source):
+def test_what_mlx_vlm_writes_and_how_it_is_read(pair, source, requests):
+    from tokenizers import Tokenizer
+
     converted, ours = pair
     config = json.loads((converted / "config.json").read_text())
     assert config["quantization"] == config["quantization_config"] == BLOCK  # no per-module entries
@@ -114,6 +116,9 @@ def test_what_mlx_vlm_writes_and_how_it_is_read(pair, source):
     nested = json.loads((converted / "processor_config.json").read_text())["image_processor"]
     assert nested["image_processor_type"] == "Qwen3VLImageProcessor"  # mlx-vlm's class; transformers has none
     assert (converted / "preprocessor_config.json").read_bytes() == (source / "preprocessor_config.json").read_bytes()
+    texts = [json.dumps(r) for r in requests[0]] + ["<|vision_start|><|image_pad|><|vision_end|> café 🖥️"]
+    a, b = (Tokenizer.from_file(str(d / "tokenizer.json")) for d in (source, converted))
+    assert [a.encode(t).ids for t in texts] == [b.encode(t).ids for t in texts]  # transformers re-saved it
 
 
 def test_the_torch_backbone_holds_the_releases_tensors(pair, source):

@@ -115,3 +115,32 @@ def test_a_streamed_run_of_the_conversion_is_refused_by_name(pair):
     converted, _ = pair
     with pytest.raises(ReleaseError, match=r"embed_tokens\.weight is int4.*without streaming"):
         clef_local.load(converted, dtype="float32", offload="disk")
+
+
+def test_the_plan_counts_the_embeddings_as_the_loaders_hold_them(pair):
+    """The loaders dequantize the conversion's int4 embeddings: the plan counts those matrices (in float32, the
+    loaded tensors' bytes, on torch and MLX), not the stored 4-bit ones, so a memory cap between the two figures
+    does not fit."""
+    from clef_local.planning.caps import with_cap
+    from clef_local.planning.estimate import held_weights, plan
+    from clef_local.planning.hardware import detect
+    from clef_local.planning.planner import footprint_from_release
+
+    converted, _ = pair
+    footprint = footprint_from_release(converted)
+    census = footprint.censuses["int4"]
+    held = held_weights(census, "float32")
+    stored = sum(v.nbytes for f in converted.glob("model*.safetensors") for k, v in read_arrays(f).items()
+                 if k.startswith(("model.embed_tokens.", "lm_head.")))
+    backbone = clef_local.load(converted, backend="torch", dtype="float32", device="cpu").backend.backbone.model
+    embed, output = backbone.get_input_embeddings().weight, backbone.get_output_embeddings().weight
+    loaded = embed.nbytes + (0 if output is embed else output.nbytes)
+    assert held.embed_tokens == embed.nbytes == embed.numel() * 4
+    assert held.embed_tokens + held.lm_head == loaded > 4 * stored  # 4-bit codes and bf16 scales, 1/6 the size
+    mlx = clef_local.load(converted, backend="mlx", dtype="float32", device="cpu").backend.backbone
+    assert held.embed_tokens == mlx.text.embed_tokens.weight.nbytes
+    cpu = detect("cpu")
+    need = plan(census, footprint.dims, cpu, context=4096, dtype="float32").need
+    between = need - (loaded - stored) // 2  # above what counting the stored embeddings would need
+    assert not plan(census, footprint.dims, with_cap(cpu, between), context=4096, dtype="float32").fits
+    assert plan(census, footprint.dims, with_cap(cpu, need), context=4096, dtype="float32").fits

@@ -14,6 +14,7 @@ import torch
 from clef_local.backends.quantized import quantized_prefixes, swap_linears
 from clef_local.backends.quantized_embeddings import dequantize_embeddings, embedding_prefixes
 from clef_local.errors import ReleaseError, one_line
+from clef_local.formats import mlx_layout
 from clef_local.formats.safetensors import DTYPES as SAFETENSORS_DTYPES
 from clef_local.formats.safetensors import read_header
 
@@ -32,11 +33,14 @@ def torch_dtype(name: str) -> torch.dtype:
 def read_headers(files: Sequence[Path]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """{tensor name: (shape, dtype)} from the safetensors headers of ``files``, each checked against its file
     (:func:`clef_local.formats.safetensors.read_header`: a truncated or garbled file is a ``ReleaseError``); no
-    tensor data is read."""
+    tensor data is read. Tensors in MLX's layout (an mlx-vlm conversion) are given under the release's names and
+    shapes (:mod:`clef_local.formats.mlx_layout`), as :func:`read_shard` returns them."""
     headers: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     for file in files:
         for name, info in read_header(file).tensors.items():
-            headers[name] = (info.shape, torch_dtype(info.dtype))
+            fix = mlx_layout.restore(name, info.shape)
+            headers[mlx_layout.release_name(name)] = (fix.shape(info.shape) if fix else info.shape,
+                                                      torch_dtype(info.dtype))
     return headers
 
 
@@ -126,16 +130,36 @@ def read_shard(file: Path, copied: tuple[str, ...]) -> dict[str, torch.Tensor]:
     stored codes of a quantized linear are replaced at ``prepare()`` (torch's CPU int4 kernel and tinygemm repack
     them) or by a move to a GPU, so mapped they would stay resident beside their replacement: read on their own
     (safetensors' ``pread`` backend) they are freed when replaced.
+
+    Tensors in MLX's layout come back under the release's names and in its shapes (:func:`release_layout`);
+    ``copied`` names the release's paths.
     """
     from safetensors import safe_open
 
     with safe_open(str(file), framework="pt", backend="mmap") as mapped:
         names = list(mapped.keys())
-        state = {name: mapped.get_tensor(name) for name in names if not name.startswith(copied)}
+        state = {name: mapped.get_tensor(name) for name in names
+                 if not mlx_layout.release_name(name).startswith(copied)}
     if len(state) < len(names):
         with safe_open(str(file), framework="pt", backend="pread") as read:
-            state.update((name, read.get_tensor(name)) for name in names if name.startswith(copied))
-    return state
+            state.update((name, read.get_tensor(name)) for name in names
+                         if mlx_layout.release_name(name).startswith(copied))
+    return release_layout(state)
+
+
+def release_layout(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` (one weight file's tensors) with those stored in MLX's layout (an mlx-vlm conversion) under the
+    release's names, axes and RMSNorm convention (:mod:`clef_local.formats.mlx_layout`); the others as they are. A
+    norm comes back in float32 (the stored ``1 + w`` less 1, exact), cast to the model's dtype with the rest."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        fix = mlx_layout.restore(name, tuple(tensor.shape))
+        if fix is not None and fix.permute:
+            tensor = tensor.permute(*fix.permute).contiguous()
+        if fix is not None and fix.offset:
+            tensor = tensor.float() - fix.offset
+        out[mlx_layout.release_name(name)] = tensor
+    return out
 
 
 def materialize_non_persistent_buffers(model: Any) -> None:

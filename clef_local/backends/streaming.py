@@ -37,6 +37,7 @@ from clef_local.backends.quantized import after_stream_load, before_stream_relea
 from clef_local.backends.skeleton import build_skeleton, materialize_non_persistent_buffers
 from clef_local.backends.weight_reader import WeightReader
 from clef_local.errors import ReleaseError
+from clef_local.formats import mlx_layout
 from clef_local.planning.stream import StreamDecision, groups_of
 
 if TYPE_CHECKING:
@@ -202,6 +203,11 @@ class StreamedModel:
         model.requires_grad_(False)
         self.model = model
         self.reader = reader = WeightReader(weight_files)
+        renamed = next((n for n in reader.tensors if mlx_layout.is_mlx_name(n)), None)
+        if renamed is not None:
+            raise ReleaseError(f"{path}: {renamed} is stored in MLX's layout (an mlx-vlm conversion renames, "
+                               f"transposes and offsets tensors); streamed runs read tensors from the file as stored, "
+                               f"which needs them as released: load it without streaming (it is converted at load)")
         base = model.model
         text_model = getattr(base, "language_model", base)
         names = _module_names(model)

@@ -3,9 +3,10 @@
 clef-local's own variants carry ``quantization_config.clef_local`` (``{"scheme", "group_size", …}``) beside the
 standard config of their layout: compressed-tensors' for fp8 / int8, bitsandbytes' for nf4, mlx-lm's
 ``quantization`` block for int4 (variants written before those configs have ``"quant_method": "clef-local"``
-instead, and still load). The ecosystem's own checkpoints have no ``clef_local`` member: an mlx-lm conversion
-(``mlx_lm.convert -q``) is read from its top-level ``quantization`` block, a compressed-tensors checkpoint from its
-``config_groups``. The census, the loaders, the app and ``inspect`` all ask :func:`variant_format`.
+instead, and still load). The ecosystem's own checkpoints have no ``clef_local`` member: an mlx-lm or mlx-vlm
+conversion (``mlx_lm.convert -q``, ``mlx_vlm.convert -q``) is read from its top-level ``quantization`` block, a
+compressed-tensors checkpoint from its ``config_groups``. The census, the loaders, the app and ``inspect`` all ask
+:func:`variant_format`.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ _MLX_KEYS = {"group_size", "bits", "mode"}
 @dataclass(frozen=True)
 class VariantFormat:
     """A quantized release's scheme (one of :data:`SCHEMES`), its group size (int4 / nf4; None otherwise), the
-    layout its config names and the tool that wrote it (``clef-local``, ``mlx-lm``, ``compressed-tensors``,
-    ``bitsandbytes``)."""
+    layout its config names and the tool that wrote it (``clef-local``, ``mlx-lm``, ``mlx-vlm``,
+    ``compressed-tensors``, ``bitsandbytes``)."""
 
     scheme: str
     group_size: int | None
@@ -73,15 +74,15 @@ def _ours(quant: Mapping[str, Any], member: Mapping[str, Any]) -> VariantFormat:
     return VariantFormat(str(scheme), group if isinstance(group, int) else None, layout, "clef-local")
 
 
-def _mlx_lm(block: Mapping[str, Any]) -> VariantFormat:
+def _mlx_lm(block: Mapping[str, Any], writer: str) -> VariantFormat:
     group, bits, mode = block.get("group_size"), block.get("bits"), block.get("mode", "affine")
     if set(block) - _MLX_KEYS or bits != 4 or mode != "affine" or group not in MLX_INT4_GROUPS:
         extra = sorted(set(block) - _MLX_KEYS)
-        raise ReleaseError(f"config.json: mlx-lm quantization {dict(block)!r} is not one clef-local reads: it reads "
+        raise ReleaseError(f"config.json: {writer} quantization {dict(block)!r} is not one clef-local reads: it reads "
                            f"4-bit affine with group_size {'/'.join(map(str, MLX_INT4_GROUPS))} and no per-layer "
                            f"entries{' (found ' + ', '.join(extra[:3]) + ')' if extra else ''}; convert with "
-                           f"mlx_lm.convert -q --q-bits 4 --q-group-size 64")
-    return VariantFormat("int4", int(group), "mlx affine", "mlx-lm")
+                           f"{writer.replace('-', '_')}.convert -q --q-bits 4 --q-group-size 64")
+    return VariantFormat("int4", int(group), "mlx affine", writer)
 
 
 def variant_format(config: Mapping[str, Any]) -> VariantFormat | None:
@@ -96,7 +97,8 @@ def variant_format(config: Mapping[str, Any]) -> VariantFormat | None:
     if isinstance(member, Mapping):
         return _ours(quant, member)
     if isinstance(block, Mapping):
-        return _mlx_lm(block)
+        # mlx-vlm keeps the vision tower and always writes a vision_config; mlx-lm's Qwen3.5 drops both
+        return _mlx_lm(block, "mlx-vlm" if "vision_config" in config else "mlx-lm")
     method = quant.get("quant_method")
     if method == compressed.QUANT_METHOD:
         try:

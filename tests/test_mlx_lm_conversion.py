@@ -109,12 +109,23 @@ def test_with_the_same_embedding_rows_clef_locals_int4_answers_exactly_like_the_
     assert max(float(np.abs(x - y).max()) for x, y in zip(a, b, strict=True)) <= 1e-5
 
 
-def test_a_streamed_run_of_the_conversion_is_refused_by_name(pair):
-    from clef_local.errors import ReleaseError
+def test_a_streamed_run_of_the_conversion_is_refused_by_name_before_loading(pair):
+    """Streaming reads tensors as stored, and the conversion's int4 embeddings are dequantized at load: asked for, it
+    is refused; under a cap its resident plan does not fit, "auto" refuses naming why instead of planning a stream
+    (drift, eval and validation would have failed at load, after the plan said it would run)."""
+    from clef_local.backends.loader import plan_backend
+    from clef_local.errors import ApiUsageError, InsufficientMemoryError
+    from clef_local.formats.release import read_release
 
     converted, _ = pair
-    with pytest.raises(ReleaseError, match=r"embed_tokens\.weight is int4.*without streaming"):
+    with pytest.raises(ApiUsageError, match=r"cannot be streamed from disk: its embeddings are int4 \(an mlx-lm "
+                                            r"conversion\), dequantized at load; load it without offload"):
         clef_local.load(converted, dtype="float32", offload="disk")
+    release = read_release(converted)
+    need = plan_backend(release, dtype="float32", device="cpu", state_cache=0).need_bytes
+    with pytest.raises(InsufficientMemoryError, match=r"cannot be streamed from disk \(its embeddings are int4"):
+        plan_backend(release, dtype="float32", device="cpu", state_cache=0, offload="auto",
+                     max_memory=f"cpu={need * 9 // 10}")
 
 
 def test_the_plan_counts_the_embeddings_as_the_loaders_hold_them(pair):

@@ -184,7 +184,8 @@ def test_a_corrupted_or_unsupported_conversion_is_refused_by_name(pair, tmp_path
     (eight / "config.json").write_text(json.dumps(config))
     with pytest.raises(ReleaseError, match=r"mlx-vlm quantization .*mlx_vlm\.convert -q --q-bits 4"):
         clef_local.load(eight, backend="torch", dtype="float32")
-    with pytest.raises(ReleaseError, match=r"in MLX's layout .*load it without streaming"):
+    with pytest.raises(ApiUsageError, match=r"cannot be streamed from disk: its tensors are in MLX's layout .*"
+                                            r"load it without offload"):
         clef_local.load(converted, dtype="float32", offload="disk")
 
 

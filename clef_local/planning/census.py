@@ -52,6 +52,9 @@ class WeightCensus:
     params: dict[str, int] = field(default_factory=dict)  # parameter counts by role (config source only)
     layers: tuple[int, ...] = ()  # bytes of each decoder layer of the text model (part of the two text roles)
     float_bytes: int = 2  # bytes per element of the stored floating tensors (2: BF16/F16, 4: F32)
+    # why the stored tensors cannot be streamed from disk ("": they can): a streamed run reads them as stored, and an
+    # ecosystem conversion has tensors the loaders transform at load
+    unstreamable: str = ""
 
     @property
     def text_rest(self) -> int:
@@ -218,8 +221,13 @@ def dequantized_bytes(info: TensorInfo) -> int:
 
 
 def _census_as_stored(headers: Mapping[str, TensorInfo], fmt: str, head: int, head_stored: int) -> WeightCensus:
+    renamed = any(release_name(name) != name for name in headers)
     headers = {release_name(name): info for name, info in headers.items()}  # an mlx-vlm conversion's names
     prefixes = _quantized_prefixes(headers) if fmt != "bf16" else set()
+    int4_embeddings = any(_role(p + ".weight") in ("embed_tokens", "lm_head") for p in prefixes)
+    unstreamable = ("its tensors are in MLX's layout (an mlx-vlm conversion), converted at load" if renamed
+                    else "its embeddings are int4 (an mlx-lm conversion), dequantized at load" if int4_embeddings
+                    else "")
     roles = {"quantized": 0, "text": 0, "embed_tokens": 0, "lm_head": 0, "vision": 0}
     for name, info in headers.items():
         role = _role(name)
@@ -238,7 +246,7 @@ def _census_as_stored(headers: Mapping[str, TensorInfo], fmt: str, head: int, he
                         embed_tokens=roles["embed_tokens"], lm_head=roles["lm_head"], vision=roles["vision"],
                         head=head, head_stored=head_stored,
                         layers=_per_layer((n, i.nbytes) for n, i in headers.items() if _role(n) == "text"),
-                        float_bytes=_float_bytes(headers.values()))
+                        float_bytes=_float_bytes(headers.values()), unstreamable=unstreamable)
 
 
 def _float_bytes(infos: Iterable[TensorInfo]) -> int:

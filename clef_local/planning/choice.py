@@ -301,6 +301,13 @@ def streamed_decision(hardware: Hardware, decision: LoadDecision, scheme: str, f
                       read_rate: ReadRate | None, resident: Plan, source: str) -> LoadDecision:
     """``decision`` streamed from disk (:mod:`clef_local.planning.stream`), or :class:`InsufficientMemoryError`
     when not even that fits. The state cache is off: a streamed pass cannot keep its layers' states cheaply."""
+    if why_not := footprint.censuses[scheme].unstreamable:
+        if resident.fits:
+            raise ApiUsageError(f"{source} cannot be streamed from disk: {why_not}; load it without offload")
+        raise InsufficientMemoryError(
+            f"{scheme} does not fit on {hardware.device} ({hardware.name}): it needs {resident.need / GiB:.1f} GiB at "
+            f"{context:,} tokens, {resident.available / GiB:.1f} GiB free, and {source} cannot be streamed from "
+            f"disk ({why_not}); try a shorter max_length, more memory or a higher --max-memory")
     torch_decision = _torch_for_stream(hardware, decision, scheme, backend=backend, dtype=dtype, installed=installed,
                                        bitsandbytes=bitsandbytes)
     sp = streamed_plan(hardware, torch_decision, scheme, footprint, context=context, read_rate=read_rate)
@@ -325,6 +332,8 @@ def streamed_decision(hardware: Hardware, decision: LoadDecision, scheme: str, f
 def _streamed_hint(hardware: Hardware, decision: LoadDecision, scheme: str, footprint: Any, context: int,
                    dtype: Any, installed: Mapping[str, str | None], bitsandbytes: bool) -> StreamPlan | None:
     """The streamed plan a refusal offers (None when streaming cannot run here or does not fit either)."""
+    if footprint.censuses[scheme].unstreamable:
+        return None
     try:
         torch_decision = _torch_for_stream(hardware, decision, scheme, backend="auto", dtype=dtype,
                                            installed=installed, bitsandbytes=bitsandbytes)

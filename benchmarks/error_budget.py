@@ -33,11 +33,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--k", type=int, default=8, help="options per question (the gold intent + K−1)")
     parser.add_argument("--budgets", default="0.02,0.05,0.10", help="error budgets (comma-separated)")
     parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--dtype", default="float32", help="compute dtype (default float32)")
     args = parser.parse_args(argv)
     import clef_local
 
     path = args.model or default_model_path()
-    model = clef_local.load(path, dtype="float32")
+    model = clef_local.load(path, dtype=args.dtype)
     started = time.perf_counter()
     select = load_dataset("banking77", split="test", limit=args.select_rows, k=args.k, seed=1)
     heldout = load_dataset("banking77", split="test", limit=args.heldout_rows, offset=args.select_rows, k=args.k,

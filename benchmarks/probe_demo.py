@@ -4,9 +4,9 @@
     python benchmarks/probe_demo.py --requests 32        # shorter
 
 Prints one table per model (every check: requests and questions it changed, mean |Δp|, KL and flipped share with
-their 95% intervals) for the demo model (float32), a tiny random Llama release, and the demo model behind
-:class:`clef_local.testing.ListedOrderFault` (a backend that reads a choice's options in the order they are
-listed): the option-order check is the one that must catch it. Tables in docs/benchmarks.md#probe.
+their 95% intervals) for the demo model (``--dtype``, float32 by default), a tiny random Llama release, and the demo
+model behind :class:`clef_local.testing.ListedOrderFault` (a backend that reads a choice's options in the order they
+are listed): the option-order check is the one that must catch it. Tables in docs/benchmarks.md#probe.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=64, help="probe requests (default 64)")
     parser.add_argument("--resamples", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="float32", help="the probed model's compute dtype (default float32)")
     args = parser.parse_args(argv)
     import clef_local
     from clef_local.testing import ListedOrderFault, build_tiny_release
@@ -44,8 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = IntervalSettings(resamples=args.resamples, seed=args.seed)
     requests = probe_requests(args.requests, args.seed)
     path = args.model or default_model_path()
-    model = clef_local.load(path, dtype="float32")
-    _table(f"{Path(path).name} (float32)", model, requests, settings, args.seed)
+    model = clef_local.load(path, dtype=args.dtype)
+    _table(f"{Path(path).name} ({args.dtype})", model, requests, settings, args.seed)
     with tempfile.TemporaryDirectory() as tmp:
         tiny = build_tiny_release(Path(tmp) / "tiny-llama", backbone="llama", seed=1)
         _table("tiny random Llama release (float32)", clef_local.load(tiny, dtype="float32"), requests, settings,

@@ -95,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resident", action="store_true", help="also run resident (no cap) and compare")
     parser.add_argument("--drift", action="store_true", help="also run clef-local drift under the cap")
     parser.add_argument("--quantize", type=Path, metavar="OUT", help="also run clef-local quantize --bits 4 to OUT")
+    parser.add_argument("--int4-grid", choices=["mse", "mlx"],
+                        help="--quantize: the int4 grid (default quantize's, mse; mlx is one pass, far quicker)")
     parser.add_argument("--validation-requests", type=int, metavar="N",
                         help="--quantize: probe requests its validation runs (default: quantize's, 64)")
     args = parser.parse_args(argv)
@@ -138,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                                   str(args.quantize), "--max-memory", args.max_memory, "--force",
                                   *(["--validation-requests", str(args.validation_requests)]
                                     if args.validation_requests else []),
+                                  *(["--int4-grid", args.int4_grid] if args.int4_grid else []),
                                   *(["--max-length", str(args.max_length)] if args.max_length else [])])
             validation = json.loads((args.quantize / "validation.json").read_text())
             rows.append(["quantize + validation", peak, None, None, None, None, None, None,

@@ -60,6 +60,7 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a tiny random Qwen3.5 release instead of the demo")
     args = parser.parse_args()
     root = args.out or Path(tempfile.mkdtemp(prefix="ecosystem-"))
+    root.mkdir(parents=True, exist_ok=True)
     if args.tiny:
         from clef_local.testing import build_tiny_release
 

@@ -31,6 +31,7 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=64, help="probe requests for drift (default 64)")
     args = parser.parse_args()
     root = args.out or Path(tempfile.mkdtemp(prefix="int4-layouts-"))
+    root.mkdir(parents=True, exist_ok=True)
     source = default_model_path()
     variants = []
     print("| variant | layout | grid | group | linear bits per weight | directory MB |\n|---|---|---|---|---|---|")

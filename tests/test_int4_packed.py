@@ -273,3 +273,15 @@ def test_a_checkpoint_written_by_compressed_tensors_loads(tiny_llama: Path, tmp_
     pytest.importorskip("mlx.core")
     mlx = clef_local.load(path, dtype="float32", backend="mlx")
     assert np.abs(_probabilities(mlx) - _probabilities(model)).max() <= 1e-4
+
+
+def test_onnx_matmulnbits_takes_the_same_codes_and_integer_zero_points() -> None:
+    pytest.importorskip("onnx_ir")
+    from clef_local.export.onnx.graph import int4_nbits
+
+    weight = torch.randn(32, 128, generator=torch.Generator().manual_seed(3)).bfloat16()
+    packed = int4_packed.quantize(weight, 64)
+    affine = int4_packed.to_affine(packed)
+    spec = int4_nbits(affine["weight"].numpy(), affine["scales"].numpy(), affine["biases"].numpy(), 64)
+    assert spec.packed.tobytes() == packed["weight_packed"].numpy().tobytes()
+    np.testing.assert_array_equal(spec.zero_points, int4_packed.unpack_columns(packed["weight_zero_point"], 32))

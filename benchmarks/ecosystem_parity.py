@@ -2,11 +2,15 @@
 
     python benchmarks/ecosystem_parity.py                 # fp8, int8 (transformers) and int4 (mlx-lm)
     python benchmarks/ecosystem_parity.py --out DIR fp8   # keep the exported variants in DIR
+    python benchmarks/ecosystem_parity.py int4-compressed int4-compressed-mlx            # pack-quantized int4
+    python benchmarks/ecosystem_parity.py --tiny int4-compressed  # a tiny random Qwen3.5 release instead
 
-fp8 / int8: transformers with compressed-tensors (``CompressedTensorsConfig(dequantize=True)``: the only route that
-runs on a CPU, docs/quantization.md#what-reads-each-variant); int4: ``mlx_lm.utils.load_model`` cast to float32.
-Each variant is exported with ``validate=False`` from the demo release; the input is 2 × 64 random token ids.
-Results in docs/benchmarks.md#variants-in-the-ecosystems-tools.
+fp8 / int8 / int4-compressed (int4 in compressed-tensors' pack-quantized layout, ``--int4-layout compressed``, on
+the mse grid; ``-mlx``: on the mlx grid): transformers with compressed-tensors (``CompressedTensorsConfig(
+dequantize=True)``: the only route that runs on a CPU, docs/quantization.md#what-reads-each-variant); int4:
+``mlx_lm.utils.load_model`` cast to float32. Each variant is exported with ``validate=False`` from the demo release
+(``--tiny``: ``clef_local.testing.build_tiny_release(backbone="qwen3_5", seed=0)``); the input is 2 × 64 random
+token ids. Results in docs/benchmarks.md#variants-in-the-ecosystems-tools.
 """
 
 from __future__ import annotations
@@ -17,6 +21,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+# scheme name -> (clef-local scheme, quantize_release options)
+VARIANTS = {"fp8": ("fp8", {}), "int8": ("int8", {}), "int4": ("int4", {}),
+            "int4-compressed": ("int4", {"int4_layout": "compressed"}),
+            "int4-compressed-mlx": ("int4", {"int4_layout": "compressed", "int4_grid": "mlx"})}
 
 
 def reference_hidden_states(path: Path, scheme: str, ids: torch.Tensor, mask: torch.Tensor) -> np.ndarray:
@@ -30,10 +39,14 @@ def reference_hidden_states(path: Path, scheme: str, ids: torch.Tensor, mask: to
         return np.array(model.model(mx.array(ids.numpy())).astype(mx.float32))
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, quantization_config=transformers.CompressedTensorsConfig(dequantize=True))
+    architecture = transformers.AutoConfig.from_pretrained(path).architectures[0]
+    cls = getattr(transformers, architecture) if architecture.startswith("Qwen3_5") else \
+        transformers.AutoModelForCausalLM
+    model = cls.from_pretrained(path, dtype=torch.float32,
+                                quantization_config=transformers.CompressedTensorsConfig(dequantize=True))
+    inner = getattr(model.model, "language_model", model.model)
     with torch.inference_mode():
-        return model.model(input_ids=ids, attention_mask=mask).last_hidden_state.numpy()
+        return inner(input_ids=ids, attention_mask=mask).last_hidden_state.numpy()
 
 
 def main() -> None:
@@ -42,23 +55,35 @@ def main() -> None:
     from clef_local.export.quantize import quantize_release
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("schemes", nargs="*", default=["fp8", "int8", "int4"])
+    parser.add_argument("schemes", nargs="*", default=["fp8", "int8", "int4"], choices=list(VARIANTS))
     parser.add_argument("--out", type=Path, help="where the variants are written (default: a temporary directory)")
+    parser.add_argument("--tiny", action="store_true", help="a tiny random Qwen3.5 release instead of the demo")
     args = parser.parse_args()
     root = args.out or Path(tempfile.mkdtemp(prefix="ecosystem-"))
-    ids = torch.tensor(np.random.default_rng(0).integers(100, 40000, (2, 64)))
+    root.mkdir(parents=True, exist_ok=True)
+    if args.tiny:
+        from clef_local.testing import build_tiny_release
+
+        source = root / "tiny-qwen3_5"
+        if not source.exists():
+            build_tiny_release(source, backbone="qwen3_5", seed=0)
+    else:
+        source = default_model_path()
+    ids = torch.tensor(np.random.default_rng(0).integers(3, 200, (2, 64)) if args.tiny else
+                       np.random.default_rng(0).integers(100, 40000, (2, 64)))
     mask = torch.ones_like(ids)
     print("| scheme | read by | max abs Δ | relative to max abs h |\n|---|---|---|---|")
-    for scheme in args.schemes:
-        out = root / scheme
+    for name in args.schemes:
+        scheme, options = VARIANTS[name]
+        out = root / (f"tiny-{name}" if args.tiny else name)
         if not out.exists():
-            quantize_release(default_model_path(), out, scheme, validate=False, log_summary=False)
+            quantize_release(source, out, scheme, validate=False, log_summary=False, **options)
         model = clef_local.load(out, dtype="float32", backend="torch")
         ours = model.backend.backbone.forward(ids, mask).float().numpy()
-        reference = reference_hidden_states(out, scheme, ids, mask)
+        reference = reference_hidden_states(out, name, ids, mask)
         delta = float(np.abs(ours - reference).max())
-        tool = "mlx-lm" if scheme == "int4" else "transformers + compressed-tensors"
-        print(f"| {scheme} | {tool} | {delta:.3g} | {delta / float(np.abs(reference).max()):.3g} |")
+        tool = "mlx-lm" if name == "int4" else "transformers + compressed-tensors"
+        print(f"| {name} | {tool} | {delta:.3g} | {delta / float(np.abs(reference).max()):.3g} |")
 
 
 if __name__ == "__main__":

@@ -157,8 +157,13 @@ def test_variant_format_reads_the_ecosystems_configs_and_names_what_it_does_not(
         variant_format({"quantization": {"group_size": 64, "bits": 8}})
     with pytest.raises(ReleaseError, match=r"no per-layer entries \(found model.layers.0.mlp\)"):
         variant_format({"quantization": {"group_size": 64, "bits": 4, "model.layers.0.mlp": {"bits": 8}}})
-    with pytest.raises(ReleaseError, match="format 'pack-quantized' is not one clef-local reads"):
-        variant_format({"quantization_config": {**ct, "format": "pack-quantized"}})
+    with pytest.raises(ReleaseError, match="format 'nvfp4-pack-quantized' is not one clef-local reads"):
+        variant_format({"quantization_config": {**ct, "format": "nvfp4-pack-quantized"}})
+    packed = compressed.quantization_config("int4", ["lm_head"], group_size=64)
+    assert variant_format({"quantization_config": packed}).label == (
+        "int4 g64 (compressed-tensors pack-quantized, written by compressed-tensors)")
+    with pytest.raises(ReleaseError, match=r"pack-quantized weights .* group_size 32/64/128 and no actorder"):
+        variant_format({"quantization_config": {**ct, "format": "pack-quantized"}})  # 8-bit per channel
     group = ct["config_groups"]["group_0"]
     grouped = {**ct, "config_groups": {"group_0": {**group, "weights": {**group["weights"], "strategy": "group"}}}}
     with pytest.raises(ReleaseError, match=r"weights .* clef-local reads"):

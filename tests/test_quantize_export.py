@@ -326,15 +326,17 @@ def test_stale_temp_of_a_dead_run_is_removed(sources, tmp_path: Path, caplog) ->
     assert not stale.exists() and "stale" in caplog.text
 
 
-@pytest.mark.parametrize("scheme", ["int4", "int8", "fp8"])
+@pytest.mark.parametrize("scheme", ["int4", "int4-compressed", "int8", "fp8"])
 def test_row_blocks_quantize_bit_identically(scheme: str, monkeypatch) -> None:
     from clef_local.export import shards as export_quantize
 
-    spec = quant.get(scheme)
+    spec = quant.get(scheme.split("-")[0])
+    options = {"layout": "compressed"} if scheme == "int4-compressed" else {}
     weight = torch.randn(100, 128).to(torch.bfloat16)
-    whole = spec.quantize(weight, 64 if scheme == "int4" else None)
-    monkeypatch.setattr(export_quantize, "CHUNK_ELEMENTS", 128 * 7)  # blocks of 7 rows, the last one of 2
-    blocks = export_quantize.quantize_tensor(spec, weight, 64 if scheme == "int4" else None)
+    whole = spec.quantize(weight, 64 if spec.name == "int4" else None, **options)
+    # 12 rows' worth rounds down to blocks of 8 (8 zero points share a pack-quantized word), the last one of 4
+    monkeypatch.setattr(export_quantize, "CHUNK_ELEMENTS", 128 * 12)
+    blocks = export_quantize.quantize_tensor(spec, weight, 64 if spec.name == "int4" else None, **options)
     assert blocks.keys() == whole.keys()
     for key, value in whole.items():
         assert blocks[key].dtype == value.dtype and blocks[key].view(torch.uint8).equal(value.view(torch.uint8))

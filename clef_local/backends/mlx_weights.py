@@ -1,6 +1,7 @@
 """A release's backbone tensors for the MLX backend: read with numpy (no torch), quantized layers as MLX arrays.
 
-BF16 and F8_E4M3 bit patterns are decoded here exactly. int4 is taken as stored; int8 maps exactly onto MLX's 8-bit
+BF16 and F8_E4M3 bit patterns are decoded here exactly. int4 is taken as stored (compressed-tensors' pack-quantized
+int4 as the same words with ``biases = -scale · zero``, exact in float32); int8 maps exactly onto MLX's 8-bit
 affine arrays with the row scale applied to the output (folding it into MLX's scales is not exact); nf4 and fp8 are
 dequantized with a warning (docs/hardware.md#mlx, docs/format.md §6).
 """
@@ -125,6 +126,23 @@ def int8_to_mlx(q: np.ndarray, scale: np.ndarray) -> QuantizedLayer:
                           row_scale=scale.reshape(-1).astype(np.float32))
 
 
+def packed_int4_to_mlx(tensors: Mapping[str, Stored], group: int) -> QuantizedLayer:
+    """compressed-tensors' pack-quantized int4 (:mod:`clef_local.quant.int4_packed`) as MLX affine arrays: the same
+    words, the scales widened to float32 and ``biases = -scale · zero`` (a zero point is a 4-bit code packed 8 rows
+    per int32 word down each column; 8 for a symmetric checkpoint, which stores none)."""
+    words = np.ascontiguousarray(tensors["weight_packed"].array).view("<u4")
+    scales = tensors["weight_scale"].float32()
+    out_f = words.shape[0]
+    if "weight_zero_point" in tensors:
+        packed = np.ascontiguousarray(tensors["weight_zero_point"].array).view("<u4")  # [ceil(out / 8), groups]
+        shifts = np.arange(0, 32, 4, dtype=np.uint32)
+        zero = ((packed[:, None, :] >> shifts[None, :, None]) & 0xF).reshape(-1, packed.shape[1])[:out_f]
+    else:
+        zero = np.full(scales.shape, 8, np.uint32)
+    return QuantizedLayer(weight=words, scales=scales, biases=-scales * zero.astype(np.float32), group_size=group,
+                          bits=4)
+
+
 def int4_dequantize(layer: QuantizedLayer) -> np.ndarray:
     """``scales · q + biases`` per group of a 4-bit layer, float32 [out, in] (quant.int4's math, in numpy)."""
     out_f, in_f = layer.shape
@@ -173,9 +191,12 @@ _EXTRA = {"int4": (".scales", ".biases"), "int8": (".weight_scale",), "fp8": (".
           "nf4": (".weight.absmax",)}
 
 
+PACKED = ".weight_packed"  # int4 in compressed-tensors' pack-quantized layout
+
+
 def _quantized_prefixes(names: Iterable[str], scheme: str) -> list[str]:
-    marker = _EXTRA[scheme][0]
-    return sorted(n[: -len(marker)] for n in names if n.endswith(marker))
+    markers = (_EXTRA[scheme][0], PACKED) if scheme == "int4" else (_EXTRA[scheme][0],)
+    return sorted(n[: -len(m)] for n in names for m in markers if n.endswith(m))
 
 
 def _planned_layers(names: Iterable[str], plan: Mapping[int, LayerFormat]) -> dict[str, LayerFormat]:
@@ -197,6 +218,14 @@ def _planned_layers(names: Iterable[str], plan: Mapping[int, LayerFormat]) -> di
 
 def _layer(prefix: str, tensors: Mapping[str, Stored], scheme: str, group: int | None) -> QuantizedLayer | Stored:
     """The MLX form of one quantized layer's stored tensors: a QuantizedLayer (int4, int8) or a float32 weight."""
+    if scheme == "int4" and "weight_packed" in tensors:
+        packed, scale = tensors["weight_packed"], tensors["weight_scale"]
+        if packed.dtype != "I32" or group is None or scale.array.shape != (packed.array.shape[0],
+                                                                          packed.array.shape[1] * 8 // group):
+            raise ReleaseError(f"{prefix}: pack-quantized int4 weight_packed {packed.dtype} "
+                               f"{list(packed.array.shape)} / weight_scale {list(scale.array.shape)} do not fit "
+                               f"group_size {group} (expected I32 [out, in / 8] and [out, in / {group}])")
+        return packed_int4_to_mlx(tensors, group)
     weight = tensors["weight"]
     if scheme == "int4":
         if weight.dtype != "U32" or group is None:

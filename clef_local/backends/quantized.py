@@ -18,7 +18,7 @@ from torch.nn import functional as F
 
 from clef_local.errors import ReleaseError
 from clef_local.formats.quant_plan import MIXED, LayerFormat, layer_index
-from clef_local.quant import fp8, int4, int4_cpu, int8, nf4
+from clef_local.quant import fp8, int4, int4_cpu, int4_packed, int8, nf4
 
 log = logging.getLogger(__name__)
 
@@ -171,15 +171,21 @@ class Int4Linear(QuantizedLinear):
         self._expect(specs, "scales", (self.out_features, groups), specs["scales"][1])
         self._expect(specs, "biases", (self.out_features, groups), specs["scales"][1])
 
-    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+    def affine(self) -> dict[str, torch.Tensor]:
+        """The stored tensors in the MLX layout every int4 path reads (``weight`` words viewed as int32: the same
+        bits, which unpack masks, so no uint32 arithmetic is needed)."""
         packed = self.packed()
-        packed["weight"] = packed["weight"].view(torch.int32)  # same bits; unpack masks them (no uint32 math needed)
-        return int4.dequantize(packed, self.group_size, dtype)
+        packed["weight"] = packed["weight"].view(torch.int32)
+        return packed
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return int4.dequantize(self.affine(), self.group_size, dtype)
 
     def prepare(self) -> None:
-        if self.scales is None:
-            raise RuntimeError("int4 layer prepared twice (its MLX-layout buffers were released)")
-        device = self.scales.device
+        held = self.packed()
+        if len(held) < len(self.REQUIRED):
+            raise RuntimeError("int4 layer prepared twice (its stored buffers were released)")
+        device = next(iter(held.values())).device
         if device.type == "cuda":
             self._prepare_tinygemm(device)
         elif device.type != "cpu":
@@ -197,7 +203,7 @@ class Int4Linear(QuantizedLinear):
         if layout is None:  # unsupported() said so already; kept for the type checker
             self._set_kernel(DEQUANTIZE, f"torch {torch.__version__} packs int4 in an unknown layout")
             return
-        repacked = repack_int4(self.packed(), self.group_size, self.compute_dtype,
+        repacked = repack_int4(self.affine(), self.group_size, self.compute_dtype,
                                convert=lambda block, group, dtype: int4_cpu.repack(block, group, dtype, layout))
         # The first rows through torch's kernel and through the blocked dequantize: two readers of the bytes, torch's
         # and ours, so a layout that is not the one torch reads is off by 10-100% (no full-precision copy is made).
@@ -225,7 +231,7 @@ class Int4Linear(QuantizedLinear):
         x = torch.randn(4, self.in_features, device=device, dtype=int4.TINYGEMM_DTYPE,
                         generator=torch.Generator(device).manual_seed(0))
         try:  # a torch build without kernels for this GPU raises here, not at the first request
-            repacked = repack_int4(self.packed(), self.group_size, int4.TINYGEMM_DTYPE, convert=int4.to_tinygemm)
+            repacked = repack_int4(self.affine(), self.group_size, int4.TINYGEMM_DTYPE, convert=int4.to_tinygemm)
             with torch.inference_mode():
                 reference = F.linear(x.float(), self.dequantize(torch.float32))
                 error = float((int4.tinygemm_matmul(x, repacked).float() - reference).abs().max()
@@ -245,18 +251,42 @@ class Int4Linear(QuantizedLinear):
     def _use_repack(self, repacked: int4.TorchInt4, kernel: str) -> None:
         self.register_buffer("int4pack", repacked.weight, persistent=False)
         self.register_buffer("scales_and_zeros", repacked.scales_and_zeros, persistent=False)
-        self.weight = self.scales = self.biases = None  # the kernel's copy replaces the MLX layout
+        for name in self.KEYS.values():  # the kernel's copy replaces the stored layout
+            setattr(self, name, None)
         self._set_kernel(kernel)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if (matmul := INT4_MATMULS.get(self.kernel)) is not None:
             return matmul(x, int4.TorchInt4(self.int4pack, self.group_size, self.scales_and_zeros)).to(x.dtype)
-        if self.weight is not None and self.weight.device.type == "cpu":  # dequantize, a block of rows at a time
-            packed = self.packed()
-            packed["weight"] = packed["weight"].view(torch.int32)
-            y = int4_cpu.stored_matmul(x.reshape(-1, x.shape[-1]), packed, self.group_size)
+        if x.device.type == "cpu":  # dequantize, a block of rows at a time
+            y = int4_cpu.stored_matmul(x.reshape(-1, x.shape[-1]), self.affine(), self.group_size)
             return y.reshape(*x.shape[:-1], self.out_features)
         return super()._matmul(x)
+
+
+class PackedInt4Linear(Int4Linear):
+    """int4 in compressed-tensors' pack-quantized layout (:mod:`quant.int4_packed`): ``W[r, c] = weight_scale[r, g]
+    * (q[r, c] - zero[r, g])``. Held as stored; every path reads :meth:`affine`, the MLX-layout form with
+    ``biases = -scale * zero`` in float32 (exact), so the kernels, their load-time checks and the blocked CPU
+    dequantize are :class:`Int4Linear`'s. A symmetric checkpoint (no ``weight_zero_point``) has zero 8."""
+
+    KEYS: ClassVar[dict[str, str]] = {key: key for key in int4_packed.KEYS}
+    REQUIRED = ("weight_packed", "weight_scale", "weight_shape")
+
+    def _check(self, specs: Mapping[str, TensorSpec]) -> None:
+        self._expect(specs, "weight_packed", (self.out_features, self.in_features // int4.PACK), torch.int32)
+        groups = specs["weight_scale"][0][-1]
+        self.group_size = self.in_features // groups if groups else 0
+        if self.group_size not in int4.GROUP_SIZES or self.group_size * groups != self.in_features:
+            raise ReleaseError(f"int4 weight_scale {list(specs['weight_scale'][0])} gives no valid group size for "
+                               f"in_features {self.in_features} (allowed: {int4.GROUP_SIZES})")
+        self._expect(specs, "weight_scale", (self.out_features, groups), specs["weight_scale"][1])
+        if "weight_zero_point" in specs:
+            self._expect(specs, "weight_zero_point", (-(-self.out_features // int4.PACK), groups), torch.int32)
+        self._expect(specs, "weight_shape", (2,), specs["weight_shape"][1])
+
+    def affine(self) -> dict[str, torch.Tensor]:
+        return int4_packed.to_affine(self.packed())
 
 
 # the repacked int4 kernels by the name Int4Linear records
@@ -456,7 +486,8 @@ class NF4Linear(QuantizedLinear):
 
 MODULES: dict[str, type[QuantizedLinear]] = {"int4": Int4Linear, "int8": Int8Linear, "nf4": NF4Linear,
                                              "fp8": FP8Linear}
-_MARKERS = {".scales": ("int4",), ".weight.absmax": ("nf4",), ".weight_scale": ("int8", "fp8")}
+PACKED = ".weight_packed"  # compressed-tensors' pack-quantized int4 (its .weight_scale is no int8 / fp8 marker)
+_MARKERS = {".scales": ("int4",), ".weight.absmax": ("nf4",), ".weight_scale": ("int8", "fp8"), PACKED: ("int4",)}
 _WEIGHT_DTYPES = {"int4": torch.uint32, "int8": torch.int8, "nf4": torch.uint8, "fp8": fp8.FP8_DTYPE}
 
 
@@ -478,9 +509,12 @@ def quantized_prefixes(headers: Mapping[str, TensorSpec], scheme: str,
             if not name.endswith(marker):
                 continue
             prefix = name[: -len(marker)]
+            if marker != PACKED and prefix + PACKED in headers:
+                continue
             expected = scheme if scheme != MIXED else _planned(prefix, plan or {})
-            weight = headers.get(prefix + ".weight")
-            if expected not in schemes or weight is None or weight[1] != _WEIGHT_DTYPES[expected]:
+            weight = headers.get(prefix + (PACKED if marker == PACKED else ".weight"))
+            dtype = torch.int32 if marker == PACKED else _WEIGHT_DTYPES.get(expected)
+            if expected not in schemes or weight is None or weight[1] != dtype:
                 where = "the scheme config.json names" if scheme != MIXED else \
                     f"the scheme config.json's plan names for its layer ({expected})"
                 raise ReleaseError(f"tensor {name} (weight dtype {weight and weight[1]}) is not a {expected} layer, "
@@ -514,8 +548,8 @@ def swap_linears(model: nn.Module, prefixes: Mapping[str, str], headers: Mapping
         start = prefix + "."
         specs = {k[len(start):]: v for k, v in headers.items() if k.startswith(start) and k != start + "bias"}
         bias = None if linear.bias is None else (tuple(linear.bias.shape), linear.bias.dtype)
-        module = MODULES[scheme](linear.in_features, linear.out_features, specs, bias=bias, compute_dtype=dtype,
-                                 device=device)
+        cls = PackedInt4Linear if scheme == "int4" and "weight_packed" in specs else MODULES[scheme]
+        module = cls(linear.in_features, linear.out_features, specs, bias=bias, compute_dtype=dtype, device=device)
         parent, _, child = prefix.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, module)
         swapped[prefix] = module

@@ -55,18 +55,23 @@ GROUP_FROM_SOURCE = ("32, from the source: its linear weights already lie on a 4
 VALIDATION = "validation.json"
 
 
-def _check_options(scheme: Scheme, int4_grid: str | None) -> dict[str, Any]:
-    """The scheme's options: int4's grid rule (default ``mse``); refused for the other schemes."""
-    from clef_local.quant import int4
+def _check_options(scheme: Scheme, int4_grid: str | None, int4_layout: str | None = None) -> dict[str, Any]:
+    """The scheme's options: int4's grid rule (default ``mse``) and stored layout (default ``mlx``, MLX affine;
+    ``compressed``: compressed-tensors' pack-quantized); refused for the other schemes."""
+    from clef_local.quant import int4, int4_packed
 
     if scheme.name != "int4":
-        if int4_grid is not None:
-            raise ExportError(f"--int4-grid applies to int4 only, not {scheme.name}; drop it")
+        if given := [f for f, v in (("--int4-grid", int4_grid), ("--int4-layout", int4_layout)) if v is not None]:
+            raise ExportError(f"{', '.join(given)} applies to int4 only, not {scheme.name}; drop it")
         return {}
     grid = int4_grid or int4.DEFAULT_GRID
     if grid not in int4.GRIDS:
         raise ExportError(f"--int4-grid must be one of {', '.join(int4.GRIDS)}, not {grid!r}")
-    return {"grid": grid}
+    layout = int4_layout or int4_packed.DEFAULT_LAYOUT
+    if layout not in int4_packed.LAYOUTS:
+        raise ExportError(f"--int4-layout must be one of {', '.join(int4_packed.LAYOUTS)}, not {layout!r}")
+    # the MLX layout's options stay as they were, so its config.json is unchanged
+    return {"grid": grid} if layout == int4_packed.DEFAULT_LAYOUT else {"grid": grid, "layout": layout}
 
 
 def _check_group(scheme: Scheme, group_size: int | None) -> int | None:
@@ -108,7 +113,8 @@ def _write_config(source: Path, tmp: Path, config: dict[str, Any], scheme: Schem
                   result: dict[str, Any], options: dict[str, Any], calibration: dict[str, Any] | None = None, *,
                   validated: bool = True) -> dict[str, Any]:
     done = {n.removesuffix(".weight") for n in result["quantized"]}
-    linear = _linear_modules(source, list(result["skipped"]), config) if scheme.name != "int4" else []
+    mlx_layout = scheme.name == "int4" and options.get("layout") != "compressed"
+    linear = _linear_modules(source, list(result["skipped"]), config) if not mlx_layout else []
     # bitsandbytes' and compressed-tensors' configs name every linear kept as released (their loaders would
     # otherwise expect quantized tensors there); mlx-lm finds int4's quantized layers by their scales
     qconfig = scheme.quantization_config(group, skip_modules=[m for m in linear if m not in done], **options)
@@ -118,13 +124,14 @@ def _write_config(source: Path, tmp: Path, config: dict[str, Any], scheme: Schem
                              "validated": validated}
     if calibration:
         qconfig["clef_local"]["calibration"] = calibration
-    written = {**config, "quantization_config": qconfig, **scheme.top_level_config(group)}
+    written = {**config, "quantization_config": qconfig, **scheme.top_level_config(group, **options)}
     (tmp / CONFIG).write_text(json.dumps(written, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     return qconfig
 
 
 def quantize_release(source: Path, out: Path, scheme: str, group_size: int | None = None, force: bool = False,
-                     validate: bool = True, *, int4_grid: str | None = None, calibrate: bool = False,
+                     validate: bool = True, *, int4_grid: str | None = None, int4_layout: str | None = None,
+                     calibrate: bool = False,
                      calibration_requests: int | None = None, log_summary: bool = True,
                      on_tensor: Callable[[str], None] | None = None, max_memory: str | None = None,
                      reference_file: str | Path | None = None, max_length: int | None = None,
@@ -134,6 +141,9 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
     ``group_size``: int4 group (32/64/128; by default 32 when the source's weights already lie on a 4-bit grid per
     32 columns, as the demo backbone's do, else 64) or nf4 block (default 64); none for int8/fp8. ``int4_grid``:
     how int4 picks each group's scale and bias (``mse``, the default, or ``mlx``; :mod:`clef_local.quant.int4`).
+    ``int4_layout``: how int4 is stored (``mlx``, the default: MLX affine, which mlx-lm reads; ``compressed``:
+    compressed-tensors' pack-quantized with integer zero points, which vLLM and SGLang read;
+    :mod:`clef_local.quant.int4_packed`).
     ``force`` replaces an existing ``out`` once the new variant is complete. ``validate`` compares the variant with the
     source on the packaged probe set (:mod:`clef_local.export.validate`) and fails the export when a threshold is
     exceeded or when validation cannot run (``ValidationUnavailable``: no probe set, too little memory, the reference
@@ -164,7 +174,10 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
     except ValueError as exc:
         raise ExportError(str(exc)) from None
     group = _check_group(spec, group_size)
-    options = _check_options(spec, int4_grid)
+    options = _check_options(spec, int4_grid, int4_layout)
+    if calibrate and options.get("layout") == "compressed":
+        raise ExportError("--calibrate rounds int4 onto the MLX layout's grid (float biases), which the compressed "
+                          "layout cannot store; drop --calibrate or --int4-layout compressed")
     release = read_release(source)
     if release.quantization:
         raise ExportError(f"{source} is already quantized ({release.quantization.get('quant_method')}); quantize "
@@ -259,7 +272,8 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
     lin = b["linear_after"] / b["linear_before"] if b["linear_before"] else float("nan")
     lines = [
         f"{summary['scheme']}{' g' + str(summary['group_size']) if summary['group_size'] else ''}"
-        f"{' (' + summary['grid'] + ' grid)' if summary.get('grid') else ''} → {summary['out']} "
+        f"{' (' + summary['grid'] + ' grid)' if summary.get('grid') else ''}"
+        f"{' in the ' + summary['layout'] + ' layout' if summary.get('layout') else ''} → {summary['out']} "
         f"in {summary['seconds']:.1f} s",
         f"quantized linear weights: {_mb(b['linear_before'])} → {_mb(b['linear_after'])} ({lin:.3f}×), "
         f"{summary['bits_per_weight']:.2f} bits per weight",
@@ -296,6 +310,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--int4-grid", choices=["mse", "mlx"],
                         help="how int4 picks each group's scale and bias: mse (default: least squared error) or mlx "
                              "(bit-identical to mlx_lm.convert)")
+    parser.add_argument("--int4-layout", choices=["mlx", "compressed"],
+                        help="how int4 is stored: mlx (default: MLX affine with float biases; mlx-lm reads it) or "
+                             "compressed (compressed-tensors pack-quantized, integer zero points; vLLM and SGLang "
+                             "read it, docs/quantization.md#what-reads-each-variant)")
     parser.add_argument("--calibrate", action="store_true",
                         help="round with GPTQ on calibration requests from the training splits instead of "
                              "round-to-nearest (every scheme; loads the source)")
@@ -363,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{', '.join(given)} apply with --format mixed only")
     try:
         summary = quantize_release(args.model, args.out, scheme, args.group_size, force=args.force,
-                                   validate=not args.no_validate, int4_grid=args.int4_grid, calibrate=args.calibrate,
+                                   validate=not args.no_validate, int4_grid=args.int4_grid,
+                                   int4_layout=args.int4_layout, calibrate=args.calibrate,
                                    calibration_requests=args.calibration_requests, log_summary=False,
                                    max_memory=args.max_memory, reference_file=args.reference_file,
                                    max_length=args.max_length, validation_requests=args.validation_requests)
@@ -381,6 +400,7 @@ def _main_mixed(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
     if args.max_kl is None:
         parser.error("--format mixed needs --max-kl NATS (the mean KL budget, e.g. 0.002)")
     if given := [f for f, v in {"--group-size": args.group_size, "--int4-grid": args.int4_grid,
+                                "--int4-layout": args.int4_layout,
                                 "--calibrate": args.calibrate or None,
                                 "--calibration-requests": args.calibration_requests}.items() if v is not None]:
         parser.error(f"{', '.join(given)} do not apply to --format mixed (name groups in --mixed-formats: int4-g64)")

@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 # call (docs/benchmarks.md, export size and memory).
 CHUNK_ELEMENTS = 1 << 18
 ROW_WISE = frozenset({"int4", "int8", "fp8"})
+ROW_BLOCK = 8
 FOUR_BIT_TOLERANCE = 1e-2  # relative error of an int4 g32 round trip below which a source counts as 4-bit already
 INDEX = "model.safetensors.index.json"
 PLAN_KEPT = "kept in the source precision by the mixed-precision plan"
@@ -45,15 +46,14 @@ def file_mode() -> int:
 def quantize_tensor(scheme: Scheme, weight: torch.Tensor, group: int | None, **options: Any
                     ) -> dict[str, torch.Tensor]:
     """``scheme.quantize(weight, group, **options)``, in row blocks of ~:data:`CHUNK_ELEMENTS` for the per-row schemes
-    (int4 groups run along a row, int8/fp8 scale each row: the blocks' outputs concatenate to the same tensors);
-    nf4 (blocks over the flattened weight, one serialized state) in one call."""
-    import torch
-
-    rows = max(1, CHUNK_ELEMENTS // max(1, weight.shape[-1]))
+    (int4 groups run along a row, int8/fp8 scale each row: the blocks' outputs join to the same tensors,
+    :meth:`Scheme.join_rows`); nf4 (blocks over the flattened weight, one serialized state) in one call."""
+    # a multiple of 8 rows: the pack-quantized layout packs 8 rows' zero points per word
+    rows = max(ROW_BLOCK, CHUNK_ELEMENTS // max(1, weight.shape[-1]) // ROW_BLOCK * ROW_BLOCK)
     if scheme.name not in ROW_WISE or weight.dim() != 2 or weight.shape[0] <= rows:
         return scheme.quantize(weight, group, **options)
-    parts = [scheme.quantize(weight[i : i + rows], group, **options) for i in range(0, weight.shape[0], rows)]
-    return {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
+    return scheme.join_rows([scheme.quantize(weight[i : i + rows], group, **options)
+                             for i in range(0, weight.shape[0], rows)])
 
 
 _LIBC: Any = None

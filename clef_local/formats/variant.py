@@ -1,12 +1,12 @@
 """Which quantized format a release's ``config.json`` describes, and which tool wrote it: the one place that decides.
 
 clef-local's own variants carry ``quantization_config.clef_local`` (``{"scheme", "group_size", …}``) beside the
-standard config of their layout: compressed-tensors' for fp8 / int8, bitsandbytes' for nf4, mlx-lm's
-``quantization`` block for int4 (variants written before those configs have ``"quant_method": "clef-local"``
-instead, and still load). The ecosystem's own checkpoints have no ``clef_local`` member: an mlx-lm or mlx-vlm
-conversion (``mlx_lm.convert -q``, ``mlx_vlm.convert -q``) is read from its top-level ``quantization`` block, a
-compressed-tensors checkpoint from its ``config_groups``. The census, the loaders, the app and ``inspect`` all ask
-:func:`variant_format`.
+standard config of their layout: compressed-tensors' for fp8 / int8 and for int4 in its ``pack-quantized`` layout
+(``--int4-layout compressed``), bitsandbytes' for nf4, mlx-lm's ``quantization`` block for int4 in the MLX affine
+layout (variants written before those configs have ``"quant_method": "clef-local"`` instead, and still load). The
+ecosystem's own checkpoints have no ``clef_local`` member: an mlx-lm or mlx-vlm conversion (``mlx_lm.convert -q``,
+``mlx_vlm.convert -q``) is read from its top-level ``quantization`` block, a compressed-tensors checkpoint from its
+``config_groups``. The census, the loaders, the app and ``inspect`` all ask :func:`variant_format`.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def _ours(quant: Mapping[str, Any], member: Mapping[str, Any]) -> VariantFormat:
     method = quant.get("quant_method")
     if method == compressed.QUANT_METHOD:
         try:
-            found = compressed.scheme_of(quant)
+            found, _ = compressed.read_weights(quant)
         except ValueError as exc:
             raise ReleaseError(f"config.json: {exc}") from None
         if found != scheme:
@@ -102,12 +102,12 @@ def variant_format(config: Mapping[str, Any]) -> VariantFormat | None:
     method = quant.get("quant_method")
     if method == compressed.QUANT_METHOD:
         try:
-            return VariantFormat(compressed.scheme_of(quant), None, f"compressed-tensors {quant.get('format')}",
-                                 "compressed-tensors")
+            scheme, group = compressed.read_weights(quant)
+            return VariantFormat(scheme, group, f"compressed-tensors {quant.get('format')}", "compressed-tensors")
         except ValueError as exc:
             raise ReleaseError(f"config.json: {exc}") from None
     if method == "bitsandbytes" and quant.get("bnb_4bit_quant_type") == "nf4":
         return VariantFormat("nf4", None, "bitsandbytes nf4", "bitsandbytes")
     raise ReleaseError(f"config.json: quantization_config with quant_method {method!r} is not a format clef-local "
                        f"reads (clef-local's own variants, mlx-lm 4-bit affine, compressed-tensors fp8/int8 per "
-                       f"channel, bitsandbytes nf4)")
+                       f"channel and int4 pack-quantized per group, bitsandbytes nf4)")

@@ -119,6 +119,87 @@ def quantize_values(weight: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE, 
     return q.to(torch.uint8).reshape(out_f, in_f), scale.to(weight.dtype), bias.to(weight.dtype)
 
 
+def _ascending(scale: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(step > 0, lo) of an MLX-oriented (scale, bias): a negative scale counts down from its bias."""
+    return scale.abs(), torch.where(scale < 0, bias + _N_BINS * scale, bias)
+
+
+def _zero_range(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """compressed-tensors' min-max rule (its ``calculate_qparams``): the range widened to hold 0, so the zero point
+    is a code in 0..15 whatever the signs."""
+    lo, hi = w.amin(dim=-1).clamp(max=0), w.amax(dim=-1).clamp(min=0)
+    step = ((hi - lo) / _N_BINS).clamp(min=_EPS)
+    return step, torch.round(-lo / step).clamp_(0, _N_BINS)
+
+
+def _zero_assign(w: torch.Tensor, step: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    return torch.round(w / step[..., None] + zero[..., None]).clamp_(0, _N_BINS)
+
+
+def _zero_fit(w: torch.Tensor, q: torch.Tensor, step: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """The step minimising ``sum((step·(q - zero) - w)^2)`` per group with the zero fixed; the old one where that is
+    not > 0."""
+    d = q - zero[..., None]
+    den, num = d.square().sum(-1), (d * w).sum(-1)
+    fit = num / torch.where(den > 0, den, 1.0)
+    return torch.where((den > 0) & (fit > 0), fit, step)
+
+
+def _mlx_zero_grid(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, step, zero) of MLX's rule: its codes (flipped to ``15 - q`` where its scale is negative) and its bias as
+    an integer code (MLX puts the bias on ``q0·scale``). A group all of one sign far from 0 has its zero outside
+    0..15: it takes :func:`_zero_range` instead."""
+    scale, bias = mlx_grid(w)
+    step, lo = _ascending(scale, bias)
+    zero = torch.round(-lo / step)
+    q = _assign(w, scale, bias)
+    q = torch.where(scale[..., None] < 0, _N_BINS - q, q)
+    inside = (zero >= 0) & (zero <= _N_BINS)
+    if not bool(inside.all()):
+        step2, zero2 = _zero_range(w)
+        q = torch.where(inside[..., None], q, _zero_assign(w, step2, zero2))
+        step, zero = torch.where(inside, step, step2), torch.where(inside, zero, zero2)
+    return q, step, zero
+
+
+def zero_point_values(weight: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE, grid: str = DEFAULT_GRID
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``w ≈ scale·(q - zero)`` with an integer zero point: (q uint8 [out, in], scale > 0 [out, in / g] in
+    ``weight.dtype``, zero uint8 [out, in / g] in 0..15), the asymmetric int4 of compressed-tensors' pack-quantized
+    layout (vLLM's and SGLang's WNA16 kernels read the zero point as a 4-bit code, so a float bias cannot go there).
+
+    ``grid="mlx"``: MLX's codes and its bias as the zero code (:func:`_mlx_zero_grid`; the stored values differ from
+    the MLX layout's by the bf16 rounding of the bias only). ``grid="mse"``: the candidate with the least squared
+    error once its scale is cast to ``weight.dtype``, among MLX's, compressed-tensors' min-max rule and the ``mse``
+    grid's stretched ranges with the zero rounded to a code, each step refitted by least squares with its zero fixed.
+    """
+    check_shape(tuple(weight.shape), group_size)
+    if grid not in GRIDS:
+        raise ValueError(f"int4 grid must be one of {GRIDS}, got {grid!r}")
+    out_f, in_f = weight.shape
+    w = weight.detach().to(torch.float32).reshape(out_f, in_f // group_size, group_size)
+    q, step, zero = _mlx_zero_grid(w)
+    if grid == "mse":
+        candidates = [(step, zero), _zero_range(w)]
+        w_min, span = w.amin(dim=-1), (w.amax(dim=-1) - w.amin(dim=-1)).clamp(min=_EPS)
+        candidates += [(span / levels, torch.round(-w_min / (span / levels)).clamp_(0, _N_BINS))
+                       for levels in _MSE_LEVELS]
+        error = None
+        for index, (step2, zero2) in enumerate(candidates):
+            for _ in range(2 if index else 0):  # MLX's own pair stays as it is: the mse grid is never worse
+                step2 = _zero_fit(w, _zero_assign(w, step2, zero2), step2, zero2)
+            stored = step2.to(weight.dtype).to(torch.float32)
+            stored = torch.where(stored > 0, stored, torch.full_like(stored, _EPS))  # a cast can flush a tiny step
+            q2 = _zero_assign(w, stored, zero2)
+            error2 = ((q2 - zero2[..., None]) * stored[..., None] - w).square_().sum(dim=-1)
+            better = error2 < error if error is not None else torch.ones_like(error2, dtype=torch.bool)
+            q = torch.where(better[..., None], q2, q)
+            step, zero = torch.where(better, stored, step), torch.where(better, zero2, zero)
+            error = error2 if error is None else torch.where(better, error2, error)
+    return (q.to(torch.uint8).reshape(out_f, in_f), step.to(weight.dtype),
+            zero.to(torch.uint8))
+
+
 def pack(q: torch.Tensor) -> torch.Tensor:
     """Pack 4-bit values [out, in] (0..15, any int dtype) into uint32 [out, in / 8], column 8k+j at bits 4j."""
     if q.shape[-1] % PACK:

@@ -8,14 +8,15 @@ from typing import Any
 
 import torch
 
-from . import fp8, int4, int8, nf4
+from . import fp8, int4, int4_packed, int8, nf4
 
 
 @dataclass(frozen=True)
 class Scheme:
     """One quantization scheme with a uniform signature.
 
-    ``quantize(weight, group_size, **options)`` -> tensors (int4's option: ``grid``, see :mod:`.int4`);
+    ``quantize(weight, group_size, **options)`` -> tensors (int4's options: ``grid``, see :mod:`.int4`, and
+    ``layout``, ``mlx`` or ``compressed``, see :mod:`.int4_packed`);
     ``dequantize(tensors, group_size, dtype)`` -> weight; ``bits_per_weight(group_size)``;
     ``quantization_config(group_size, skip_modules=None, **options)`` -> the config.json dict (the same options;
     ``skip_modules``: the linear modules kept as released, which bitsandbytes' and compressed-tensors' configs list;
@@ -38,24 +39,44 @@ class Scheme:
         """The group size to hand to ``predicate.should_quantize`` for this scheme."""
         return (group_size or self.default_group_size) if self.needs_divisible_input else None
 
-    def top_level_config(self, group_size: int | None = None) -> dict[str, Any]:
-        """config.json members written beside ``quantization_config``: for int4 mlx-lm's ``quantization`` block
-        (``{"group_size", "bits": 4, "mode": "affine"}``, which mlx-lm reads before ``quantization_config``);
-        none for the other schemes."""
-        if self.name == "int4":
+    def top_level_config(self, group_size: int | None = None, **options: Any) -> dict[str, Any]:
+        """config.json members written beside ``quantization_config``: for int4 in the MLX layout mlx-lm's
+        ``quantization`` block (``{"group_size", "bits": 4, "mode": "affine"}``, which mlx-lm reads before
+        ``quantization_config``); none for the other schemes and layouts (mlx-lm would misread pack-quantized
+        tensors)."""
+        if self.name == "int4" and options.get("layout", int4_packed.DEFAULT_LAYOUT) == "mlx":
             return {"quantization": int4.mlx_quantization(group_size or int4.DEFAULT_GROUP_SIZE)}
         return {}
 
+    def join_rows(self, parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """The outputs of :attr:`quantize` on consecutive row blocks of one weight, as one call's: concatenated along
+        the rows (the pack-quantized layout's shape and row-packed zero points: :func:`.int4_packed.join_rows`)."""
+        if "weight_shape" in parts[0]:
+            return int4_packed.join_rows(parts)
+        return {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
 
-def _int4_quantize(weight: torch.Tensor, group_size: int | None = None, grid: str = int4.DEFAULT_GRID
-                   ) -> dict[str, torch.Tensor]:
-    return int4.quantize(weight, group_size or int4.DEFAULT_GROUP_SIZE, grid)
+
+def _int4_quantize(weight: torch.Tensor, group_size: int | None = None, grid: str = int4.DEFAULT_GRID,
+                   layout: str = int4_packed.DEFAULT_LAYOUT) -> dict[str, torch.Tensor]:
+    if layout not in int4_packed.LAYOUTS:
+        raise ValueError(f"int4 layout must be one of {int4_packed.LAYOUTS}, got {layout!r}")
+    quantize = int4_packed.quantize if layout == "compressed" else int4.quantize
+    return quantize(weight, group_size or int4.DEFAULT_GROUP_SIZE, grid)
 
 
 def _int4_dequantize(
     packed: dict[str, torch.Tensor], group_size: int | None = None, dtype: torch.dtype | None = None
 ) -> torch.Tensor:
-    return int4.dequantize(packed, group_size or int4.DEFAULT_GROUP_SIZE, dtype)
+    dequantize = int4_packed.dequantize if "weight_packed" in packed else int4.dequantize
+    return dequantize(packed, group_size or int4.DEFAULT_GROUP_SIZE, dtype)
+
+
+def _int4_config(group_size: int | None = None, skip_modules: list[str] | None = None, grid: str = int4.DEFAULT_GRID,
+                 layout: str = int4_packed.DEFAULT_LAYOUT) -> dict[str, Any]:
+    group = group_size or int4.DEFAULT_GROUP_SIZE
+    if layout == "compressed":  # compressed-tensors' own schema; the grid is recorded in the clef_local member
+        return int4_packed.quantization_config(group, skip_modules or ())
+    return int4.quantization_config(group, grid)
 
 
 def _nf4_quantize(weight: torch.Tensor, group_size: int | None = None, **options: Any) -> dict[str, torch.Tensor]:
@@ -93,8 +114,7 @@ SCHEMES: dict[str, Scheme] = {
         quantize=_int4_quantize,
         dequantize=_int4_dequantize,
         bits_per_weight=lambda group_size=None: int4.bits_per_weight(group_size or int4.DEFAULT_GROUP_SIZE),
-        quantization_config=lambda group_size=None, skip_modules=None, grid=int4.DEFAULT_GRID: (
-            int4.quantization_config(group_size or int4.DEFAULT_GROUP_SIZE, grid)),
+        quantization_config=_int4_config,
     ),
     "int8": Scheme(
         name="int8",

@@ -124,7 +124,7 @@ def load_exportable(release: Release, dtype: torch.dtype) -> ExportableBackbone:
     import torch
     import transformers
 
-    from clef_local.backends.quantized import QuantizedLinear
+    from clef_local.backends.quantized import Int4Linear, QuantizedLinear
     from clef_local.backends.skeleton import load_variant_backbone
     from clef_local.backends.torch_backend import TorchBackbone, variant_scheme
 
@@ -146,7 +146,9 @@ def load_exportable(release: Release, dtype: torch.dtype) -> ExportableBackbone:
     for name, module in list(wrapper.named_modules()):
         if not isinstance(module, QuantizedLinear):
             continue
-        packed = {k: _to_numpy(v) for k, v in module.packed().items()}
+        # int4 in either stored layout, as the MLX-layout tensors MatMulNBits is built from (Int4Linear.affine)
+        stored = module.affine() if isinstance(module, Int4Linear) else module.packed()
+        packed = {k: _to_numpy(v) for k, v in stored.items()}
         if module.scheme == "int4":
             nbits[name] = int4_nbits(packed["weight"], packed["scales"], packed["biases"], module.group_size)
         else:

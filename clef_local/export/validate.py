@@ -107,9 +107,9 @@ def _predictions(path: Path, requests: Sequence[dict[str, Any]], dtype: str | No
         streamed = model.backend.describe().get("streamed")
         if streamed is not None:
             summary["streamed"] = streamed
-            log.info("%s streamed from disk: %.2f GB read in %d passes, %.1f s per pass (%.1f s reading)", role,
-                     streamed["bytes_read"] / 1e9, len(batches), sum(batches) / max(len(batches), 1),
-                     streamed["read_seconds"])
+            log.info("%s streamed from disk: %.2f GB read in %d pass%s, %.1f s per pass (%.1f s reading)", role,
+                     streamed["bytes_read"] / 1e9, len(batches), "" if len(batches) == 1 else "es",
+                     sum(batches) / max(len(batches), 1), streamed["read_seconds"])
         return ModelRun(predictions, decision.dtype if decision else str(dtype), model.max_length, summary)
     finally:
         del model

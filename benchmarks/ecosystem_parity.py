@@ -2,11 +2,11 @@
 
     python benchmarks/ecosystem_parity.py                 # fp8, int8 (transformers) and int4 (mlx-lm)
     python benchmarks/ecosystem_parity.py --out DIR fp8   # keep the exported variants in DIR
-    python benchmarks/ecosystem_parity.py int4-compressed int4-compressed-mlx            # pack-quantized int4
-    python benchmarks/ecosystem_parity.py --tiny int4-compressed  # a tiny random Qwen3.5 release instead
+    python benchmarks/ecosystem_parity.py int4-compressed-mse int4-compressed-mlx    # pack-quantized int4
+    python benchmarks/ecosystem_parity.py --tiny int4-compressed-mlx  # a tiny random Qwen3.5 release instead
 
-fp8 / int8 / int4-compressed (int4 in compressed-tensors' pack-quantized layout, ``--int4-layout compressed``, on
-the mse grid; ``-mlx``: on the mlx grid): transformers with compressed-tensors (``CompressedTensorsConfig(
+fp8 / int8 / int4-compressed-mse, -mlx (int4 in compressed-tensors' pack-quantized layout, ``--int4-layout
+compressed``, on the mse / mlx grid): transformers with compressed-tensors (``CompressedTensorsConfig(
 dequantize=True)``: the only route that runs on a CPU, docs/quantization.md#what-reads-each-variant); int4:
 ``mlx_lm.utils.load_model`` cast to float32. Each variant is exported with ``validate=False`` from the demo release
 (``--tiny``: ``clef_local.testing.build_tiny_release(backbone="qwen3_5", seed=0)``); the input is 2 × 64 random
@@ -24,7 +24,7 @@ import torch
 
 # scheme name -> (clef-local scheme, quantize_release options)
 VARIANTS = {"fp8": ("fp8", {}), "int8": ("int8", {}), "int4": ("int4", {}),
-            "int4-compressed": ("int4", {"int4_layout": "compressed"}),
+            "int4-compressed-mse": ("int4", {"int4_layout": "compressed", "int4_grid": "mse"}),
             "int4-compressed-mlx": ("int4", {"int4_layout": "compressed", "int4_grid": "mlx"})}
 
 

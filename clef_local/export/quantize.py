@@ -64,12 +64,12 @@ def _check_options(scheme: Scheme, int4_grid: str | None, int4_layout: str | Non
         if given := [f for f, v in (("--int4-grid", int4_grid), ("--int4-layout", int4_layout)) if v is not None]:
             raise ExportError(f"{', '.join(given)} applies to int4 only, not {scheme.name}; drop it")
         return {}
-    grid = int4_grid or int4.DEFAULT_GRID
-    if grid not in int4.GRIDS:
-        raise ExportError(f"--int4-grid must be one of {', '.join(int4.GRIDS)}, not {grid!r}")
     layout = int4_layout or int4_packed.DEFAULT_LAYOUT
     if layout not in int4_packed.LAYOUTS:
         raise ExportError(f"--int4-layout must be one of {', '.join(int4_packed.LAYOUTS)}, not {layout!r}")
+    grid = int4_grid or (int4_packed.DEFAULT_GRID if layout == "compressed" else int4.DEFAULT_GRID)
+    if grid not in int4.GRIDS:
+        raise ExportError(f"--int4-grid must be one of {', '.join(int4.GRIDS)}, not {grid!r}")
     # the MLX layout's options stay as they were, so its config.json is unchanged
     return {"grid": grid} if layout == int4_packed.DEFAULT_LAYOUT else {"grid": grid, "layout": layout}
 
@@ -140,7 +140,8 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
 
     ``group_size``: int4 group (32/64/128; by default 32 when the source's weights already lie on a 4-bit grid per
     32 columns, as the demo backbone's do, else 64) or nf4 block (default 64); none for int8/fp8. ``int4_grid``:
-    how int4 picks each group's scale and bias (``mse``, the default, or ``mlx``; :mod:`clef_local.quant.int4`).
+    how int4 picks each group's scale and bias (``mse``, the default for the MLX layout, or ``mlx``, the default for
+    the compressed one; :mod:`clef_local.quant.int4`).
     ``int4_layout``: how int4 is stored (``mlx``, the default: MLX affine, which mlx-lm reads; ``compressed``:
     compressed-tensors' pack-quantized with integer zero points, which vLLM and SGLang read;
     :mod:`clef_local.quant.int4_packed`).
@@ -308,8 +309,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="int4 group (32, 64, 128; default 32 for a source already on a 4-bit grid per 32 columns, "
                              "such as the demo backbone, else 64) or nf4 block (64)")
     parser.add_argument("--int4-grid", choices=["mse", "mlx"],
-                        help="how int4 picks each group's scale and bias: mse (default: least squared error) or mlx "
-                             "(bit-identical to mlx_lm.convert)")
+                        help="how int4 picks each group's scale and bias: mse (default for the mlx layout: least "
+                             "squared error) or mlx (bit-identical to mlx_lm.convert; default for the compressed "
+                             "layout)")
     parser.add_argument("--int4-layout", choices=["mlx", "compressed"],
                         help="how int4 is stored: mlx (default: MLX affine with float biases; mlx-lm reads it) or "
                              "compressed (compressed-tensors pack-quantized, integer zero points; vLLM and SGLang "

@@ -57,16 +57,19 @@ def _high_water(pid: int) -> int:
 
 
 def _run(command: list[str]) -> tuple[float, int, str]:
-    """(wall seconds, peak RSS bytes, stdout) of ``command`` in a subprocess; its stderr passes through."""
+    """(wall seconds, peak RSS bytes, stdout + stderr) of ``command`` in a subprocess; its stderr is printed too."""
     started = time.perf_counter()
-    with tempfile.TemporaryFile("w+") as out:
-        process = subprocess.Popen(command, stdout=out, text=True)
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        process = subprocess.Popen(command, stdout=out, stderr=err, text=True)
         peak = 0
         while process.poll() is None:
             peak = max(peak, _high_water(process.pid))
             time.sleep(0.2)
         out.seek(0)
-        text = out.read()
+        err.seek(0)
+        text, logged = out.read(), err.read()
+    print(logged, file=sys.stderr, end="")
+    text = text + logged
     if process.returncode not in (0, 1):  # drift exits 1 when a gate fails: still a measurement
         raise SystemExit(f"{' '.join(command)} failed with exit status {process.returncode}")
     return time.perf_counter() - started, peak, text
@@ -136,12 +139,24 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(["drift", peak, None, None, None, None, None, None,
                          f"{wall:.0f} s wall; kl_mean {summary['kl_mean']:.3g}, flips {summary['flips']}"])
         if args.quantize:
-            wall, peak, _ = _run([*cli, "quantize", "--model", str(args.model), "--bits", "4", "--out",
+            wall, peak, logged = _run([*cli, "quantize", "--model", str(args.model), "--bits", "4", "--out",
                                   str(args.quantize), "--max-memory", args.max_memory, "--force",
                                   *(["--validation-requests", str(args.validation_requests)]
                                     if args.validation_requests else []),
                                   *(["--int4-grid", args.int4_grid] if args.int4_grid else []),
                                   *(["--max-length", str(args.max_length)] if args.max_length else [])])
+            if not (args.quantize / "validation.json").is_file():  # failed: nothing written; its log says how it ran
+                import re
+
+                verdict = " ".join(m.group(0) for m in re.finditer(r"validation [✓✗] +\S+ +\S+", logged))
+                rows.append(["quantize + validation", peak, None, None, None, None, None, None,
+                             f"{wall:.0f} s wall; validation FAILED (the variant was not written): {verdict}"])
+                for m in re.finditer(r"(\w+) streamed from disk: ([0-9.]+) GB read in (\d+) pass(?:es)?, ([0-9.]+) s "
+                                     r"per pass \(([0-9.]+) s reading\)", logged):
+                    rows.append([f"validation: {m[1]}", None, None, float(m[2]) * 1e9, int(m[3]), float(m[4]),
+                                 float(m[5]), None, "streamed"])
+                args.quantize = None
+        if args.quantize:
             validation = json.loads((args.quantize / "validation.json").read_text())
             rows.append(["quantize + validation", peak, None, None, None, None, None, None,
                          f"{wall:.0f} s wall; validation {'passed' if validation.get('passed') else 'FAILED'} "

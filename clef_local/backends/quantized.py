@@ -163,13 +163,18 @@ class Int4Linear(QuantizedLinear):
 
     def _check(self, specs: Mapping[str, TensorSpec]) -> None:
         self._expect(specs, "weight", (self.out_features, self.in_features // int4.PACK), torch.uint32)
-        groups = specs["scales"][0][-1]
+        groups = self._groups(specs, "scales")
+        self._expect(specs, "biases", (self.out_features, groups), specs["scales"][1])
+
+    def _groups(self, specs: Mapping[str, TensorSpec], scales: str) -> int:
+        """The groups per row that the ``scales`` tensor stores, checked; sets :attr:`group_size`."""
+        groups = specs[scales][0][-1]
         self.group_size = self.in_features // groups if groups else 0
         if self.group_size not in int4.GROUP_SIZES or self.group_size * groups != self.in_features:
-            raise ReleaseError(f"int4 scales {list(specs['scales'][0])} give no valid group size for in_features "
+            raise ReleaseError(f"int4 {scales} {list(specs[scales][0])} give no valid group size for in_features "
                                f"{self.in_features} (allowed: {int4.GROUP_SIZES})")
-        self._expect(specs, "scales", (self.out_features, groups), specs["scales"][1])
-        self._expect(specs, "biases", (self.out_features, groups), specs["scales"][1])
+        self._expect(specs, scales, (self.out_features, groups), specs[scales][1])
+        return groups
 
     def affine(self) -> dict[str, torch.Tensor]:
         """The stored tensors in the MLX layout every int4 path reads (``weight`` words viewed as int32: the same
@@ -275,12 +280,7 @@ class PackedInt4Linear(Int4Linear):
 
     def _check(self, specs: Mapping[str, TensorSpec]) -> None:
         self._expect(specs, "weight_packed", (self.out_features, self.in_features // int4.PACK), torch.int32)
-        groups = specs["weight_scale"][0][-1]
-        self.group_size = self.in_features // groups if groups else 0
-        if self.group_size not in int4.GROUP_SIZES or self.group_size * groups != self.in_features:
-            raise ReleaseError(f"int4 weight_scale {list(specs['weight_scale'][0])} gives no valid group size for "
-                               f"in_features {self.in_features} (allowed: {int4.GROUP_SIZES})")
-        self._expect(specs, "weight_scale", (self.out_features, groups), specs["weight_scale"][1])
+        groups = self._groups(specs, "weight_scale")
         if "weight_zero_point" in specs:
             self._expect(specs, "weight_zero_point", (-(-self.out_features // int4.PACK), groups), torch.int32)
         self._expect(specs, "weight_shape", (2,), specs["weight_shape"][1])

@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     import clef_local
     from clef_local.export.mixed import mixed_release
     from clef_local.export.quantize import quantize_release
+    from clef_local.export.validate import ValidationFailed
 
     reference = args.reference or default_model_path()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -63,12 +64,18 @@ def main(argv: list[str] | None = None) -> int:
         if not path.is_dir():
             quantize_release(reference, path, scheme, int(group) if group else None, log_summary=False)
         variants.append((spec, path, None))
+    refused: list[str] = []
     for budget in (float(b) for b in args.budgets.split(",")):
         path = args.out / f"demo-mixed-{budget:g}"
         if not path.is_dir():
             started = time.perf_counter()
-            summary = mixed_release(reference, path, budget, formats=args.formats, group_layers=args.group_layers,
-                                    selection_requests=args.selection_requests)
+            try:
+                summary = mixed_release(reference, path, budget, formats=args.formats,
+                                        group_layers=args.group_layers, selection_requests=args.selection_requests)
+            except ValidationFailed as exc:  # nothing was written: a row says so, the other budgets still run
+                print(f"mixed ≤ {budget:g}: {time.perf_counter() - started:.0f} s, refused: {exc}", flush=True)
+                refused.append(f"| mixed ≤ {budget:g} | refused by the export's validation: {exc} | | | | |")
+                continue
             validation = summary["validation"]["metrics"]
             print(f"mixed ≤ {budget:g}: {time.perf_counter() - started:.0f} s, export validation mean KL "
                   f"{validation['mean_kl']:.3g} on the test-split probes", flush=True)
@@ -88,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             (" (upper bound too)" if budget is not None and iv["kl_mean"][1] <= budget else "")
         print(f"| {name} | {_plan(path)} | {_weights_mb(path):.1f} | {cell(result.summary['kl_mean'], iv['kl_mean'])}"
               f" | {cell(result.summary['flip_rate'], iv['flip_rate'], '.2%')} | {within} |", flush=True)
+    print("\n".join(refused))
     return 0
 
 

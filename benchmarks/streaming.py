@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -146,8 +147,6 @@ def main(argv: list[str] | None = None) -> int:
                                   *(["--int4-grid", args.int4_grid] if args.int4_grid else []),
                                   *(["--max-length", str(args.max_length)] if args.max_length else [])])
             if not (args.quantize / "validation.json").is_file():  # failed: nothing written; its log says how it ran
-                import re
-
                 verdict = " ".join(m.group(0) for m in re.finditer(r"validation [✓✗] +\S+ +\S+", logged))
                 rows.append(["quantize + validation", peak, None, None, None, None, None, None,
                              f"{wall:.0f} s wall; validation FAILED (the variant was not written): {verdict}"])
@@ -155,20 +154,19 @@ def main(argv: list[str] | None = None) -> int:
                                      r"per pass \(([0-9.]+) s reading\)", logged):
                     rows.append([f"validation: {m[1]}", None, None, float(m[2]) * 1e9, int(m[3]), float(m[4]),
                                  float(m[5]), None, "streamed"])
-                args.quantize = None
-        if args.quantize:
-            validation = json.loads((args.quantize / "validation.json").read_text())
-            rows.append(["quantize + validation", peak, None, None, None, None, None, None,
-                         f"{wall:.0f} s wall; validation {'passed' if validation.get('passed') else 'FAILED'} "
-                         f"in {validation.get('seconds', 0):.0f} s on {validation['requests']} probe requests, "
-                         f"mean_kl {validation['metrics']['mean_kl']:.3g}, flips {validation['flips']}"])
-            for role, run in validation.get("runs", {}).items():
-                streamed = run.get("streamed")
-                batches = max(run["batches"], 1)
-                rows.append([f"validation: {role}", None, None, streamed and streamed["bytes_read"], run["batches"],
-                             run["seconds"] / batches, streamed and streamed["read_seconds"],
-                             streamed and streamed["wait_seconds"],
-                             f"{'streamed' if streamed else 'resident'}, load {run['load_seconds']:.0f} s"])
+            else:
+                validation = json.loads((args.quantize / "validation.json").read_text())
+                rows.append(["quantize + validation", peak, None, None, None, None, None, None,
+                             f"{wall:.0f} s wall; validation {'passed' if validation.get('passed') else 'FAILED'} "
+                             f"in {validation.get('seconds', 0):.0f} s on {validation['requests']} probe requests, "
+                             f"mean_kl {validation['metrics']['mean_kl']:.3g}, flips {validation['flips']}"])
+                for role, run in validation.get("runs", {}).items():
+                    streamed = run.get("streamed")
+                    batches = max(run["batches"], 1)
+                    rows.append([f"validation: {role}", None, None, streamed and streamed["bytes_read"], run["batches"],
+                                 run["seconds"] / batches, streamed and streamed["read_seconds"],
+                                 streamed and streamed["wait_seconds"],
+                                 f"{'streamed' if streamed else 'resident'}, load {run['load_seconds']:.0f} s"])
     print(f"{args.model} under --max-memory {args.max_memory}, {args.requests} probe requests, dtype {args.dtype}, "
           f"max_length {args.max_length or 'default'}\n")
     print("| run | peak RSS (GiB) | planned peak (GiB) | bytes read (GB) | passes | s / pass | read s | wait s "

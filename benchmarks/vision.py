@@ -10,7 +10,7 @@ For each image size, one request with that image (a PNG of gradients and noise, 
 - preprocess: the release's image processor (resize into the pixel range, patches) and the placeholder ids
   (``MediaProcessor.encode``);
 - vision tower: ``model.model.get_image_features`` on those pixels alone;
-- prefill: the whole backbone pass with the image (vision tower + text model, ``TorchBackbone.hidden_states``);
+- prefill: the whole backbone pass with the image (vision tower + text model, ``TorchBackbone.forward`` with the media);
 - decide: ``ClefModel.decide`` end to end (validation, decode, preprocess, backbone, head, answers).
 
 ``planner`` is ``clef-local plan``'s count of visual tokens for that size (:mod:`clef_local.planning.vision`),
@@ -82,7 +82,7 @@ def main() -> int:
         questions = {"kind": {"type": "choice", "instructions": "What does <image 1> show?",
                               "criteria": {"receipt": None, "photo": None, "screen": None}},
                      "readable": {"type": "noul", "instructions": "Is the text readable?"}}
-        from clef_local.backends.torch_backend import collate, collate_media
+        from clef_local.backends.torch_pass import collate, collate_media
 
         for width, height in SIZES:
             text = base64.b64encode(png(width, height)).decode()
@@ -103,7 +103,7 @@ def main() -> int:
             times = [median_ms(lambda t=text: decode_image(t, ("images", 0)), args.repeats),
                      median_ms(lambda d=decoded: processor.encode([d], []), args.repeats),
                      median_ms(tower, args.repeats),
-                     median_ms(lambda i=ids, m=mask, x=media: backbone.hidden_states(i, m, x), args.repeats),
+                     median_ms(lambda i=ids, m=mask, x=media: backbone.forward(i, m, media=x), args.repeats),
                      median_ms(lambda r=request: model.decide(r), args.repeats)]
             print(f"| {width}×{height} | {planner:,} | {inputs.visual_tokens:,} | "
                   f"{'yes' if planner == inputs.visual_tokens else 'NO'} | "

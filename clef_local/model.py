@@ -320,7 +320,7 @@ class ClefModel:
 def load(path: str | Path, *, device: str = "auto", dtype: str | None = None, backend: str = "auto",
          max_length: int | None = None, confidence: Confidence = "jev",
          limits: Limits = DEFAULT_LIMITS, max_memory: str | dict[str, Any] | None = None,
-         media_limits: MediaLimits = DEFAULT_MEDIA_LIMITS, state_cache: int | str | None = None,
+         media_limits: MediaLimits = DEFAULT_MEDIA_LIMITS, state_cache: int | str | None = 0,
          state_cache_spill: int | str = 0, prefill_chunk: int | None = None, offload: str = "none") -> ClefModel:
     """Load a Clef release (or variant) directory.
 
@@ -341,9 +341,10 @@ def load(path: str | Path, *, device: str = "auto", dtype: str | None = None, ba
     carry (:class:`~clef_local.runtime.media.MediaLimits`).
 
     ``state_cache``: bytes or a size (``"512MiB"``, ``"2GiB"``) for the cache of states (a second schema on the same
-    state runs only its own tokens; torch only), ``0`` to turn it off; ``None``/``"auto"``: sized by the planner from
-    the memory the model leaves free (:mod:`clef_local.planning.estimate`). ``state_cache_spill``: host memory for
-    entries pushed off a GPU (0: they are dropped).
+    state runs only its own tokens; torch only); ``None``/``"auto"``: sized by the planner from the memory the model
+    leaves free (:mod:`clef_local.planning.estimate`); ``0`` (the default) keeps none, so a cold request runs the
+    backbone once: pass a size where the same state comes back (``serve``, ``mcp`` and ``ui`` size theirs).
+    ``state_cache_spill``: host memory for entries pushed off a GPU (0: they are dropped).
 
     ``offload``: ``"none"`` (the default) holds the backbone in memory and refuses one that does not fit; ``"disk"``
     streams it from its safetensors files a decoder layer at a time (torch only; slow: every batch reads every

@@ -115,3 +115,19 @@ def long_state(chars: int, seed: int = 0) -> str:
         words.append(word)
         size += len(word) + 1
     return " ".join(words)
+
+
+def continued(model: Any, requests: list[Any], state: Any) -> Any:
+    """The torch pass's hidden states ``[rows, longest, hidden]`` of ``requests`` (one state, told apart by their
+    schemas) continued from ``state``, a ``TorchState`` put in a fresh state cache under their state's key."""
+    from clef_local.backends.torch_pass import collate, hidden_states
+    from clef_local.runtime.state_cache import StateCache, record_state_key
+
+    backbone, identity, pad = model.backend.backbone, model.backend.state_identity, model.tokenizer.pad_token_id
+    records = [model.encode(r) for r in requests]
+    cache = StateCache(1 << 34)
+    assert cache.put(record_state_key(identity, records[0]), state)
+    ids, mask = collate(records, pad, backbone.device)
+    hidden = hidden_states(backbone, records, ids, mask, pad, cache=cache, identity=identity)
+    assert cache.stats().hits == len(records)  # every row continued the state: none ran it again
+    return hidden

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import clef_local
-from clef_local.backends.torch_backend import collate
+from clef_local.backends.torch_pass import collate
 from clef_local.runtime.encoding import EncodedRecord
 from clef_local.runtime.layout import HeadLayout, build_layout
 

@@ -136,7 +136,7 @@ def test_images_as_mcp_content_blocks_and_data_uris(session: McpSession, vision:
 
 @pytest.mark.slow
 def test_the_demo_model_answers_as_decide_and_ask_again_is_faster(demo_release: Path) -> None:
-    demo = clef_local.load(demo_release, dtype="float32")
+    demo = clef_local.load(demo_release, dtype="float32", state_cache="auto")  # as mcp loads it
     config = ServerConfig()
     app = create_http_app(ClefTools({"clef-local": demo}, config), config)
     request = {"model": "clef-local", "state": STATE, "questions": QUESTIONS}

@@ -66,7 +66,7 @@ class GatedModel:
 
 @pytest.fixture(scope="module")
 def model(tiny_llama: Path) -> Any:
-    return clef_local.load(tiny_llama, dtype="float32")
+    return clef_local.load(tiny_llama, dtype="float32", state_cache="auto")  # as serve loads it
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from request_gen import STATES, max_dp, shared_state_requests
+from request_gen import STATES, continued, max_dp, shared_state_requests
 
 import clef_local
-from clef_local.backends.torch_cache import TorchState, continuation
+from clef_local.backends.torch_cache import TorchState
 from clef_local.planning.estimate import ModelDims, state_entry_bytes
 
 # 12 states (the varied ones + two long ones) × 5 schemas: 60 requests, 12 state passes, 48 hits
@@ -254,7 +254,8 @@ def test_continuation_pads_rows_to_the_longest_tail(tiny_qwen: Path) -> None:
     assert isinstance(state, TorchState)
     tails = [model.encode(r).input_ids[state.tokens:] for r in REQUESTS[0:3]]
     assert len({len(t) for t in tails}) > 1
-    together = continuation(model.backend.backbone, state, tails, model.tokenizer.pad_token_id)
+    together = continued(model, REQUESTS[0:3], state)
     for row, tail in enumerate(tails):
-        alone = continuation(model.backend.backbone, state, [tail], model.tokenizer.pad_token_id)
-        assert float((together[row, : len(tail)] - alone[0]).abs().max()) < 1e-4
+        alone = continued(model, [REQUESTS[row]], state)
+        end = state.tokens + len(tail)
+        assert float((together[row, state.tokens:end] - alone[0, state.tokens:end]).abs().max()) < 1e-4

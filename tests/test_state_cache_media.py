@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 from media_gen import data_uri, image, vision_requests
-from request_gen import max_dp, random_questions, shared_state_requests
+from request_gen import continued, max_dp, random_questions, shared_state_requests
 
 import clef_local
-from clef_local.backends.torch_cache import TorchState, continuation, record_state_key
-from clef_local.runtime.state_cache import state_key
+from clef_local.backends.torch_cache import TorchState
+from clef_local.runtime.state_cache import record_state_key, state_key
 
 FLOAT32_BOUND = 1e-5
 BASES = vision_requests(20, seed=4)
@@ -148,10 +148,8 @@ def test_the_continuation_needs_the_rope_offset(tiny_vision: Path) -> None:
     (key,) = model.state_cache.sizes()
     state = model.state_cache.get(key)
     assert isinstance(state, TorchState) and state.position_offset < 0
-    tail = model.encode(REQUESTS[1]).input_ids[state.tokens:]
-    backbone, pad = model.backend.backbone, model.tokenizer.pad_token_id
-    right = continuation(backbone, state, [tail], pad)
-    wrong = continuation(backbone, replace(state, position_offset=0), [tail], pad)
+    right = continued(model, [REQUESTS[1]], state)
+    wrong = continued(model, [REQUESTS[1]], replace(state, position_offset=0))
     assert float((right - wrong).abs().max()) > 1e-3
 
 

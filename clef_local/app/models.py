@@ -89,7 +89,9 @@ class ModelStore:
 
                 if progress is not None:
                     progress(0.1, f"loading {key.name}")
-                self._models[key] = clef_local.load(key, dtype=self.dtype, max_length=self.max_length)
+                # an edited schema on the same state runs only its own tokens: the state cache, sized by the planner
+                self._models[key] = clef_local.load(key, dtype=self.dtype, max_length=self.max_length,
+                                                    state_cache="auto")
                 if progress is not None:
                     progress(1.0, f"loaded {key.name}")
             return self._models[key]

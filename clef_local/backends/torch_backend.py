@@ -19,8 +19,8 @@ from clef_local.backends.placement import Stage, place_pipeline, to_device_excep
 from clef_local.backends.quantized import kernel_counts, prepare_quantized
 from clef_local.backends.skeleton import load_variant_backbone
 from clef_local.backends.streaming import StreamedModel
-from clef_local.backends.torch_cache import cache_blocker, cached_hidden_states, is_out_of_memory
-from clef_local.backends.torch_chunked import chunked_hidden_states
+from clef_local.backends.torch_cache import cache_blocker, is_out_of_memory
+from clef_local.backends.torch_pass import collate, hidden_states
 from clef_local.errors import ReleaseError, one_line
 from clef_local.formats.quant_plan import mixed_plan
 from clef_local.formats.release import QWEN3_5, SINGLE_WEIGHTS, WEIGHTS_INDEX, Release, find_weight_files
@@ -28,7 +28,7 @@ from clef_local.formats.safetensors import read_header
 from clef_local.formats.variant import variant_format
 from clef_local.heads.torch_head import load_head
 from clef_local.runtime.hf_bars import hf_progress_bars
-from clef_local.runtime.layout import HeadLayout, pad_batch
+from clef_local.runtime.layout import HeadLayout
 from clef_local.runtime.state_cache import StateCache, model_identity
 from clef_local.units import format_size
 
@@ -158,97 +158,30 @@ class TorchBackbone:
                                     else "the layers are streamed from disk" if self.streamed is not None
                                     else cache_blocker(self.text_model.config))
 
-    def hidden_states(self, records: Sequence[EncodedRecord], input_ids: torch.Tensor,
-                      attention_mask: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
-        """The final (normed) hidden states ``[B, T, hidden]`` of a right-padded batch of ``records``: the text
-        model's (docs/format.md §3), or for records with media the whole multimodal model's (``model.model``: the
-        vision tower's features in place of the pad tokens, Qwen's multimodal rope; docs/format.md §7).
-
-        A text-only record holding a vision pad token as text would be taken for a placeholder by the multimodal
-        model, so such records run through the text model on their own (the same numbers: a text-only record's
-        multimodal positions are its text positions). ``chunk``: a batch longer than that many tokens runs in chunks
-        of it (:mod:`clef_local.backends.torch_chunked`; None: one pass).
-        """
-        if chunk is not None and input_ids.shape[1] > chunk:
-            return chunked_hidden_states(self, records, input_ids, attention_mask, chunk)
-        if not any(r.media is not None for r in records):
-            return self.forward(input_ids, attention_mask)
-        with torch.inference_mode():
-            alone = [i for i, r in enumerate(records)
-                     if r.media is None and not self.vision_pad_ids.isdisjoint(r.input_ids)]
-            if not alone:
-                return self._multimodal(input_ids, attention_mask, collate_media(records, input_ids.shape[1],
-                                                                                 self.device))
-            rest = [i for i in range(len(records)) if i not in alone]
-            index = torch.tensor(rest, device=self.device)
-            media = collate_media([records[i] for i in rest], input_ids.shape[1], self.device)
-            with_media = self._multimodal(input_ids[index], attention_mask[index], media)
-            hidden = with_media.new_zeros((*input_ids.shape, with_media.shape[-1]))
-            hidden[index] = with_media
-            index = torch.tensor(alone, device=self.device)
-            hidden[index] = self.forward(input_ids[index], attention_mask[index])
-            return hidden
-
-    @torch.inference_mode()
-    def media_state(self, record: EncodedRecord, end: int, cache: Any) -> tuple[torch.Tensor, int]:
-        """One record's first ``end`` positions (prefix + media + state) through the multimodal model with its media,
-        filling ``cache`` (a ``DynamicCache`` of the text config, :mod:`clef_local.backends.torch_cache`): the final
-        hidden states ``[end, hidden]`` and the rope offset of the positions after them.
-
-        Qwen's multimodal rope gives an image of ``t×h×w`` merged patches ``max(h, w)`` positions, not one per
-        token, and the text after it continues from the largest position + 1: token ``i`` after the media sits at
-        position ``i + offset`` on every rope axis (``rope_deltas`` in ``transformers``' ``get_rope_index``). The
-        positions are computed here and passed in, not left to the model's own stateful ``rope_deltas``."""
-        if record.media is None:
-            raise ValueError("media_state needs a record with media; a text-only state runs the text model")
-        base = self.model.model
-        get_rope_index = getattr(base, "get_rope_index", None)
-        if get_rope_index is None:
-            raise TypeError(f"{type(base).__name__} has no get_rope_index: this transformers does not give the "
-                            "multimodal rope positions the state cache continues from")
-        input_ids = torch.tensor([record.input_ids[:end]], dtype=torch.long, device=self.device)
-        attention_mask = torch.ones_like(input_ids)
-        media = collate_media([record], end, self.device)
-        positions, deltas = get_rope_index(input_ids, mm_token_type_ids=media["mm_token_type_ids"],
-                                           image_grid_thw=media.get("image_grid_thw"),
-                                           video_grid_thw=media.get("video_grid_thw"), attention_mask=attention_mask)
-        hidden = self._multimodal(input_ids, attention_mask, media, cache=cache, position_ids=positions)
-        return hidden[0], int(deltas.reshape(-1)[0])
-
-    def _multimodal(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, media: dict[str, torch.Tensor],
-                    *, cache: Any = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """``model.model`` (vision tower + text model) over a batch with ``media``; with ``cache`` it fills it."""
-        base = self.model.model
-        kwargs: dict[str, Any] = {"attention_mask": attention_mask.to(self.device), "use_cache": cache is not None,
-                                  "return_dict": True, **media}
-        if cache is not None:
-            kwargs[self._cache_argument] = cache
-        if position_ids is not None:
-            kwargs["position_ids"] = position_ids.to(self.device)
-        if self.host_embeddings:  # the ids still go along: they mark where the visual features go
-            embeds = base.get_input_embeddings()(input_ids.cpu()).to(self.device)
-            out = base(input_ids=input_ids.to(self.device), inputs_embeds=embeds, **kwargs)
-        else:
-            out = base(input_ids=input_ids.to(self.device), **kwargs)
-        return out.last_hidden_state
-
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, cache: Any = None,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """The text model's final hidden states of ``input_ids``; with ``cache`` (a ``transformers`` cache, filled or
-        continued in place) the pass runs with ``use_cache=True`` and ``attention_mask`` covers the cached past + the
-        new tokens (:mod:`clef_local.backends.torch_cache`)."""
-        kwargs: dict[str, Any] = {"attention_mask": attention_mask.to(self.input_device), "return_dict": True,
-                                  "use_cache": cache is not None}
+                position_ids: torch.Tensor | None = None,
+                media: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """The final hidden states of ``input_ids``: the text model's (docs/format.md §3), or with ``media`` (the
+        pixel tensors and ``mm_token_type_ids`` of :func:`~clef_local.backends.torch_pass.collate_media`) the
+        multimodal model's, ``model.model``: the vision tower's features in place of the pad tokens, Qwen's
+        multimodal rope (docs/format.md §7). With ``cache`` (a ``transformers`` cache, filled or continued in place)
+        the pass runs with ``use_cache=True`` and ``attention_mask`` covers the cached past + the new tokens."""
+        device = self.device if media is not None else self.input_device
+        model = self.model.model if media is not None else self.text_model
+        kwargs: dict[str, Any] = {"attention_mask": attention_mask.to(device), "return_dict": True,
+                                  "use_cache": cache is not None, **(media or {})}
         if cache is not None:
             kwargs[self._cache_argument] = cache
         if position_ids is not None:
-            kwargs["position_ids"] = position_ids.to(self.input_device)
+            kwargs["position_ids"] = position_ids.to(device)
         with torch.inference_mode():
             if self.host_embeddings:  # gather on the host, ship only [B, T, hidden] to the device
-                embeds = self.text_model.get_input_embeddings()(input_ids.cpu()).to(self.input_device)
-                out = self.text_model(inputs_embeds=embeds, **kwargs)
+                embeds = self.text_model.get_input_embeddings()(input_ids.cpu()).to(device)
+                if media is not None:  # the ids still go along: they mark where the visual features go
+                    kwargs["input_ids"] = input_ids.to(device)
+                out = model(inputs_embeds=embeds, **kwargs)
             else:
-                out = self.text_model(input_ids=input_ids.to(self.input_device), **kwargs)
+                out = model(input_ids=input_ids.to(device), **kwargs)
         return out.last_hidden_state
 
     def lexical_rows(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -295,32 +228,26 @@ class TorchBackend:
     def logits(self, records: Sequence[EncodedRecord], layout: HeadLayout, pad_token_id: int,
                cache: StateCache | None = None) -> np.ndarray:
         """Option logits ``[questions, max_options]`` (float32, ``-inf`` padding) for right-padded ``records``;
-        with ``cache``, each record's state from it and only its schema tokens run (:mod:`.torch_cache`)."""
+        with ``cache``, each record's state from it and only its schema tokens run (:mod:`.torch_pass`)."""
         with torch.inference_mode():
             input_ids, attention_mask = collate(records, pad_token_id, self.device)
-            hidden = None if cache is None else self._cached(records, cache, pad_token_id)
-            if hidden is None:
-                chunk = self.chunk_for(input_ids.shape[1], len(records))
-                hidden = self.backbone.hidden_states(records, input_ids, attention_mask, chunk)
+            try:
+                hidden = hidden_states(self.backbone, records, input_ids, attention_mask, pad_token_id,
+                                       chunk_for=self.chunk_for, cache=cache, identity=self.state_identity)
+            except RuntimeError as exc:
+                if cache is None or not is_out_of_memory(exc):
+                    raise
+                # what the cache holds can be given back: empty it and run the batch cold
+                freed = cache.clear(out_of_memory=True)
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                log.warning("out of memory with %s of cached states (%s); cleared the state cache, running the batch "
+                            "of %d again without it", format_size(freed), str(exc).splitlines()[0][:200], len(records))
+                hidden = hidden_states(self.backbone, records, input_ids, attention_mask, pad_token_id,
+                                       chunk_for=self.chunk_for)
             device_layout = layout.map(lambda a: torch.from_numpy(a).to(self.device))
             lexical = self.backbone.lexical_rows(device_layout.option_token_ids)
             return self.head(hidden, attention_mask, lexical, device_layout).float().cpu().numpy()
-
-    def _cached(self, records: Sequence[EncodedRecord], cache: StateCache, pad_token_id: int) -> torch.Tensor | None:
-        """The batch's hidden states through ``cache``; None after running out of memory, once the cache (what can
-        be given back) is emptied, so that the caller runs the batch cold."""
-        try:
-            return cached_hidden_states(self.backbone, records, cache, self.state_identity, pad_token_id,
-                                        self.chunk_for)
-        except RuntimeError as exc:
-            if not is_out_of_memory(exc):
-                raise
-            freed = cache.clear(out_of_memory=True)
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-            log.warning("out of memory with %s of cached states (%s); cleared the state cache, running the batch of "
-                        "%d again without it", format_size(freed), str(exc).splitlines()[0][:200], len(records))
-            return None
 
     def chunk_for(self, tokens: int, rows: int) -> int | None:
         """The chunk length of a prefill of ``rows`` × ``tokens`` (None: one pass), from :attr:`prefill`."""
@@ -345,30 +272,3 @@ class TorchBackend:
             out["embeddings"] = "file"
             out["streamed"] = self.backbone.streamed.describe()
         return out
-
-
-def collate(records: Sequence[EncodedRecord], pad_token_id: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """Right-padded ``input_ids`` and ``attention_mask`` (1 on real tokens)."""
-    ids, mask = pad_batch(records, pad_token_id)
-    return torch.from_numpy(ids).to(device), torch.from_numpy(mask).to(device)
-
-
-def collate_media(records: Sequence[EncodedRecord], length: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """The batch's media as ``model.model`` takes them: each array concatenated over the records that have it (in
-    batch order), and ``mm_token_type_ids`` ``[B, length]``, zero except at each record's media ids (the batch may
-    be cut to ``length`` positions; media sit right after the prefix, before any cut)."""
-    from clef_local.runtime.encoding import MEDIA_ARRAYS
-
-    out: dict[str, torch.Tensor] = {}
-    for name in MEDIA_ARRAYS:
-        arrays = [getattr(r.media, name) for r in records if r.media is not None and getattr(r.media, name) is not None]
-        if arrays:
-            out[name] = torch.from_numpy(np.concatenate(arrays, axis=0)).to(device)
-    types = np.zeros((len(records), length), dtype=np.int64)
-    for row, record in enumerate(records):
-        if record.media is not None:
-            start = record.media.token_offset
-            values = np.asarray(record.media.mm_token_type_ids, dtype=np.int64)[: max(0, length - start)]
-            types[row, start:start + len(values)] = values
-    out["mm_token_type_ids"] = torch.from_numpy(types).to(device)
-    return out

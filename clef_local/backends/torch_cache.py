@@ -1,33 +1,25 @@
-"""The torch side of the state cache (:mod:`clef_local.runtime.state_cache`): a **state pass** saves the backbone's
-work at the end of a state (:class:`TorchState`), a **continuation** runs a schema's tokens over it.
+"""The torch side of the state cache (:mod:`clef_local.runtime.state_cache`): what a state pass leaves
+(:class:`TorchState`, :func:`snapshot`) and the cache a continuation runs over (:func:`past_cache`). The passes
+themselves are :mod:`clef_local.backends.torch_pass`'s one pass.
 
 What is kept, why a hit is exact, the rope offset after media and which backbones qualify (:func:`cache_blocker`):
-docs/serving.md#the-state-cache and docs/format.md §7. A long state pass or continuation runs in chunks, through
-:mod:`clef_local.backends.torch_chunked`'s loop.
+docs/serving.md#the-state-cache and docs/format.md §7.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cache as memoized
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from clef_local.backends.torch_chunked import Backbone, media_chunks, new_cache, run_chunks
-from clef_local.runtime.state_cache import StateCache, record_state_key, state_end
 
-if TYPE_CHECKING:
-    from clef_local.runtime.encoding import EncodedRecord
+def new_cache(config: Any) -> Any:
+    """An empty ``transformers`` ``DynamicCache`` laid out for ``config`` (one layer object per decoder layer)."""
+    from transformers import DynamicCache
 
-
-# (tokens, rows) → the chunk length of a pass of rows × tokens (None: one piece; clef_local.planning.prefill)
-ChunkFor = Callable[[int, int], "int | None"]
-
-
-def _one_pass(tokens: int, rows: int) -> int | None:
-    return None
+    return DynamicCache(config=config)
 
 
 @dataclass(frozen=True)
@@ -199,71 +191,6 @@ def past_cache(config: Any, state: TorchState, rows: int) -> Any:
             layer.recurrent_states[slot].copy_(recurrent_rows)
             layer.has_previous_state[slot] = True
     return cache
-
-
-def state_pass(backbone: Backbone, record: EncodedRecord, chunk: int | None = None) -> TorchState:
-    """Run a record's prefix + media + state and save the pass (:class:`TorchState`): the text model for a
-    text-only record, the multimodal model (vision tower, multimodal rope) for one with media, whose rope offset the
-    state keeps for its continuations; in chunks of ``chunk`` tokens (None: one pass;
-    :mod:`clef_local.backends.torch_chunked`)."""
-    end = state_end(record)
-    cache = new_cache(backbone.text_model.config)
-    if record.media is not None:
-        hidden, offset = media_chunks(backbone, record, chunk, cache, end=end)
-        return snapshot(cache, hidden, backbone.device, position_offset=offset)
-    tokens = torch.tensor([list(record.input_ids[:end])], dtype=torch.long, device=backbone.device)
-    out = run_chunks(backbone, tokens, torch.ones_like(tokens), cache, chunk)
-    return snapshot(cache, out[0], backbone.device)
-
-
-def continuation(backbone: Backbone, state: TorchState, tails: Sequence[Sequence[int]],
-                 pad_token_id: int, chunk: int | None = None) -> torch.Tensor:
-    """Final hidden states ``[rows, longest tail, hidden]`` of each tail (a record's tokens after the state) run
-    after ``state``, in chunks of ``chunk`` tokens (None: one piece); tails are right-padded, the padding's states
-    are left as computed (the head masks them)."""
-    rows, longest, past = len(tails), max(len(t) for t in tails), state.tokens
-    device = backbone.device
-    ids = torch.full((rows, longest), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((rows, past + longest), dtype=torch.long)
-    mask[:, :past] = 1
-    for row, tail in enumerate(tails):
-        ids[row, : len(tail)] = torch.tensor(list(tail), dtype=torch.long)
-        mask[row, past : past + len(tail)] = 1
-    cache = past_cache(backbone.text_model.config, state, rows)
-    return run_chunks(backbone, ids.to(device), mask.to(device), cache, chunk, past=past,
-                      offset=state.position_offset)
-
-
-def cached_hidden_states(backbone: Backbone, records: Sequence[EncodedRecord], cache: StateCache,
-                         identity: str, pad_token_id: int, chunk_for: ChunkFor = _one_pass) -> torch.Tensor:
-    """The hidden states ``[records, longest, hidden]`` of a right-padded batch, each record's state from ``cache``
-    (run and stored on a miss) and only its schema tokens run; positions past a record's end are zero. Records
-    that share a state run as one continuation batch; each distinct state is one lookup. ``chunk_for(tokens,
-    rows)``: the chunk length of each pass (a state pass of one row, a continuation of its rows over the past)."""
-    longest = max(len(r.input_ids) for r in records)
-    groups: dict[str, list[int]] = {}
-    for row, record in enumerate(records):
-        groups.setdefault(record_state_key(identity, record), []).append(row)
-    out: torch.Tensor | None = None
-    for key, rows in groups.items():
-        state = cache.get(key, uses=len(rows))
-        if state is None:
-            state = state_pass(backbone, records[rows[0]], chunk_for(state_end(records[rows[0]]), 1))
-            cache.put(key, state)
-        if not isinstance(state, TorchState):
-            raise TypeError(f"the state cache holds a {type(state).__name__}, not a TorchState")
-        start = state.tokens
-        tails = [records[row].input_ids[start:] for row in rows]
-        longest_tail = max(len(tail) for tail in tails)
-        hidden = continuation(backbone, state, tails, pad_token_id, chunk_for(start + longest_tail, len(rows)))
-        if out is None:
-            out = hidden.new_zeros((len(records), longest, hidden.shape[-1]))
-        for j, (row, tail) in enumerate(zip(rows, tails, strict=True)):
-            out[row, :start] = state.hidden
-            out[row, start : start + len(tail)] = hidden[j, : len(tail)]
-    if out is None:
-        raise ValueError("cached_hidden_states needs at least one record")
-    return out
 
 
 def is_out_of_memory(exc: BaseException) -> bool:

@@ -13,7 +13,7 @@ from clef_local.errors import ApiUsageError, RequestMemoryError
 from clef_local.planning.estimate import PREFILL_STEP, ModelDims, activations, chunked_activations, fit_chunk
 from clef_local.units import format_size
 
-# the backends that run a prefill in chunks (the torch backend: clef_local.backends.torch_chunked)
+# the backends that run a prefill in chunks (the torch backend: clef_local.backends.torch_pass)
 CHUNKED_PREFILL_BACKENDS = ("torch",)
 
 

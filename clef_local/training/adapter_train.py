@@ -116,7 +116,7 @@ class AdapterModel:
     def forward(self, records: Sequence[EncodedRecord]) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits ``[Q, K]``, question-span means ``[Q, hidden]`` of the un-affine layer norm) of ``records``,
         record then question order: the adapted text model over every token, then the head's own forward."""
-        from clef_local.backends.torch_backend import collate
+        from clef_local.backends.torch_pass import collate
 
         ids, mask = collate(list(records), self.pad_id, self.device)
         hidden = self.backbone.text_model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state

@@ -91,7 +91,7 @@ def cache_hidden_states(backbone_dir: Path, encoded: Sequence[EncodedRecord], ca
 def _cache_block(backbone, records: Sequence[EncodedRecord], directory: Path, *, batch_tokens: int,
                  chunk_tokens: int = 65536) -> None:
     """One block: chunks of similar-length records written atomically, then a ``done`` marker."""
-    from clef_local.backends.torch_backend import collate
+    from clef_local.backends.torch_pass import collate
 
     directory.mkdir(parents=True, exist_ok=True)
     order = sorted(range(len(records)), key=lambda i: len(records[i].input_ids))
@@ -201,7 +201,7 @@ def _means_block_name(block: Sequence[EncodedRecord], dtype: torch.dtype) -> str
 
 @torch.inference_mode()
 def _block_means(backbone, records: Sequence[EncodedRecord], batch_tokens: int) -> list[torch.Tensor]:
-    from clef_local.backends.torch_backend import collate
+    from clef_local.backends.torch_pass import collate
 
     means: list[torch.Tensor | None] = [None] * len(records)
     order = sorted(range(len(records)), key=lambda i: len(records[i].input_ids))

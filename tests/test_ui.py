@@ -66,7 +66,8 @@ def client(releases: tuple[Path, Path]) -> Iterator[Any]:
 
 @pytest.fixture(scope="module")
 def models(releases: tuple[Path, Path]) -> tuple[Any, Any]:
-    return clef_local.load(releases[0]), clef_local.load(releases[1])
+    # as the app loads them (app/models.py): the loader's dtype, a state cache sized by the planner
+    return tuple(clef_local.load(path, state_cache="auto") for path in releases)
 
 
 def _run(client: Any, request: Any, model: Path, variant: Path | None = None) -> dict[str, Any]:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from clef_local.export.finish import CONFIG, finish_variant
 from clef_local.export.shards import (
     INDEX,
     already_4bit,
@@ -47,7 +47,7 @@ from clef_local.export.shards import (
 )
 from clef_local.export.staging import ExportError, check_paths, resolve_out, staged
 from clef_local.export.validate import VALIDATION_REQUESTS
-from clef_local.formats.manifest import MANIFEST, check_files, file_entries, list_files, write_manifest
+from clef_local.formats.manifest import file_entries
 from clef_local.formats.quant_plan import MIXED, SOURCE, LayerFormat, layer_index
 
 if TYPE_CHECKING:
@@ -63,8 +63,6 @@ DEFAULT_GROUP_LAYERS = 4
 DEFAULT_SELECTION_REQUESTS = 32
 GRID = 2000  # KL grid steps per budget in the knapsack
 ROUNDS = 6  # re-plans when the whole plan's KL exceeds the budget
-CONFIG = "config.json"
-VALIDATION = "validation.json"
 
 
 @dataclass(frozen=True)
@@ -372,7 +370,6 @@ def write_mixed(source: Path, out: Path, plan: Mapping[int, LayerFormat], record
                 validation_requests: int = VALIDATION_REQUESTS) -> dict[str, Any]:
     """Write ``source`` with each decoder layer in its ``plan`` format (steps 4–5 of the module docstring);
     ``record`` (how the plan was chosen) goes into config.json beside it; validated at mean KL ≤ ``max_kl``."""
-    import clef_local
     from clef_local.export.validate import THRESHOLDS, validate_export
     from clef_local.formats.release import read_release
 
@@ -392,28 +389,14 @@ def write_mixed(source: Path, out: Path, plan: Mapping[int, LayerFormat], record
                   "validated": validate}
         config = {**release.config, "quantization_config": {"quant_method": "clef-local-mixed", "clef_local": member}}
         (tmp / CONFIG).write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-        for name in list_files(source):
-            if name not in {*shards, INDEX, CONFIG, MANIFEST, VALIDATION}:
-                (tmp / name).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(source / name, tmp / name)
-        if validate:
-            validation = validate_export(source, tmp, MIXED, n=validation_requests, dtype="float32", variant_name=out,
-                                         thresholds=thresholds)
-        else:
-            validation = {"validated": False, "skipped": "--no-validate"}
-            (tmp / VALIDATION).write_text(json.dumps(validation, indent=2) + "\n", encoding="utf-8")
-        files = file_entries(tmp)
-        sizes = result["sizes"]
-        nbytes = {"linear_before": sizes.get("linear_before", 0), "linear_after": sizes.get("linear_after", 0),
-                  "total_before": sum(e["size"] for e in source_files.values()),
-                  "total_after": sum(e["size"] for e in files.values())}
-        bits = 8 * nbytes["linear_after"] / result["params"] if result["params"] else 16.0
-        write_manifest(tmp, tool="clef-local", version=clef_local.__version__,
-                       scheme={"name": MIXED, "group_size": None, "bits_per_weight": round(bits, 4)},
-                       source={"path": str(source), "files": source_files}, files=files,
-                       quantized=result["quantized"], skipped=result["skipped"], bytes=nbytes)
-        if problems := check_files(tmp):
-            raise ExportError("the written variant does not check: " + "; ".join(problems))
+
+        def run_validation(tmp: Path) -> dict[str, Any]:
+            return validate_export(source, tmp, MIXED, n=validation_requests, dtype="float32", variant_name=out,
+                                   thresholds=thresholds)
+        finished = finish_variant(source, tmp, shards=shards, result=result, source_files=source_files,
+                                  scheme=MIXED, group_size=None, fallback_bits=16.0,
+                                  validate=run_validation if validate else None)
+    validation, nbytes, bits = finished.validation, finished.nbytes, finished.bits
     return {"out": str(out), "source": str(source), "scheme": MIXED, "max_kl": max_kl, "plan": dict(record),
             "layers": {i: fmt.label for i, fmt in plan.items()}, "bits_per_weight": bits, "bytes": nbytes,
             "quantized": len(result["quantized"]), "kept": len(result["skipped"]), "validation": validation}

@@ -192,6 +192,7 @@ def check_validation(reference_dir: Path, n: int = VALIDATION_REQUESTS, seed: in
     both at ``max_length`` tokens (None: the model's default). :class:`ValidationUnavailable` naming why not."""
     from clef_local.backends.loader import plan_backend
     from clef_local.formats.release import read_release
+    from clef_local.planning.load_options import LoadOptions
 
     requests = validation_requests(n, seed)
     release = read_release(reference_dir)
@@ -206,7 +207,8 @@ def check_validation(reference_dir: Path, n: int = VALIDATION_REQUESTS, seed: in
         log.info("reference from %s: %s", reference_file, stored.describe())
     else:
         try:
-            decision = plan_backend(release, dtype=dtype, max_memory=max_memory, offload="auto", context=max_length)
+            decision = plan_backend(release, LoadOptions(dtype=dtype, max_memory=max_memory, offload="auto",
+                                                         max_length=max_length))
         except InsufficientMemoryError as exc:
             raise ValidationUnavailable(
                 f"the reference does not fit here, not even streamed from disk ({one_line(exc)}); or compare with "
@@ -216,8 +218,9 @@ def check_validation(reference_dir: Path, n: int = VALIDATION_REQUESTS, seed: in
             log.info("reference streamed from disk: %s", decision.stream.summary())
     if scheme is not None:
         try:
-            decision = plan_backend(release, dtype=dtype or (stored.dtype if stored else None), max_memory=max_memory,
-                                    offload="auto", fmt=scheme, context=max_length)
+            decision = plan_backend(release, LoadOptions(dtype=dtype or (stored.dtype if stored else None),
+                                                         max_memory=max_memory, offload="auto", max_length=max_length),
+                                    fmt=scheme)
         except InsufficientMemoryError as exc:
             raise ValidationUnavailable(f"the {scheme} variant will not fit here, not even streamed from disk "
                                         f"({one_line(exc)})") from exc

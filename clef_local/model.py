@@ -318,12 +318,13 @@ class ClefModel:
         }
 
 
-def load(path: str | Path, *, device: str = "auto", dtype: str | None = None, backend: str = "auto",
+def load(path: str | Path | Release, *, device: str = "auto", dtype: str | None = None, backend: str = "auto",
          max_length: int | None = None, confidence: Confidence = "jev",
          limits: Limits = DEFAULT_LIMITS, max_memory: str | dict[str, Any] | None = None,
          media_limits: MediaLimits = DEFAULT_MEDIA_LIMITS, state_cache: int | str | None = None,
          state_cache_spill: int | str = 0, prefill_chunk: int | None = None, offload: str = "none") -> ClefModel:
-    """Load a Clef release (or variant) directory.
+    """Load a Clef release (or variant) directory, or a :class:`~clef_local.formats.release.Release` already read
+    (its identity was checked when it was read: it is not read again).
 
     ``backend`` is ``"auto"``, ``"torch"``, ``"mlx"`` or ``"onnx"`` and ``device`` ``"auto"``, ``"cpu"``, ``"cuda"``
     (``"cuda:N"``), ``"mps"``, or several (``"cuda:0,cuda:1"``: the decoder layers split over them, torch only);
@@ -355,11 +356,10 @@ def load(path: str | Path, *, device: str = "auto", dtype: str | None = None, ba
                           limits=limits, max_memory=max_memory, media_limits=media_limits,
                           state_cache=parse_size(state_cache), state_cache_spill=parse_size(state_cache_spill) or 0,
                           prefill_chunk=prefill_chunk, offload=offload)
-    return load_with(read_release(path), options)
+    return _load(path if isinstance(path, Release) else read_release(path), options)
 
 
-def load_with(release: Release, options: LoadOptions) -> ClefModel:
-    """:func:`load` of a release already read, with its options as one object (what :func:`load` builds)."""
+def _load(release: Release, options: LoadOptions) -> ClefModel:
     from clef_local.backends.loader import build_backend
 
     context = checked_max_length(options.max_length, release.max_position_embeddings)

@@ -57,8 +57,7 @@ def plan_backend(release: Release, options: LoadOptions = DEFAULT_OPTIONS, *, fm
     if split and offload == "disk":
         raise ApiUsageError(f"streaming from disk runs on one device, not {device}; give one device or drop the "
                             "offload")
-    footprint = (footprint_from_release(release.path) if options.check_memory or split or offload != "none"
-                 else None)
+    footprint = footprint_from_release(release) if options.check_memory or split or offload != "none" else None
     if footprint is not None and scheme not in footprint.censuses:
         raise ApiUsageError(f"{release.path} is a {footprint.stored} variant; it cannot be planned as {scheme}")
     context, min_context = options.max_length, None

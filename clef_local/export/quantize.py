@@ -188,12 +188,13 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
     if validation_requests < 1:
         raise ExportError(f"--validation-requests {validation_requests}: validation needs at least 1 probe request "
                           f"(default {VALIDATION_REQUESTS}; --no-validate skips it)")
+    checked = None
     if validate:
         from clef_local.export.validate import check_validation
 
         # no probe set, too little memory for the reference or the variant, a wrong reference file: refused now,
-        # not after minutes of quantizing
-        check_validation(source, validation_requests, scheme=spec.name, max_memory=max_memory,
+        # not after minutes of quantizing; validation uses what this found
+        checked = check_validation(release, validation_requests, scheme=spec.name, max_memory=max_memory,
                          reference_file=reference_file, max_length=max_length)
     shards = [f.name for f in release.weight_files]
     for file in release.weight_files:  # a truncated or garbled shard: one ReleaseError naming it, not a traceback
@@ -212,7 +213,7 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
     if calibrate:  # before the staging directory exists: a refusal or a crash here leaves nothing behind
         from clef_local.export.gptq_calibration import REQUESTS, gptq_tensors
 
-        calibration = gptq_tensors(source, spec.name, group, options, requests=calibration_requests or REQUESTS)
+        calibration = gptq_tensors(release, spec.name, group, options, requests=calibration_requests or REQUESTS)
     with staged(source, out, force) as tmp:
         log.info("exporting %s → %s (%s%s) via %s", source, out, spec.name, f", group {group}" if group else "", tmp)
         source_files = file_entries(source)
@@ -226,8 +227,9 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
         def run_validation(tmp: Path) -> dict[str, Any]:
             from clef_local.export.validate import validate_export
 
-            return validate_export(source, tmp, spec.name, validation_requests, variant_name=out,
-                                   max_memory=max_memory, max_length=max_length, reference_file=reference_file)
+            return validate_export(release, tmp, spec.name, validation_requests, variant_name=out,
+                                   max_memory=max_memory, max_length=max_length, reference_file=reference_file,
+                                   checked=checked)
         finished = finish_variant(source, tmp, shards=shards, result=result, source_files=source_files,
                                   scheme=spec.name, group_size=group, fallback_bits=spec.bits_per_weight(group),
                                   validate=run_validation if validate else None)

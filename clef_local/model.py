@@ -20,10 +20,11 @@ from clef_local.backends.base import Backend
 from clef_local.errors import ApiUsageError, ReleaseError
 from clef_local.formats.release import Release, read_release
 from clef_local.formats.variant import variant_format
+from clef_local.planning.load_options import LoadOptions
 from clef_local.runtime.answers import CONFIDENCE_MODES, Confidence, build_response, softmax_rows
 from clef_local.runtime.batching import device_pad_waste, split_by_length
 from clef_local.runtime.encoder import MediaSupport, RequestEncoder
-from clef_local.runtime.encoding import REFERENCE_MAX_LENGTH, EncodedRecord, checked_max_length
+from clef_local.runtime.encoding import EncodedRecord, checked_max_length
 from clef_local.runtime.layout import build_layout
 from clef_local.runtime.media import DEFAULT_MEDIA_LIMITS, MediaLimits
 from clef_local.runtime.processor import MediaProcessor
@@ -317,12 +318,13 @@ class ClefModel:
         }
 
 
-def load(path: str | Path, *, device: str = "auto", dtype: str | None = None, backend: str = "auto",
+def load(path: str | Path | Release, *, device: str = "auto", dtype: str | None = None, backend: str = "auto",
          max_length: int | None = None, confidence: Confidence = "jev",
          limits: Limits = DEFAULT_LIMITS, max_memory: str | dict[str, Any] | None = None,
          media_limits: MediaLimits = DEFAULT_MEDIA_LIMITS, state_cache: int | str | None = 0,
          state_cache_spill: int | str = 0, prefill_chunk: int | None = None, offload: str = "none") -> ClefModel:
-    """Load a Clef release (or variant) directory.
+    """Load a Clef release (or variant) directory, or a :class:`~clef_local.formats.release.Release` already read
+    (its identity was checked when it was read: it is not read again).
 
     ``backend`` is ``"auto"``, ``"torch"``, ``"mlx"`` or ``"onnx"`` and ``device`` ``"auto"``, ``"cpu"``, ``"cuda"``
     (``"cuda:N"``), ``"mps"``, or several (``"cuda:0,cuda:1"``: the decoder layers split over them, torch only);
@@ -351,23 +353,28 @@ def load(path: str | Path, *, device: str = "auto", dtype: str | None = None, ba
     layer, docs/hardware.md#streamed-from-disk); ``"auto"`` streams only what does not fit resident (what the
     reference runs of ``drift``, ``eval``, ``calibrate`` and export validation use).
     """
+    options = LoadOptions(device=device, dtype=dtype, backend=backend, max_length=max_length, confidence=confidence,
+                          limits=limits, max_memory=max_memory, media_limits=media_limits,
+                          state_cache=parse_size(state_cache), state_cache_spill=parse_size(state_cache_spill) or 0,
+                          prefill_chunk=prefill_chunk, offload=offload)
+    return _load(path if isinstance(path, Release) else read_release(path), options)
+
+
+def _load(release: Release, options: LoadOptions) -> ClefModel:
     from clef_local.backends.loader import build_backend
 
-    cache_budget, spill = parse_size(state_cache), parse_size(state_cache_spill) or 0
-    release = read_release(path)
-    context = checked_max_length(max_length, release.max_position_embeddings)
+    context = checked_max_length(options.max_length, release.max_position_embeddings)
     started = time.perf_counter()
-    runner = build_backend(release, backend=backend, device=device, dtype=dtype, max_memory=max_memory,
-                           state_cache=cache_budget, context=context, prefill_chunk=prefill_chunk, offload=offload,
-                           min_context=None if max_length is not None else min(REFERENCE_MAX_LENGTH, context))
+    runner = build_backend(release, options)
+    cache_budget = options.state_cache
     if runner.load_decision is not None:
         cache_budget = runner.load_decision.state_cache_bytes
     model = ClefModel(release, runner, ReleaseTokenizer(release.path), max_length=context,
-                      confidence=confidence, limits=limits, media_limits=media_limits, state_cache=cache_budget or 0,
-                      state_cache_spill=spill)
+                      confidence=options.confidence, limits=options.limits, media_limits=options.media_limits,
+                      state_cache=cache_budget or 0, state_cache_spill=options.state_cache_spill)
     cache = model.state_cache
     log.info("state cache: %s", "off" if not cache.enabled else format_size(cache.budget)
-             + (" (sized by the planner)" if state_cache in (None, "auto") else "")
+             + (" (sized by the planner)" if options.state_cache is None else "")
              + (f" + {format_size(cache.spill)} of host memory" if cache.spill else ""))
     log.info("loaded %s in %.1f s", release.path, time.perf_counter() - started)
     return model

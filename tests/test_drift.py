@@ -147,8 +147,9 @@ def test_builtin_probe_set_does_not_import_export() -> None:
     import sys
 
     code = ("import argparse, sys\n"
-            "from clef_local.quality.drift_cli import _requests\n"
-            "requests, labels, source = _requests(argparse.Namespace(data=None, limit=8))\n"
+            "from clef_local.quality.command import read_requests\n"
+            "read = read_requests(argparse.Namespace(data=None, limit=8))\n"
+            "requests, labels, source = read.requests, read.labels, read.source\n"
             "assert len(requests) == 8 and labels is None and 'built-in probe set' in source\n"
             "print(sorted(m for m in sys.modules if m.startswith('clef_local.export')))\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

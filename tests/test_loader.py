@@ -11,6 +11,7 @@ import clef_local
 from clef_local.errors import ApiUsageError, InsufficientMemoryError
 from clef_local.planning.choice import DEQUANTIZE, choose, plan_load
 from clef_local.planning.hardware import Hardware, named_device
+from clef_local.planning.load_options import LoadOptions
 from clef_local.planning.planner import CONFIGS_DIR
 from clef_local.units import GiB
 
@@ -136,7 +137,8 @@ def test_8gb_cpu_box(flash) -> None:
     with pytest.raises(InsufficientMemoryError) as info:
         plan_load(CPU_8, "int4", flash, context=4096, installed=ALL)
     assert "GiB free on cpu (an 8 GB box)" in str(info.value) and "a device with more memory" in str(info.value)
-    assert plan_load(CPU_8, "int4", flash, context=4096, installed=ALL, check_memory=False).backend == "torch"
+    assert plan_load(CPU_8, "int4", flash, context=4096, installed=ALL,
+                     options=LoadOptions(check_memory=False)).backend == "torch"
 
 
 def test_load_records_the_decision_and_refuses_with_too_little_memory(tiny_llama: Path,

@@ -22,6 +22,7 @@ pytest.importorskip("mlx_lm")
 import clef_local
 from clef_local.formats.safetensors import read_arrays
 from clef_local.formats.variant import variant_format
+from clef_local.planning.load_options import LoadOptions
 
 GROUP = 64
 HEAD_FILES = ("joint_head.safetensors", "joint_head_config.json")
@@ -122,10 +123,10 @@ def test_a_streamed_run_of_the_conversion_is_refused_by_name_before_loading(pair
                                             r"conversion\), dequantized at load; load it without offload"):
         clef_local.load(converted, dtype="float32", offload="disk")
     release = read_release(converted)
-    need = plan_backend(release, dtype="float32", device="cpu", state_cache=0).need_bytes
+    need = plan_backend(release, LoadOptions(dtype="float32", device="cpu", state_cache=0)).need_bytes
     with pytest.raises(InsufficientMemoryError, match=r"cannot be streamed from disk \(its embeddings are int4"):
-        plan_backend(release, dtype="float32", device="cpu", state_cache=0, offload="auto",
-                     max_memory=f"cpu={need * 9 // 10}")
+        plan_backend(release, LoadOptions(dtype="float32", device="cpu", state_cache=0, offload="auto",
+                                          max_memory=f"cpu={need * 9 // 10}"))
 
 
 def test_the_plan_counts_the_embeddings_as_the_loaders_hold_them(pair):

@@ -19,6 +19,7 @@ from clef_local.planning import planner
 from clef_local.planning.caps import cap_for, parse_max_memory, parse_size, resolve_devices, with_cap
 from clef_local.planning.choice import plan_load, plan_split
 from clef_local.planning.hardware import Hardware, named_device, resolve_device
+from clef_local.planning.load_options import LoadOptions
 from clef_local.planning.split import cut, render_split, split_plan
 from clef_local.units import GiB
 
@@ -129,7 +130,8 @@ def test_the_loaders_split_decision(clef) -> None:
                                                       r"16,384 tokens, 16\.0 \+ 16\.0 GiB free; try --bits 4"):
         plan_split(small, "int8", clef, context=16_384, installed=TORCH)
     with pytest.raises(ApiUsageError, match="torch backend"):
-        plan_split(cards, "int8", clef, context=16_384, installed={**TORCH, "onnx": None}, backend="onnx")
+        plan_split(cards, "int8", clef, context=16_384, installed={**TORCH, "onnx": None},
+                   options=LoadOptions(backend="onnx"))
 
 
 def test_move_keeps_structure_and_moves_each_tensor_once() -> None:

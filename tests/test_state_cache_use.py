@@ -19,6 +19,7 @@ from clef_local.errors import ApiUsageError, InsufficientMemoryError
 from clef_local.planning.choice import STATE_CACHE_BACKENDS, UNPLANNED_STATE_CACHE, plan_load
 from clef_local.planning.estimate import STATE_CACHE_CAP, ModelDims, plan, state_entry_bytes
 from clef_local.planning.hardware import named_device
+from clef_local.planning.load_options import LoadOptions
 from clef_local.planning.planner import footprint_from_config, packaged_config
 from clef_local.runtime.answers import round_floats
 from clef_local.runtime.state_cache import StateCache
@@ -138,22 +139,26 @@ def test_the_planner_counts_the_budget() -> None:
     assert dims.linear_layers and dims.linear_conv_kernel == 4
     assert entry == 16384 * 2 * (dims.hidden + (dims.layers - dims.linear_layers) * 2 * dims.kv_heads
                                  * dims.head_dim) + state_entry_bytes(dims, 0, "bfloat16")
-    auto = plan_load(card, "bf16", footprint, context=16384, installed=ALL, dtype="bfloat16")
+    auto = plan_load(card, "bf16", footprint, context=16384, installed=ALL, options=LoadOptions(dtype="bfloat16"))
     assert 0 < auto.state_cache_bytes <= STATE_CACHE_CAP
     assert auto.need_bytes is not None and auto.available_bytes is not None
     assert auto.need_bytes <= auto.available_bytes
-    asked = plan_load(card, "bf16", footprint, context=16384, installed=ALL, dtype="bfloat16", state_cache=GiB)
-    off = plan_load(card, "bf16", footprint, context=16384, installed=ALL, dtype="bfloat16", state_cache=0)
+    asked = plan_load(card, "bf16", footprint, context=16384, installed=ALL,
+                      options=LoadOptions(dtype="bfloat16", state_cache=GiB))
+    off = plan_load(card, "bf16", footprint, context=16384, installed=ALL,
+                    options=LoadOptions(dtype="bfloat16", state_cache=0))
     assert asked.state_cache_bytes == GiB and off.state_cache_bytes == 0
     assert asked.need_bytes is not None and off.need_bytes is not None
     assert asked.need_bytes - off.need_bytes == GiB + entry
     with pytest.raises(InsufficientMemoryError, match=r"state cache of 20\.00 GiB.*ask for at most .* GiB"):
-        plan_load(card, "bf16", footprint, context=16384, installed=ALL, dtype="bfloat16", state_cache=20 * GiB)
+        plan_load(card, "bf16", footprint, context=16384, installed=ALL,
+                  options=LoadOptions(dtype="bfloat16", state_cache=20 * GiB))
     mac = named_device("mac-36")
-    assert plan_load(mac, "int4", footprint, context=16384, installed=ALL, backend="mlx",
-                  state_cache=GiB).state_cache_bytes == 0  # torch only
+    assert plan_load(mac, "int4", footprint, context=16384, installed=ALL,
+                     options=LoadOptions(backend="mlx", state_cache=GiB)).state_cache_bytes == 0  # torch only
     assert STATE_CACHE_BACKENDS == ("torch",)
-    unplanned = plan_load(card, "bf16", None, context=16384, installed=ALL, check_memory=False)
+    unplanned = plan_load(card, "bf16", None, context=16384, installed=ALL,
+                          options=LoadOptions(check_memory=False))
     assert unplanned.state_cache_bytes == UNPLANNED_STATE_CACHE
 
 

@@ -13,6 +13,7 @@ from clef_local.errors import ApiUsageError, InsufficientMemoryError
 from clef_local.planning import read_probe
 from clef_local.planning.choice import plan_load
 from clef_local.planning.hardware import Hardware, named_device
+from clef_local.planning.load_options import LoadOptions
 from clef_local.planning.planner import CONFIGS_DIR, footprint_from_config
 from clef_local.planning.planner import main as plan_main
 from clef_local.planning.stream import MAX_BATCH_TOKENS, loaded_growth, stream_plan
@@ -31,7 +32,7 @@ def flash():
 def test_a_reference_that_does_not_fit_streams_with_auto_only(flash) -> None:
     with pytest.raises(InsufficientMemoryError, match=r"or stream it from disk: --offload disk"):
         plan_load(CPU_8, "bf16", flash, context=16_384, installed=ALL)
-    decision = plan_load(CPU_8, "bf16", flash, context=16_384, installed=ALL, offload="auto")
+    decision = plan_load(CPU_8, "bf16", flash, context=16_384, installed=ALL, options=LoadOptions(offload="auto"))
     stream = decision.stream
     assert stream is not None and decision.backend == "torch" and decision.state_cache_bytes == 0
     census = flash.censuses["bf16"]
@@ -40,7 +41,8 @@ def test_a_reference_that_does_not_fit_streams_with_auto_only(flash) -> None:
     assert stream.need_bytes <= stream.peak_bytes <= stream.available_bytes == 8 * GiB
     assert decision.need_bytes == stream.need_bytes
     assert stream.batch_tokens >= 16_384 and stream.batch_tokens % 16_384 == 0
-    resident = plan_load(named_device("h200"), "bf16", flash, context=16_384, installed=ALL, offload="auto")
+    resident = plan_load(named_device("h200"), "bf16", flash, context=16_384, installed=ALL,
+                         options=LoadOptions(offload="auto"))
     assert resident.stream is None  # auto streams only what does not fit
 
 
@@ -65,14 +67,15 @@ def test_nothing_fits_even_streamed_and_disk_needs_torch(flash) -> None:
     tiny = replace(CPU_8, free_bytes=GiB, total_bytes=GiB, name="a 1 GB box")
     with pytest.raises(InsufficientMemoryError, match=r"bf16 does not fit on cpu \(a 1 GB box\) even streamed from "
                                                       r"disk: it needs [0-9.]+ GiB at 16,384 tokens"):
-        plan_load(tiny, "bf16", flash, context=16_384, installed=ALL, offload="auto")
+        plan_load(tiny, "bf16", flash, context=16_384, installed=ALL, options=LoadOptions(offload="auto"))
     with pytest.raises(ApiUsageError, match="streaming from disk runs on the torch backend, not mlx"):
-        plan_load(named_device("mac-36"), "bf16", flash, context=16_384, installed=ALL, backend="mlx",
-                  offload="disk")
-    mac = plan_load(named_device("mac-36"), "bf16", flash, context=16_384, installed=ALL, offload="disk")
+        plan_load(named_device("mac-36"), "bf16", flash, context=16_384, installed=ALL,
+                  options=LoadOptions(backend="mlx", offload="disk"))
+    mac = plan_load(named_device("mac-36"), "bf16", flash, context=16_384, installed=ALL,
+                    options=LoadOptions(offload="disk"))
     assert (mac.backend, mac.device) == ("torch", "cpu") and "only it streams" in mac.reason
     with pytest.raises(ApiUsageError, match="offload must be one of none, auto, disk"):
-        plan_load(CPU_8, "bf16", flash, context=16_384, installed=ALL, offload="yes")
+        plan_load(CPU_8, "bf16", flash, context=16_384, installed=ALL, options=LoadOptions(offload="yes"))
 
 
 def test_plan_prints_resident_streamed_or_does_not_fit(capsys: pytest.CaptureFixture[str]) -> None:

@@ -19,6 +19,7 @@ from clef_local.backends.torch_backend import TorchBackend
 from clef_local.backends.weight_reader import WeightReader
 from clef_local.formats.release import read_release
 from clef_local.model import ClefModel
+from clef_local.planning.load_options import LoadOptions
 from clef_local.planning.stream import StreamDecision
 from clef_local.runtime.batching import split_by_length
 from clef_local.runtime.tokenizer import ReleaseTokenizer
@@ -160,8 +161,8 @@ def test_streamed_peak_memory_stays_under_a_cap_below_the_resident_need(demo_rel
     from clef_local.backends.loader import plan_backend
 
     release = read_release(demo_release)
-    need = plan_backend(release, dtype="float32", state_cache=0).need_bytes
-    streamed_need = plan_backend(release, dtype="float32", state_cache=0, offload="disk").need_bytes
+    need = plan_backend(release, LoadOptions(dtype="float32", state_cache=0)).need_bytes
+    streamed_need = plan_backend(release, LoadOptions(dtype="float32", state_cache=0, offload="disk")).need_bytes
     assert streamed_need < need
     cap = (need + streamed_need) // 2  # below what the resident plan needs
     resident = _peak(demo_release, {})
@@ -191,8 +192,8 @@ def _cap_between(path: Path) -> int:
     from clef_local.backends.loader import plan_backend
 
     release = read_release(path)
-    resident = plan_backend(release, state_cache=0)
-    streamed = plan_backend(release, offload="disk")
+    resident = plan_backend(release, LoadOptions(state_cache=0))
+    streamed = plan_backend(release, LoadOptions(offload="disk"))
     assert resident.dtype == streamed.dtype == "bfloat16" and streamed.stream is not None
     assert streamed.need_bytes < resident.need_bytes
     return (resident.need_bytes + streamed.need_bytes) // 2
@@ -205,8 +206,8 @@ def test_offload_none_refuses_with_the_streamed_option(tiny_llama: Path, bf16_cp
     release = read_release(tiny_llama)
     cap = f"cpu={_cap_between(tiny_llama)}"
     with pytest.raises(InsufficientMemoryError, match=r"or stream it from disk: --offload disk.*peak [0-9.]+ GiB"):
-        plan_backend(release, max_memory=cap)
-    auto = plan_backend(release, max_memory=cap, offload="auto")
+        plan_backend(release, LoadOptions(max_memory=cap))
+    auto = plan_backend(release, LoadOptions(max_memory=cap, offload="auto"))
     assert auto.stream is not None and "streamed from disk: resident it needs" in auto.reason
     assert auto.stream.batch_tokens == 8192  # the cap leaves room for one record at the context, no more
 

@@ -27,26 +27,26 @@ from clef_local.planning.choice import (
     plan_split,
 )
 from clef_local.planning.hardware import Hardware
+from clef_local.planning.load_options import DEFAULT_OPTIONS, LoadOptions
 from clef_local.units import GiB
 
 log = logging.getLogger(__name__)
 
 
-def plan_backend(release: Release, *, backend: str = "auto", device: str = "auto", dtype: Any = None,
-                 context: int | None = None, check_memory: bool = True,
-                 max_memory: str | dict[str, Any] | None = None, state_cache: int | None = None,
-                 offload: str = "none", fmt: str | None = None, min_context: int | None = None) -> LoadDecision:
-    """What :func:`build_backend` would build for ``release``, and whether it fits, without loading a tensor (the
-    arguments are :func:`build_backend`'s). ``fmt``: plan another format of a BF16 release (a variant not written
-    yet: export validation checks it before quantizing); default the stored one. A streamed decision carries this
-    disk's read rate (:mod:`clef_local.planning.read_probe`, measured once and cached)."""
+def plan_backend(release: Release, options: LoadOptions = DEFAULT_OPTIONS, *, fmt: str | None = None
+                 ) -> LoadDecision:
+    """What :func:`build_backend` would build for ``release`` with ``options``, and whether it fits, without loading
+    a tensor. ``fmt``: plan another format of a BF16 release (a variant not written yet: export validation checks it
+    before quantizing); default the stored one. A streamed decision carries this disk's read rate
+    (:mod:`clef_local.planning.read_probe`, measured once and cached)."""
     from clef_local.planning.census import stored_format
     from clef_local.planning.hardware import detect
     from clef_local.planning.planner import footprint_from_release
     from clef_local.runtime.encoding import REFERENCE_MAX_LENGTH, default_max_length
 
+    backend, device, offload = options.backend, options.device, options.offload
     try:
-        caps = parse_max_memory(max_memory)
+        caps = parse_max_memory(options.max_memory)
         # a CPU: is bf16 faster here? measured once (planning.dtype_probe), cached in the user cache
         devices = resolve_devices(device, caps, functools.partial(detect, measure_bf16=True))
     except ValueError as exc:
@@ -57,16 +57,16 @@ def plan_backend(release: Release, *, backend: str = "auto", device: str = "auto
     if split and offload == "disk":
         raise ApiUsageError(f"streaming from disk runs on one device, not {device}; give one device or drop the "
                             "offload")
-    footprint = footprint_from_release(release.path) if check_memory or split or offload != "none" else None
+    footprint = footprint_from_release(release) if options.check_memory or split or offload != "none" else None
     if footprint is not None and scheme not in footprint.censuses:
         raise ApiUsageError(f"{release.path} is a {footprint.stored} variant; it cannot be planned as {scheme}")
+    context, min_context = options.max_length, None
     if context is None:  # no length asked for: the published context, falling back to the reference's
         context = default_max_length(release.max_position_embeddings)
-        min_context = min(REFERENCE_MAX_LENGTH, context) if min_context is None else min_context
+        min_context = min(REFERENCE_MAX_LENGTH, context)
     onnx_export = (Path(release.path) / "onnx").is_dir()
-    kwargs: dict[str, Any] = dict(backend=backend, dtype=dtype, installed=installed_backends(),
-                                  bitsandbytes=importable("bitsandbytes"), check_memory=check_memory,
-                                  source=str(release.path))
+    kwargs: dict[str, Any] = dict(options=options, installed=installed_backends(),
+                                  bitsandbytes=importable("bitsandbytes"), source=str(release.path))
 
     def decide(tokens: int) -> LoadDecision:
         if split:
@@ -74,7 +74,7 @@ def plan_backend(release: Release, *, backend: str = "auto", device: str = "auto
         try:
             return plan_load(hardware, scheme, footprint, context=tokens, onnx_export=onnx_export,
                              onnx_cuda=hardware.kind == "cuda" and (backend == "onnx" or onnx_export) and onnx_cuda(),
-                             state_cache=state_cache, offload=offload, **kwargs)
+                             **kwargs)
         except InsufficientMemoryError:
             cards = _other_cards(hardware, caps) if device == "auto" and backend in ("auto", "torch") else []
             if not cards:
@@ -101,30 +101,24 @@ def plan_backend(release: Release, *, backend: str = "auto", device: str = "auto
     return decision
 
 
-def build_backend(release: Release, *, backend: str = "auto", device: str = "auto", dtype: Any = None,
-                  context: int | None = None, check_memory: bool = True,
-                  max_memory: str | dict[str, Any] | None = None, state_cache: int | None = None,
-                  offload: str = "none", min_context: int | None = None,
-                  prefill_chunk: int | None = None) -> Backend:
+def build_backend(release: Release, options: LoadOptions = DEFAULT_OPTIONS) -> Backend:
     """The backend for ``release``: chosen by :func:`clef_local.planning.choice.plan_load` for this machine
-    (``device`` ``auto``, ``cpu``, ``cuda[:N]``, ``mps``, or several for a pipeline split of the layers:
-    ``cuda:0,cuda:1``), checked against the planner at ``context`` tokens (default: the model's default
-    ``max_length``, 65,536 at most) under the ``max_memory`` caps (``{"cuda:0": "24GiB"}`` or ``"cuda:0=24GiB"``,
+    (``options.device``: ``auto``, ``cpu``, ``cuda[:N]``, ``mps``, or several for a pipeline split of the layers:
+    ``cuda:0,cuda:1``), checked against the planner at ``options.max_length`` tokens (None: the model's default,
+    65,536 at most; when that does not fit, planned at 16,384 instead, a warning: longer requests are refused one
+    by one, 413) under the ``max_memory`` caps (``{"cuda:0": "24GiB"}`` or ``"cuda:0=24GiB"``,
     :mod:`clef_local.planning.caps`; on CUDA the allocator is capped too) with a state cache of ``state_cache``
     bytes (``None``: sized by the planner), logged, and recorded as ``backend.load_decision``
     (``state_cache_bytes``: the cache's budget). ``auto`` on a machine with several CUDA cards splits the layers
     over all of them when the model does not fit on the first one alone. ``offload``: ``"none"`` (resident only),
     ``"auto"`` (streamed from disk when it does not fit resident) or ``"disk"`` (always streamed;
-    docs/hardware.md#streamed-from-disk). ``min_context``: when the model does not fit at ``context``, plan at this
-    many tokens instead (a warning; longer requests are refused one by one, 413), and refuse only when it does not
-    fit there either. ``backend.prefill`` is the budget each prefill is cut to (:mod:`clef_local.planning.prefill`;
-    ``prefill_chunk`` forces a chunk length, 0 one pass)."""
+    docs/hardware.md#streamed-from-disk). ``backend.prefill`` is the budget each prefill is cut to
+    (:mod:`clef_local.planning.prefill`; ``prefill_chunk`` forces a chunk length, 0 one pass)."""
     from clef_local.planning.prefill import prefill_budget
 
-    decision = plan_backend(release, backend=backend, device=device, dtype=dtype, context=context,
-                            check_memory=check_memory, max_memory=max_memory, state_cache=state_cache,
-                            offload=offload, min_context=min_context)
-    caps = parse_max_memory(max_memory)  # valid: plan_backend read it
+    decision = plan_backend(release, options)
+    caps = parse_max_memory(options.max_memory)  # valid: plan_backend read it
+    state_cache, dtype = options.state_cache, options.dtype
     _log_decision(decision)
     if state_cache is not None and state_cache > 0 and decision.state_cache_bytes == 0:
         log.warning("state cache: off: the %s backend%s runs every state in full (docs/serving.md)",
@@ -136,13 +130,13 @@ def build_backend(release: Release, *, backend: str = "auto", device: str = "aut
     cls = getattr(importlib.import_module(module_name), class_name)
     # an ONNX export runs in the precision it was exported in unless a dtype was asked for
     asked = dtype not in (None, "auto")
-    options: dict[str, Any] = {"split": decision.split} if decision.split else {}
+    placement: dict[str, Any] = {"split": decision.split} if decision.split else {}
     if decision.stream is not None:
-        options["stream"] = decision.stream
+        placement["stream"] = decision.stream
     runner: Backend = cls(release, device=decision.device,
-                          dtype=decision.dtype if decision.backend != "onnx" or asked else None, **options)
+                          dtype=decision.dtype if decision.backend != "onnx" or asked else None, **placement)
     runner.load_decision = decision
-    runner.prefill = prefill_budget(decision, release.config, release.head_config.width, prefill_chunk)
+    runner.prefill = prefill_budget(decision, release.config, release.head_config.width, options.prefill_chunk)
     return runner
 
 

@@ -19,6 +19,8 @@ from clef_local.export.staging import ExportError
 if TYPE_CHECKING:
     import torch
 
+    from clef_local.formats.release import Release
+
 log = logging.getLogger(__name__)
 
 FLOAT32_HEADROOM = 1.3  # float32 weights × this must fit in free memory (activations, Hessians, the packed copy)
@@ -55,7 +57,7 @@ class Calibration:
         return sum(g for _, g in self.errors.values()) / rtn if rtn else 1.0
 
 
-def calibration_dtype(source: Path, device: str) -> tuple[str | None, str]:
+def calibration_dtype(source: Path | Release, device: str) -> tuple[str | None, str]:
     """(dtype, why): float32 when the source in float32 fits in free memory, else the source's own dtype (None).
 
     float32 activations give GPTQ much better Hessians where the grid is coarse (docs/benchmarks.md, GPTQ: the demo
@@ -63,10 +65,10 @@ def calibration_dtype(source: Path, device: str) -> tuple[str | None, str]:
     """
     import torch
 
-    from clef_local.formats.release import read_release
+    from clef_local.formats.release import Release, read_release
     from clef_local.planning.hardware import host_memory
 
-    release = read_release(source)
+    release = source if isinstance(source, Release) else read_release(source)
     params = release.weight_bytes // 2  # BF16/FP16 releases: 2 bytes a weight
     needed = int(FLOAT32_HEADROOM * 4 * params)
     on_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
@@ -168,10 +170,11 @@ def _hessians(layer: Any, modules: dict[str, Any], hidden: list[torch.Tensor], k
     return {name: sums[name] / counts[name] for name in modules}, outputs
 
 
-def gptq_tensors(source: Path, scheme: str, group_size: int | None, options: dict[str, Any], *,
+def gptq_tensors(source: Path | Release, scheme: str, group_size: int | None, options: dict[str, Any], *,
                  requests: int = REQUESTS, damp: float | None = None, device: str = "auto",
                  dtype: str | None = None, sequential: bool = False) -> Calibration:
-    """GPTQ-quantize every linear weight the predicate selects in the release at ``source``.
+    """GPTQ-quantize every linear weight the predicate selects in the release at ``source`` (a directory, or the
+    :class:`Release` already read: not read again).
 
     Returns the scheme's packed tensors per weight name (``model.layers.0.self_attn.q_proj.weight`` → its keys).
     ``options`` are the scheme's (int4: ``grid``); ``dtype`` the backbone's compute dtype (default:
@@ -186,6 +189,7 @@ def gptq_tensors(source: Path, scheme: str, group_size: int | None, options: dic
     import clef_local
     from clef_local.backends.skeleton import read_headers
     from clef_local.backends.torch_backend import TorchBackend
+    from clef_local.formats.release import Release, read_release
     from clef_local.quant import get as get_scheme
     from clef_local.quant import gptq, nf4, predicate
 
@@ -195,8 +199,10 @@ def gptq_tensors(source: Path, scheme: str, group_size: int | None, options: dic
     if requests < 1:
         raise ExportError(f"--calibration-requests must be at least 1, not {requests}")
     damp = gptq.DEFAULT_DAMP if damp is None else damp
+    release = source if isinstance(source, Release) else read_release(source)
+    source = release.path
     if dtype is None:
-        dtype, why = calibration_dtype(source, device)
+        dtype, why = calibration_dtype(release, device)
         log.info("calibration compute dtype: %s", why)
     try:
         batch = calibration_requests(requests)
@@ -205,7 +211,7 @@ def gptq_tensors(source: Path, scheme: str, group_size: int | None, options: dic
     started = time.perf_counter()
     spec = get_scheme(scheme)
     group = spec.predicate_group_size(group_size)
-    model = clef_local.load(source, backend="torch", device=device, dtype=dtype)
+    model = clef_local.load(release, backend="torch", device=device, dtype=dtype)
     if not isinstance(model.backend, TorchBackend):
         raise ExportError(f"GPTQ calibration runs on the torch backend, not {model.backend.name}")
     backbone = model.backend.backbone

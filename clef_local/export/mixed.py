@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from clef_local.export.finish import CONFIG, finish_variant
 from clef_local.export.shards import (
     INDEX,
     already_4bit,
@@ -47,12 +47,13 @@ from clef_local.export.shards import (
 )
 from clef_local.export.staging import ExportError, check_paths, resolve_out, staged
 from clef_local.export.validate import VALIDATION_REQUESTS
-from clef_local.formats.manifest import MANIFEST, check_files, file_entries, list_files, write_manifest
+from clef_local.formats.manifest import file_entries
 from clef_local.formats.quant_plan import MIXED, SOURCE, LayerFormat, layer_index
 
 if TYPE_CHECKING:
     import torch
 
+    from clef_local.formats.release import Release
     from clef_local.model import ClefModel
     from clef_local.quant import Scheme
 
@@ -63,8 +64,6 @@ DEFAULT_GROUP_LAYERS = 4
 DEFAULT_SELECTION_REQUESTS = 32
 GRID = 2000  # KL grid steps per budget in the knapsack
 ROUNDS = 6  # re-plans when the whole plan's KL exceeds the budget
-CONFIG = "config.json"
-VALIDATION = "validation.json"
 
 
 @dataclass(frozen=True)
@@ -144,14 +143,16 @@ def _mean_kl(reference: Sequence[Sequence[np.ndarray]], model: ClefModel, reques
 class Bench:
     """The source loaded for measuring: its linear modules by weight name, the source tensors, the reference."""
 
-    def __init__(self, source: Path, requests: Sequence[dict[str, Any]]) -> None:
+    def __init__(self, source: Path | Release, requests: Sequence[dict[str, Any]]) -> None:
         import torch
         from safetensors import safe_open
 
         import clef_local
+        from clef_local.formats.release import Release
         from clef_local.quant.predicate import should_quantize
 
         self.model = clef_local.load(source, backend="torch", device="cpu", dtype="float32", state_cache=0)
+        source = source.path if isinstance(source, Release) else source
         module = getattr(getattr(self.model.backend, "backbone", None), "model", None)
         if not isinstance(module, torch.nn.Module):
             raise ExportError(f"{source}: the torch backend did not give a backbone module to measure on")
@@ -340,7 +341,7 @@ def mixed_release(source: Path, out: Path, max_kl: float, *, formats: str = DEFA
     if not max_kl > 0:
         raise ExportError(f"--max-kl must be > 0, got {max_kl}; e.g. 0.002 (nats, mean over the probe questions)")
     check_paths(source, out, force)
-    check_validation(source)  # the source is loaded to measure: it must fit, with the probe set readable
+    check_validation(release)  # the source is loaded to measure: it must fit, with the probe set readable
     shards = [f.name for f in release.weight_files]
     for file in release.weight_files:
         read_header(file)
@@ -352,7 +353,7 @@ def mixed_release(source: Path, out: Path, max_kl: float, *, formats: str = DEFA
         requests = probe_requests(selection_requests, seed, split="train")
     except (FileNotFoundError, OSError, ValueError) as exc:
         raise ValidationUnavailable(f"the selection probes (training splits) cannot be read ({exc})") from exc
-    bench = Bench(source, requests)
+    bench = Bench(release, requests)
     groups = layer_groups(_decoder_layers(release.config, list(bench.weights)), group_layers)
     bar = _progress_bar(len(groups) * len(candidates))
     try:
@@ -361,23 +362,23 @@ def mixed_release(source: Path, out: Path, max_kl: float, *, formats: str = DEFA
         bar.close()
         del bench
     record = {**chosen["record"], "selection": f"{len(requests)} probe requests from the training splits (seed {seed})"}
-    summary = write_mixed(source, out, chosen["layers"], record, max_kl=max_kl, force=force, validate=validate,
+    summary = write_mixed(release, out, chosen["layers"], record, max_kl=max_kl, force=force, validate=validate,
                           validation_requests=validation_requests)
     return {**summary, "candidates": [c.label for c in candidates], "group_layers": group_layers,
             "seconds": time.perf_counter() - started}
 
 
-def write_mixed(source: Path, out: Path, plan: Mapping[int, LayerFormat], record: Mapping[str, Any], *,
+def write_mixed(source: Path | Release, out: Path, plan: Mapping[int, LayerFormat], record: Mapping[str, Any], *,
                 max_kl: float, force: bool = False, validate: bool = True,
                 validation_requests: int = VALIDATION_REQUESTS) -> dict[str, Any]:
     """Write ``source`` with each decoder layer in its ``plan`` format (steps 4–5 of the module docstring);
-    ``record`` (how the plan was chosen) goes into config.json beside it; validated at mean KL ≤ ``max_kl``."""
-    import clef_local
+    ``record`` (how the plan was chosen) goes into config.json beside it; validated at mean KL ≤ ``max_kl``.
+    ``source`` may be the :class:`Release` already read (passed on, not read again)."""
     from clef_local.export.validate import THRESHOLDS, validate_export
-    from clef_local.formats.release import read_release
+    from clef_local.formats.release import Release, read_release
 
-    source, out = Path(source).expanduser().resolve(), resolve_out(out)
-    release = read_release(source)
+    release = source if isinstance(source, Release) else read_release(Path(source).expanduser().resolve())
+    source, out = release.path, resolve_out(out)
     shards = [f.name for f in release.weight_files]
     used = {fmt.scheme for fmt in plan.values() if fmt.scheme != SOURCE}
     thresholds = {"mean_kl": max_kl,
@@ -392,28 +393,14 @@ def write_mixed(source: Path, out: Path, plan: Mapping[int, LayerFormat], record
                   "validated": validate}
         config = {**release.config, "quantization_config": {"quant_method": "clef-local-mixed", "clef_local": member}}
         (tmp / CONFIG).write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-        for name in list_files(source):
-            if name not in {*shards, INDEX, CONFIG, MANIFEST, VALIDATION}:
-                (tmp / name).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(source / name, tmp / name)
-        if validate:
-            validation = validate_export(source, tmp, MIXED, n=validation_requests, dtype="float32", variant_name=out,
-                                         thresholds=thresholds)
-        else:
-            validation = {"validated": False, "skipped": "--no-validate"}
-            (tmp / VALIDATION).write_text(json.dumps(validation, indent=2) + "\n", encoding="utf-8")
-        files = file_entries(tmp)
-        sizes = result["sizes"]
-        nbytes = {"linear_before": sizes.get("linear_before", 0), "linear_after": sizes.get("linear_after", 0),
-                  "total_before": sum(e["size"] for e in source_files.values()),
-                  "total_after": sum(e["size"] for e in files.values())}
-        bits = 8 * nbytes["linear_after"] / result["params"] if result["params"] else 16.0
-        write_manifest(tmp, tool="clef-local", version=clef_local.__version__,
-                       scheme={"name": MIXED, "group_size": None, "bits_per_weight": round(bits, 4)},
-                       source={"path": str(source), "files": source_files}, files=files,
-                       quantized=result["quantized"], skipped=result["skipped"], bytes=nbytes)
-        if problems := check_files(tmp):
-            raise ExportError("the written variant does not check: " + "; ".join(problems))
+
+        def run_validation(tmp: Path) -> dict[str, Any]:
+            return validate_export(release, tmp, MIXED, n=validation_requests, dtype="float32", variant_name=out,
+                                   thresholds=thresholds)
+        finished = finish_variant(source, tmp, shards=shards, result=result, source_files=source_files,
+                                  scheme=MIXED, group_size=None, fallback_bits=16.0,
+                                  validate=run_validation if validate else None)
+    validation, nbytes, bits = finished.validation, finished.nbytes, finished.bits
     return {"out": str(out), "source": str(source), "scheme": MIXED, "max_kl": max_kl, "plan": dict(record),
             "layers": {i: fmt.label for i, fmt in plan.items()}, "bits_per_weight": bits, "bytes": nbytes,
             "quantized": len(result["quantized"]), "kept": len(result["skipped"]), "validation": validation}

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import shutil
 import sys
 import time
 from collections import Counter
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from clef_local.errors import ClefError
+from clef_local.export.finish import CONFIG, finish_variant
 from clef_local.export.shards import (
     CHUNK_ELEMENTS,
     INDEX,
@@ -33,7 +33,7 @@ from clef_local.export.shards import (
 )
 from clef_local.export.staging import ExportError, check_paths, resolve_out, staged
 from clef_local.export.validate import VALIDATION_REQUESTS
-from clef_local.formats.manifest import MANIFEST, check_files, file_entries, list_files, write_manifest
+from clef_local.formats.manifest import file_entries
 
 if TYPE_CHECKING:
 
@@ -45,14 +45,12 @@ __all__ = ["CHUNK_ELEMENTS", "ROW_WISE", "already_4bit", "build_parser", "main",
            "release_memory", "save_shard", "summary_lines"]
 
 BITS_TO_SCHEME = {4: "int4", 8: "int8"}
-CONFIG = "config.json"
 FOUR_BIT_HINT = ("the source's linear weights already lie on a 4-bit grid per 32 columns (a model dequantized from "
                  "GGUF Q4_0/Q4_1, like the demo backbone): --bits 4 --group-size 32 gives them back up to rounding; "
                  "this scheme re-quantizes them and adds its error on top")
 GROUP_FROM_SOURCE = ("32, from the source: its linear weights already lie on a 4-bit grid per 32 columns (a model "
                      "dequantized from GGUF Q4_0/Q4_1, like the demo backbone), which int4 g32 gives back up to "
                      "rounding; pass --group-size to choose another")
-VALIDATION = "validation.json"
 
 
 def _check_options(scheme: Scheme, int4_grid: str | None, int4_layout: str | None = None) -> dict[str, Any]:
@@ -163,7 +161,6 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
     import safetensors.torch  # noqa: F401  (imported before the temp directory exists: it takes seconds)
     import torch  # noqa: F401
 
-    import clef_local
     from clef_local import quant
     from clef_local.formats.release import read_release
     from clef_local.formats.safetensors import read_header
@@ -191,12 +188,13 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
     if validation_requests < 1:
         raise ExportError(f"--validation-requests {validation_requests}: validation needs at least 1 probe request "
                           f"(default {VALIDATION_REQUESTS}; --no-validate skips it)")
+    checked = None
     if validate:
         from clef_local.export.validate import check_validation
 
         # no probe set, too little memory for the reference or the variant, a wrong reference file: refused now,
-        # not after minutes of quantizing
-        check_validation(source, validation_requests, scheme=spec.name, max_memory=max_memory,
+        # not after minutes of quantizing; validation uses what this found
+        checked = check_validation(release, validation_requests, scheme=spec.name, max_memory=max_memory,
                          reference_file=reference_file, max_length=max_length)
     shards = [f.name for f in release.weight_files]
     for file in release.weight_files:  # a truncated or garbled shard: one ReleaseError naming it, not a traceback
@@ -215,7 +213,7 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
     if calibrate:  # before the staging directory exists: a refusal or a crash here leaves nothing behind
         from clef_local.export.gptq_calibration import REQUESTS, gptq_tensors
 
-        calibration = gptq_tensors(source, spec.name, group, options, requests=calibration_requests or REQUESTS)
+        calibration = gptq_tensors(release, spec.name, group, options, requests=calibration_requests or REQUESTS)
     with staged(source, out, force) as tmp:
         log.info("exporting %s → %s (%s%s) via %s", source, out, spec.name, f", group {group}" if group else "", tmp)
         source_files = file_entries(source)
@@ -225,32 +223,17 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
             write_index(source, tmp, result)
         qconfig = _write_config(source, tmp, release.config, spec, group, result, options,
                                 calibration.config() if calibration else None, validated=validate)
-        weights = {*shards, INDEX, CONFIG, MANIFEST, VALIDATION}
-        for name in list_files(source):
-            if name not in weights:
-                (tmp / name).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(source / name, tmp / name)
-        if validate:
+
+        def run_validation(tmp: Path) -> dict[str, Any]:
             from clef_local.export.validate import validate_export
 
-            validation = validate_export(source, tmp, spec.name, validation_requests, variant_name=out,
-                                         max_memory=max_memory, max_length=max_length,
-                                         reference_file=reference_file)
-        else:
-            validation = {"validated": False, "skipped": "--no-validate"}
-            (tmp / VALIDATION).write_text(json.dumps(validation, indent=2) + "\n", encoding="utf-8")
-        files = file_entries(tmp)
-        sizes = result["sizes"]
-        nbytes = {"linear_before": sizes.get("linear_before", 0), "linear_after": sizes.get("linear_after", 0),
-                  "total_before": sum(e["size"] for e in source_files.values()),
-                  "total_after": sum(e["size"] for e in files.values())}
-        bits = 8 * nbytes["linear_after"] / result["params"] if result["params"] else spec.bits_per_weight(group)
-        write_manifest(tmp, tool="clef-local", version=clef_local.__version__,
-                       scheme={"name": spec.name, "group_size": group, "bits_per_weight": round(bits, 4)},
-                       source={"path": str(source), "files": source_files}, files=files,
-                       quantized=result["quantized"], skipped=result["skipped"], bytes=nbytes)
-        if problems := check_files(tmp):
-            raise ExportError("the written variant does not check: " + "; ".join(problems))
+            return validate_export(release, tmp, spec.name, validation_requests, variant_name=out,
+                                   max_memory=max_memory, max_length=max_length, reference_file=reference_file,
+                                   checked=checked)
+        finished = finish_variant(source, tmp, shards=shards, result=result, source_files=source_files,
+                                  scheme=spec.name, group_size=group, fallback_bits=spec.bits_per_weight(group),
+                                  validate=run_validation if validate else None)
+    validation, nbytes, bits = finished.validation, finished.nbytes, finished.bits
     summary = {"out": str(out), "source": str(source), "scheme": spec.name, "group_size": group, **options,
                "bits_per_weight": bits, "quantized": len(result["quantized"]), "kept": len(result["skipped"]),
                "skipped": result["skipped"], "skipped_by_reason": dict(Counter(result["skipped"].values())),

@@ -27,6 +27,7 @@ from clef_local.data.probes import probe_requests
 from clef_local.errors import ClefError, InsufficientMemoryError, one_line
 
 if TYPE_CHECKING:
+    from clef_local.formats.release import Release
     from clef_local.model import Prediction
     from clef_local.quality.reference_file import ReferenceFile
 
@@ -87,10 +88,11 @@ class ModelRun:
     summary: dict[str, Any]
 
 
-def _predictions(path: Path, requests: Sequence[dict[str, Any]], dtype: str | None, batch_size: int,
+def _predictions(path: Path | Release, requests: Sequence[dict[str, Any]], dtype: str | None, batch_size: int,
                  max_memory: str | None = None, truncate_state: bool = True, max_length: int | None = None,
                  role: str = "model") -> ModelRun:
-    """``path``'s predictions of ``requests`` (resident, or streamed from disk when it does not fit), its compute
+    """``path``'s (a directory, or the release already read) predictions of ``requests`` (resident, or streamed
+    from disk when it does not fit), its compute
     dtype and context (``max_length``; None: the model's default); a streamed run logs what it read per pass."""
     import clef_local
 
@@ -180,21 +182,26 @@ class ValidationInputs:
     (None: the reference runs here)."""
 
     requests: list[dict[str, Any]]
+    release: Release  # the reference release, read once
     reference: ReferenceFile | None = None
 
 
-def check_validation(reference_dir: Path, n: int = VALIDATION_REQUESTS, seed: int = 0, *, scheme: str | None = None,
+def check_validation(reference_dir: Path | Release, n: int = VALIDATION_REQUESTS, seed: int = 0, *,
+                     scheme: str | None = None,
                      dtype: str | None = None, max_memory: str | None = None,
                      reference_file: str | Path | None = None, max_length: int | None = None) -> ValidationInputs:
     """Check, before an export writes anything, that its validation can run: the probe set reads; the reference
     fits as the loader plans it (resident, else streamed from disk; logged), or ``reference_file`` holds its
     probabilities on this probe set; and the ``scheme`` variant will fit too (planned from the source's headers),
-    both at ``max_length`` tokens (None: the model's default). :class:`ValidationUnavailable` naming why not."""
+    both at ``max_length`` tokens (None: the model's default). :class:`ValidationUnavailable` naming why not.
+    ``reference_dir``: the reference's directory, or its :class:`Release` already read (not read again)."""
     from clef_local.backends.loader import plan_backend
-    from clef_local.formats.release import read_release
+    from clef_local.formats.release import Release, read_release
+    from clef_local.planning.load_options import LoadOptions
 
     requests = validation_requests(n, seed)
-    release = read_release(reference_dir)
+    release = reference_dir if isinstance(reference_dir, Release) else read_release(reference_dir)
+    reference_dir = release.path
     stored = None
     if reference_file is not None:
         from clef_local.quality import reference_file as files
@@ -206,7 +213,8 @@ def check_validation(reference_dir: Path, n: int = VALIDATION_REQUESTS, seed: in
         log.info("reference from %s: %s", reference_file, stored.describe())
     else:
         try:
-            decision = plan_backend(release, dtype=dtype, max_memory=max_memory, offload="auto", context=max_length)
+            decision = plan_backend(release, LoadOptions(dtype=dtype, max_memory=max_memory, offload="auto",
+                                                         max_length=max_length))
         except InsufficientMemoryError as exc:
             raise ValidationUnavailable(
                 f"the reference does not fit here, not even streamed from disk ({one_line(exc)}); or compare with "
@@ -216,20 +224,23 @@ def check_validation(reference_dir: Path, n: int = VALIDATION_REQUESTS, seed: in
             log.info("reference streamed from disk: %s", decision.stream.summary())
     if scheme is not None:
         try:
-            decision = plan_backend(release, dtype=dtype or (stored.dtype if stored else None), max_memory=max_memory,
-                                    offload="auto", fmt=scheme, context=max_length)
+            decision = plan_backend(release, LoadOptions(dtype=dtype or (stored.dtype if stored else None),
+                                                         max_memory=max_memory, offload="auto", max_length=max_length),
+                                    fmt=scheme)
         except InsufficientMemoryError as exc:
             raise ValidationUnavailable(f"the {scheme} variant will not fit here, not even streamed from disk "
                                         f"({one_line(exc)})") from exc
         if decision.stream is not None:
             log.info("%s variant streamed from disk: %s", scheme, decision.stream.summary())
-    return ValidationInputs(requests, stored)
+    return ValidationInputs(requests, release, stored)
 
 
-def validate_export(reference_dir: Path, variant_dir: Path, scheme: str, n: int = VALIDATION_REQUESTS, seed: int = 0,
+def validate_export(reference_dir: Path | Release, variant_dir: Path, scheme: str, n: int = VALIDATION_REQUESTS,
+                    seed: int = 0,
                     dtype: str | None = None, variant_name: str | Path | None = None, *,
                     thresholds: Mapping[str, float] | None = None, max_memory: str | None = None,
-                    reference_file: str | Path | None = None, max_length: int | None = None) -> dict[str, Any]:
+                    reference_file: str | Path | None = None, max_length: int | None = None,
+                    checked: ValidationInputs | None = None) -> dict[str, Any]:
     """Validation as the export runs it: packaged probe set, scheme thresholds, ``validation.json`` in the variant;
     :class:`ValidationUnavailable` when it cannot run (:func:`check_validation`, or the reference does not load or
     run); :class:`ValidationFailed` naming each failing metric and its value when a threshold is exceeded or the
@@ -237,16 +248,18 @@ def validate_export(reference_dir: Path, variant_dir: Path, scheme: str, n: int 
     temporary directory). ``thresholds`` replaces the scheme's :data:`THRESHOLDS` (a mixed variant's budget).
     ``max_memory`` caps both loads (each streamed from disk when it does not fit); ``reference_file``: the
     reference's probabilities from ``drift --save-reference`` instead of running it. ``max_length``: the context both
-    models are loaded at (None: the model's default)."""
+    models are loaded at (None: the model's default). ``reference_dir`` may be the :class:`Release` already read:
+    it is passed on as it is (read once). ``checked``: what :func:`check_validation` found for these same
+    arguments before the export began (not checked again)."""
     started = time.perf_counter()
     limits = thresholds if thresholds is not None else THRESHOLDS[scheme]
-    inputs = check_validation(reference_dir, n, seed, dtype=dtype, max_memory=max_memory,
-                              reference_file=reference_file, max_length=max_length)
-    requests, stored = inputs.requests, inputs.reference
+    inputs = checked or check_validation(reference_dir, n, seed, dtype=dtype, max_memory=max_memory,
+                                         reference_file=reference_file, max_length=max_length)
+    requests, stored, release = inputs.requests, inputs.reference, inputs.release
     runs: dict[str, dict[str, Any]] = {}
     if stored is None:
         try:
-            reference = _predictions(reference_dir, requests, dtype, 8, max_memory, max_length=max_length,
+            reference = _predictions(release, requests, dtype, 8, max_memory, max_length=max_length,
                                      role="reference")
         except (Exception, MemoryError) as exc:
             raise ValidationUnavailable(f"the reference could not be loaded or run ({type(exc).__name__}: "
@@ -272,7 +285,7 @@ def validate_export(reference_dir: Path, variant_dir: Path, scheme: str, n: int 
 
         files.check_run(stored, dtype=variant.dtype, context=variant.context)
         ref = [p.probabilities for p in files.predictions_for(stored, variant.predictions)]
-    result = _result(reference_dir, Path(variant_name or variant_dir), requests, ref, var, limits,
+    result = _result(release.path, Path(variant_name or variant_dir), requests, ref, var, limits,
                      dtype or (stored.dtype if stored else None), started)
     result["runs"] = runs
     if stored is not None:

@@ -160,6 +160,11 @@ class Release:
     def quantization(self) -> dict[str, Any] | None:
         return self.config.get("quantization_config")
 
+    def __fspath__(self) -> str:
+        """Its directory: a release read once travels where a path is expected (``Path(release)``) and is not read
+        again where a :class:`Release` is accepted."""
+        return str(self.path)
+
     @cached_property
     def weight_bytes(self) -> int:
         return sum(f.stat().st_size for f in self.weight_files)

@@ -17,6 +17,7 @@ from clef_local.errors import ApiUsageError, InsufficientMemoryError
 from clef_local.planning.census import WeightCensus
 from clef_local.planning.estimate import DTYPE_SIZE, Plan, auto_state_cache, best_fit, max_context, plan
 from clef_local.planning.hardware import Hardware
+from clef_local.planning.load_options import DEFAULT_OPTIONS, LoadOptions
 from clef_local.planning.prefill import CHUNKED_PREFILL_BACKENDS
 from clef_local.planning.read_probe import ReadRate
 from clef_local.planning.split import SplitPlan, split_plan
@@ -212,19 +213,20 @@ def resident_census(census: WeightCensus, backend: str) -> WeightCensus:
     return census
 
 
-def plan_load(hardware: Hardware, scheme: str, footprint: Any, *, context: int, backend: str = "auto",
-              dtype: Any = None, installed: Mapping[str, str | None], onnx_export: bool = False,
-              bitsandbytes: bool = True, check_memory: bool = True, source: str = "DIR",
-              onnx_cuda: bool = False, state_cache: int | None = None, offload: str = "none",
+def plan_load(hardware: Hardware, scheme: str, footprint: Any, *, context: int,
+              options: LoadOptions = DEFAULT_OPTIONS, installed: Mapping[str, str | None], onnx_export: bool = False,
+              bitsandbytes: bool = True, source: str = "DIR", onnx_cuda: bool = False,
               read_rate: ReadRate | None = None) -> LoadDecision:
     """:func:`choose`, then the planner's check: raises :class:`InsufficientMemoryError` (with a suggestion) when
     the stored format does not fit at ``context`` tokens. ``footprint`` is a
     :class:`clef_local.planning.planner.Footprint` (``censuses`` per format, ``dims``); ``source`` names the
-    directory in the suggestion. ``state_cache``: the state cache's budget in bytes, counted in the need (``None``:
-    sized from what the plan leaves free, :func:`~clef_local.planning.estimate.auto_state_cache`; always 0 on a
-    backend outside :data:`STATE_CACHE_BACKENDS`). ``offload``: ``"none"`` holds the backbone resident,
-    ``"auto"`` streams it from disk when it does not fit resident, ``"disk"`` always streams it
-    (:func:`streamed_decision`; ``read_rate`` only estimates the time a pass reads). Pure."""
+    directory in the suggestion. Of ``options``: ``backend``, ``dtype``, ``check_memory``; ``state_cache``, the
+    state cache's budget in bytes, counted in the need (``None``: sized from what the plan leaves free,
+    :func:`~clef_local.planning.estimate.auto_state_cache`; always 0 on a backend outside
+    :data:`STATE_CACHE_BACKENDS`); ``offload``: ``"none"`` holds the backbone resident, ``"auto"`` streams it from
+    disk when it does not fit resident, ``"disk"`` always streams it (:func:`streamed_decision`; ``read_rate`` only
+    estimates the time a pass reads). Pure."""
+    backend, dtype, state_cache, offload = options.backend, options.dtype, options.state_cache, options.offload
     if state_cache is not None and state_cache < 0:
         raise ApiUsageError(f"the state cache size cannot be negative, got {state_cache}; 0 turns it off")
     if offload not in OFFLOAD_MODES:
@@ -232,7 +234,7 @@ def plan_load(hardware: Hardware, scheme: str, footprint: Any, *, context: int, 
     decision = choose(hardware, scheme, backend=backend, dtype=dtype, installed=installed, onnx_export=onnx_export,
                       bitsandbytes=bitsandbytes, onnx_cuda=onnx_cuda)
     cache = state_cache if decision.backend in STATE_CACHE_BACKENDS else 0
-    if not check_memory or footprint is None:
+    if not options.check_memory or footprint is None:
         if offload == "disk":
             raise ApiUsageError("streaming from disk is planned from the release's headers; it cannot run with the "
                                 "memory check off")
@@ -241,8 +243,8 @@ def plan_load(hardware: Hardware, scheme: str, footprint: Any, *, context: int, 
     plans = {fmt: resident_plan(c, footprint, target, decision, context) for fmt, c in footprint.censuses.items()}
     mine = plans[scheme]
     if offload == "disk" or (offload == "auto" and not mine.fits):
-        return streamed_decision(hardware, decision, scheme, footprint, context=context, backend=backend,
-                                 dtype=dtype, installed=installed, bitsandbytes=bitsandbytes, read_rate=read_rate,
+        return streamed_decision(hardware, decision, scheme, footprint, context=context, options=options,
+                                 installed=installed, bitsandbytes=bitsandbytes, read_rate=read_rate,
                                  resident=mine, source=source)
     if not mine.fits:
         message = refusal(mine, plans, footprint, target, decision, context, source)
@@ -297,7 +299,7 @@ def streamed_plan(hardware: Hardware, decision: LoadDecision, scheme: str, footp
 
 
 def streamed_decision(hardware: Hardware, decision: LoadDecision, scheme: str, footprint: Any, *, context: int,
-                      backend: str, dtype: Any, installed: Mapping[str, str | None], bitsandbytes: bool,
+                      options: LoadOptions, installed: Mapping[str, str | None], bitsandbytes: bool,
                       read_rate: ReadRate | None, resident: Plan, source: str) -> LoadDecision:
     """``decision`` streamed from disk (:mod:`clef_local.planning.stream`), or :class:`InsufficientMemoryError`
     when not even that fits. The state cache is off: a streamed pass cannot keep its layers' states cheaply."""
@@ -308,8 +310,8 @@ def streamed_decision(hardware: Hardware, decision: LoadDecision, scheme: str, f
             f"{scheme} does not fit on {hardware.device} ({hardware.name}): it needs {resident.need / GiB:.1f} GiB at "
             f"{context:,} tokens, {resident.available / GiB:.1f} GiB free, and {source} cannot be streamed from "
             f"disk ({why_not}); try a shorter max_length, more memory or a higher --max-memory")
-    torch_decision = _torch_for_stream(hardware, decision, scheme, backend=backend, dtype=dtype, installed=installed,
-                                       bitsandbytes=bitsandbytes)
+    torch_decision = _torch_for_stream(hardware, decision, scheme, backend=options.backend, dtype=options.dtype,
+                                       installed=installed, bitsandbytes=bitsandbytes)
     sp = streamed_plan(hardware, torch_decision, scheme, footprint, context=context, read_rate=read_rate)
     if not sp.fits:
         raise InsufficientMemoryError(
@@ -343,13 +345,14 @@ def _streamed_hint(hardware: Hardware, decision: LoadDecision, scheme: str, foot
     return sp if sp.fits else None
 
 
-def plan_split(devices: list[Hardware], scheme: str, footprint: Any, *, context: int, backend: str = "auto",
-                 dtype: Any = None, installed: Mapping[str, str | None], bitsandbytes: bool = True,
-                 check_memory: bool = True, source: str = "DIR") -> LoadDecision:
-    """:func:`choose` for the first device, then the pipeline split of the stored format over ``devices``
-    (:mod:`clef_local.planning.split`, by the footprint's per-layer bytes); raises
-    :class:`InsufficientMemoryError` when a device's stage does not fit. Torch only. Pure."""
-    decision = choose(devices[0], scheme, backend=backend, dtype=dtype, installed=installed,
+def plan_split(devices: list[Hardware], scheme: str, footprint: Any, *, context: int,
+               options: LoadOptions = DEFAULT_OPTIONS, installed: Mapping[str, str | None], bitsandbytes: bool = True,
+               source: str = "DIR") -> LoadDecision:
+    """:func:`choose` for the first device (``options``' backend and dtype), then the pipeline split of the stored
+    format over ``devices`` (:mod:`clef_local.planning.split`, by the footprint's per-layer bytes); raises
+    :class:`InsufficientMemoryError` when a device's stage does not fit (``options.check_memory``). Torch only.
+    Pure."""
+    decision = choose(devices[0], scheme, backend=options.backend, dtype=options.dtype, installed=installed,
                       bitsandbytes=bitsandbytes)
     if decision.backend != "torch":
         raise ApiUsageError(f"a split over several devices runs on the torch backend, not {decision.backend}; "
@@ -360,7 +363,7 @@ def plan_split(devices: list[Hardware], scheme: str, footprint: Any, *, context:
                        need_bytes=sum(s.need for s in mine.stages),
                        available_bytes=sum(s.available for s in mine.stages),
                        reason=f"{decision.reason}; layers split over {len(devices)} devices by their bytes")
-    if check_memory and not mine.fits:
+    if options.check_memory and not mine.fits:
         raise InsufficientMemoryError(split_refusal(mine, splits, source))
     return decision
 

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
-import json
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+
+from clef_local.planning.probe_cache import cached_entry, probe_file, store_entry
 
 log = logging.getLogger(__name__)
 
@@ -94,31 +94,12 @@ def measure() -> tuple[float, float]:
     return best[torch.float32], best[torch.bfloat16]
 
 
-def _probe_file(cache: Path | None) -> Path:
-    if cache is None:
-        from clef_local.demo.default import cache_dir
-
-        cache = cache_dir()
-    return cache / PROBE_FILE
-
-
-def _read(path: Path) -> dict[str, dict]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as exc:
-        log.warning("%s is unreadable (%s): measuring again", path, exc)
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
 def cached_probe(cpu_name: str, flags: tuple[str, ...], cache: Path | None = None) -> Bf16Probe | None:
     """The cached measurement for this CPU and the installed torch, or None (no torch, or not measured yet)."""
     version = torch_version()
     if version is None:
         return None
-    entry = _read(_probe_file(cache)).get(probe_key(cpu_name, flags, version))
+    entry = cached_entry(probe_file(PROBE_FILE, cache), probe_key(cpu_name, flags, version))
     try:
         return Bf16Probe(**entry) if isinstance(entry, dict) else None
     except TypeError:  # an entry written by another version of this module
@@ -139,13 +120,5 @@ def bf16_probe(cpu_name: str, flags: tuple[str, ...], cache: Path | None = None,
                       float32_ms=round(float32_ms, 3), bfloat16_ms=round(bfloat16_ms, 3),
                       measured_at=datetime.now(UTC).isoformat(timespec="seconds"))
     log.info("measured this CPU once: %s", probe.summary())
-    path = _probe_file(cache)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        entries = _read(path) | {probe.key: asdict(probe)}
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(entries, indent=2) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
-    except OSError as exc:
-        log.warning("cannot cache the bf16 measurement in %s (%s); it will be measured again next time", path, exc)
+    store_entry(probe_file(PROBE_FILE, cache), probe.key, asdict(probe), "the bf16 measurement")
     return probe

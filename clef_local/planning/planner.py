@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from clef_local.errors import ClefError
-from clef_local.formats.release import head_config_beside, read_head_config, read_json, read_release
+from clef_local.formats.release import Release, head_config_beside, read_head_config, read_json, read_release
 from clef_local.planning.caps import parse_max_memory, resolve_devices
 from clef_local.planning.census import (
     DEFAULT_GROUP_SIZE,
@@ -110,10 +110,11 @@ class Footprint:
                                 host_embeddings=host_embeddings, media=media) for fmt, c in self.censuses.items()}
 
 
-def footprint_from_release(path: Path, formats: tuple[str, ...] = FORMATS,
+def footprint_from_release(path: str | Path | Release, formats: tuple[str, ...] = FORMATS,
                            group_size: int = DEFAULT_GROUP_SIZE) -> Footprint:
-    """Footprint of a release or variant directory from its headers (a variant: its stored format only)."""
-    release = read_release(path)
+    """Footprint of a release or variant directory from its headers (a variant: its stored format only); ``path``
+    may be the :class:`Release` already read (it is not read again)."""
+    release = path if isinstance(path, Release) else read_release(path)
     stored = stored_format(release.config)
     wanted = formats if stored == "bf16" else tuple(f for f in formats if f == stored) or (stored,)
     censuses = {fmt: census_from_release(release.path, release.weight_files, release.config, fmt,

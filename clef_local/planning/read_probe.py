@@ -10,7 +10,6 @@ that is used but not cached. ``plan --config`` (no files here) takes ``--read-ra
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import platform
@@ -20,6 +19,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from clef_local import units
+from clef_local.planning.probe_cache import cached_entry, probe_file, store_entry
 
 log = logging.getLogger(__name__)
 
@@ -79,31 +79,12 @@ def measure(path: Path, limit: int = PROBE_BYTES) -> tuple[float, int]:
     return (done / seconds if seconds > 0 else float("inf")), done
 
 
-def _probe_file(cache: Path | None) -> Path:
-    if cache is None:
-        from clef_local.demo.default import cache_dir
-
-        cache = cache_dir()
-    return cache / PROBE_FILE
-
-
-def _read(path: Path) -> dict[str, dict]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as exc:
-        log.warning("%s is unreadable (%s): measuring again", path, exc)
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
 def read_rate(file: Path, cache: Path | None = None) -> ReadRate:
     """The cached rate of ``file``'s filesystem, or a new measurement on ``file`` (cached when it read at least
     :data:`MIN_BYTES`). A cache that cannot be written is logged, not fatal."""
     key = probe_key(file)
-    path = _probe_file(cache)
-    entry = _read(path).get(key)
+    path = probe_file(PROBE_FILE, cache)
+    entry = cached_entry(path, key)
     if isinstance(entry, dict) and isinstance(entry.get("bytes_per_second"), int | float):
         return ReadRate(float(entry["bytes_per_second"]), f"measured {str(entry.get('measured_at', ''))[:10]}, cached")
     rate, done = measure(file)
@@ -111,14 +92,7 @@ def read_rate(file: Path, cache: Path | None = None) -> ReadRate:
         return ReadRate(rate, f"measured on {units.format_size(done)} only (rough, not cached)")
     measured_at = datetime.now(UTC).isoformat(timespec="seconds")
     log.info("measured this disk's read rate once: %.2f GB/s over %s of %s", rate / 1e9, units.format_size(done), file)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        entries = _read(path) | {key: {"bytes_per_second": round(rate), "measured_at": measured_at,
-                                       "file": str(file), "bytes": done}}
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(entries, indent=2) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
-    except OSError as exc:
-        log.warning("cannot cache the read rate in %s (%s); it will be measured again next time", path, exc)
+    store_entry(path, key, {"bytes_per_second": round(rate), "measured_at": measured_at, "file": str(file),
+                            "bytes": done}, "the read rate")
     return ReadRate(rate, f"measured {measured_at[:10]}")
 

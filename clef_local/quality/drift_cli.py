@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import logging
 import sys
 from dataclasses import dataclass
@@ -20,11 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from clef_local.batch.ray_runner import RaySettings, add_ray_flags
-from clef_local.options import add_max_length_flag, add_network_flag, add_runtime_flags
+from clef_local.options import add_max_length_flag, add_runtime_flags
+from clef_local.quality import command
+from clef_local.quality.command import add_output_flags, add_request_flags
 from clef_local.quality.drift import drift_from_predictions, head_difference
 from clef_local.quality.gates import Gate, GateSyntaxError, Lookup, bound_of
 from clef_local.quality.gates import parse_gates as _parse
-from clef_local.quality.intervals import IntervalSettings, add_interval_flags, interval_settings
+from clef_local.quality.intervals import IntervalSettings, add_interval_flags
 from clef_local.quality.metrics import LABEL_DELTAS
 from clef_local.quality.results import DriftResult
 from clef_local.runtime.schema import QUESTION_TYPES
@@ -127,8 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--reference-file", type=Path, metavar="FILE",
                         help="compare with the probabilities in FILE (from --save-reference) instead of running the "
                              "reference; --dtype auto follows the file")
-    parser.add_argument("--data", type=Path, help="labelled or plain request JSONL (default: the built-in probe set)")
-    parser.add_argument("--limit", type=int, help="first N requests (probe set: N requests, default 64)")
+    add_request_flags(parser, data="labelled or plain request JSONL (default: the built-in probe set)",
+                      limit="first N requests (probe set: N requests, default 64)")
     parser.add_argument("--gate", help='e.g. "flips<=0.01,kl_mean<=0.002@upper95"; exit 1 when one fails')
     parser.add_argument("--floor", action="store_true",
                         help="also run the reference against itself in another dtype (or --floor-backend)")
@@ -138,29 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_interval_flags(parser)
     add_runtime_flags(parser, max_memory=True, offload="auto")  # every model (reference, candidates) runs with them
     add_max_length_flag(parser)
-    parser.add_argument("--batch-size", type=int, default=8, help="requests per forward pass (default 8)")
-    parser.add_argument("--report", type=Path, help="write the HTML report")
-    parser.add_argument("--json", type=Path, help="write the results as JSON (re-render with clef-local report)")
-    parser.add_argument("--md", type=Path, help="write the tables as Markdown")
-    add_network_flag(parser)
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_output_flags(parser, report="write the HTML report",
+                     json_="write the results as JSON (re-render with clef-local report)",
+                     md="write the tables as Markdown", progress="no progress bars")
     add_ray_flags(parser)  # --ray: every model's predictions from Ray replicas (docs/batch.md)
     return parser
-
-
-def _requests(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, str]:
-    if args.data:
-        from clef_local.data.jsonl import read_jsonl
-
-        examples = read_jsonl(args.data, limit=args.limit)
-        if not examples:
-            raise ValueError(f"{args.data}: no requests")
-        labels = [e.labels for e in examples]
-        return [e.request for e in examples], (labels if any(labels) else None), str(args.data)
-    from clef_local.data.probes import probe_requests
-
-    n = args.limit or 64
-    return probe_requests(n), None, f"built-in probe set ({n} requests)"
 
 
 def _flag_problem(args: argparse.Namespace) -> str | None:
@@ -181,23 +164,11 @@ def _flag_problem(args: argparse.Namespace) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the drift check; exit 0 (gates pass), 1 (a gate fails) or 2 (bad input)."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.batch_size < 1:
-        parser.error(f"--batch-size must be ≥ 1, got {args.batch_size}")
-    if args.report:  # before a model is loaded: a missing extra must not cost the whole run
-        from clef_local.quality.plots import require_matplotlib
-
-        require_matplotlib()
-    try:
-        settings = interval_settings(args)
-        gates = parse_gates(args.gate, settings.percent)
-    except ValueError as exc:  # GateSyntaxError included
-        print(f"error: {exc}", file=sys.stderr)
+    args = command.parse(build_parser(), argv)
+    if (checked := command.settings_and_gates(args, parse_gates)) is None:
         return 2
+    settings, gates = checked
     from clef_local.airgap import airgap
-    from clef_local.data.jsonl import DataFormatError
-    from clef_local.errors import ClefError
 
     if problem := _flag_problem(args):
         print(f"error: {problem}", file=sys.stderr)
@@ -213,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
 
         common["ray"] = ray_settings(args)
         with airgap(not args.allow_network) as network:
-            requests, labels, source = _requests(args)
+            read = command.read_requests(args)
+            requests, labels, source = read.requests, read.labels, read.source
             stored = None
             if args.reference_file:  # checked before any model loads: a wrong file costs nothing
                 stored = reference_file.read(args.reference_file)
@@ -259,9 +231,8 @@ def main(argv: list[str] | None = None) -> int:
                 label = f"{Path(args.reference).name} ({floor_dtype}, {floor_common['backend']})"
                 floor = drift_from_predictions(ref, other.predictions, requests, labels=labels, candidate_name=label,
                                                reference_name=str(args.reference), meta=meta, intervals=settings)
-    except (ClefError, DataFormatError, ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except command.INPUT_ERRORS as exc:
+        return command.input_error(exc)
     if not results and floor is None:  # --save-reference alone
         return 0
     return _finish(args, results, floor, gates, network, settings)
@@ -270,20 +241,12 @@ def main(argv: list[str] | None = None) -> int:
 def _finish(args: argparse.Namespace, results: list[DriftResult], floor: DriftResult | None, gates: list[Gate],
             network: str, settings: IntervalSettings) -> int:
     from clef_local.quality.compare import compare_candidates
-    from clef_local.quality.report import (
-        bundle_json,
-        comparison_table_rows,
-        drift_table_rows,
-        labelled_table_rows,
-        markdown_table,
-        render_markdown,
-        write_report,
-    )
+    from clef_local.quality.report import comparison_table_rows, drift_table_rows, labelled_table_rows, markdown_table
 
     failed = []
     for result in results:
         result.meta["gates"] = [gate.evaluate(drift_lookup(result)) for gate in gates]
-        failed += [(result.candidate, g) for g in result.meta["gates"] if not g["ok"]]
+        failed += [(f"{Path(result.candidate).name}: ", g) for g in result.meta["gates"] if not g["ok"]]
     comparison = compare_candidates(results, settings)
     if comparison:  # the same for every candidate: kept with the first, where `report` finds it again
         results[0].meta["comparison"] = comparison
@@ -295,19 +258,8 @@ def _finish(args: argparse.Namespace, results: list[DriftResult], floor: DriftRe
     if any(r.labelled for r in results):
         print()
         print(markdown_table(labelled_table_rows(results)))
-    if args.report:
-        write_report(results, args.report, floor=floor, network=network)
-        print(f"report: {args.report}")
-    if args.md:
-        args.md.write_text(render_markdown(results, floor=floor, network=network), encoding="utf-8")
-    if args.json:
-        args.json.write_text(json.dumps(bundle_json(results, floor=floor, network=network)) + "\n", encoding="utf-8")
-    for candidate, gate in failed:
-        value = "not measured" if gate["value"] is None else f"{gate['value']:.6g}"
-        print(f"gate failed: {Path(candidate).name}: {gate['expr']} (measured {value})", file=sys.stderr)
-    if gates and not failed:
-        print(f"gates passed: {', '.join(g.expr for g in gates)}")
-    return 1 if failed else 0
+    command.write_outputs(args, results, network, floor=floor)
+    return command.gate_verdict(failed, [g.expr for g in gates])
 
 
 if __name__ == "__main__":

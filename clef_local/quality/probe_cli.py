@@ -7,14 +7,14 @@ fails). Without ``--data`` the built-in probe set is used. docs/quality.md#probe
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 from typing import Any
 
-from clef_local.options import add_model_flags, add_network_flag, load_options, model_path
+from clef_local.options import add_model_flags, load_options, model_path
+from clef_local.quality import command
+from clef_local.quality.command import add_output_flags, add_request_flags
 from clef_local.quality.gates import Gate, Lookup, bound_of, parse_gates
-from clef_local.quality.intervals import add_interval_flags, interval_settings
+from clef_local.quality.intervals import add_interval_flags
 from clef_local.quality.probe import CHECKS, run_probe
 from clef_local.quality.results import ProbeResult
 
@@ -59,64 +59,37 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="clef-local probe", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_flags(parser)
-    parser.add_argument("--data", type=Path, help="request JSONL (labels ignored; default: the built-in probe set)")
-    parser.add_argument("--limit", type=int, help="first N requests (probe set: N requests drawn, default 64)")
+    add_request_flags(parser, data="request JSONL (labels ignored; default: the built-in probe set)",
+                      limit="first N requests (probe set: N requests drawn, default 64)")
     parser.add_argument("--checks", default=",".join(CHECKS),
                         help=f"comma-separated checks (default all: {', '.join(CHECKS)})")
     parser.add_argument("--gate", help='e.g. "flips<=0.02@upper95,option_order.dp<=0.001"; exit 1 when one fails')
     add_interval_flags(parser)  # --seed also seeds the probe set's draw and the rewrites
-    parser.add_argument("--batch-size", type=int, default=8, help="requests per forward pass (default 8)")
-    parser.add_argument("--report", type=Path, help="write the HTML report (with the plot)")
-    parser.add_argument("--json", type=Path, help="write the result as JSON (re-render with clef-local report)")
-    parser.add_argument("--md", type=Path, help="write the table as Markdown")
-    add_network_flag(parser)
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_output_flags(parser, report="write the HTML report (with the plot)",
+                     json_="write the result as JSON (re-render with clef-local report)",
+                     md="write the table as Markdown", progress="no progress bar")
     return parser
-
-
-def _requests(args: argparse.Namespace) -> tuple[list[dict[str, Any]], str]:
-    if args.data:
-        from clef_local.data.jsonl import read_jsonl
-
-        examples = read_jsonl(args.data, limit=args.limit)
-        if not examples:
-            raise ValueError(f"{args.data}: no requests")
-        return [e.request for e in examples], str(args.data)
-    from clef_local.data.probes import probe_requests
-
-    n = args.limit or 64
-    return probe_requests(n, args.seed), f"built-in probe set ({n} requests, seed {args.seed})"
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the checks; exit 0 (gates pass), 1 (a gate fails) or 2 (bad input)."""
     parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.batch_size < 1:
-        parser.error(f"--batch-size must be ≥ 1, got {args.batch_size}")
+    args = command.parse(parser, argv)
     checks = [c.strip() for c in args.checks.split(",") if c.strip()]
     if unknown := [c for c in checks if c not in CHECKS]:
         parser.error(f"--checks: unknown {', '.join(unknown)}; known: {', '.join(CHECKS)}")
-    if args.report:  # before the model is loaded: a missing extra must not cost the whole run
-        from clef_local.quality.plots import require_matplotlib
-
-        require_matplotlib()
-    try:
-        settings = interval_settings(args)
-        gates = probe_gates(args.gate, settings.percent)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    if (checked := command.settings_and_gates(args, probe_gates)) is None:
         return 2
+    settings, gates = checked
     from tqdm.auto import tqdm
 
     import clef_local
     from clef_local.airgap import airgap
-    from clef_local.data.jsonl import DataFormatError
-    from clef_local.errors import ClefError
 
     try:
         with airgap(not args.allow_network) as network:
-            requests, source = _requests(args)
+            read = command.read_requests(args, seed=args.seed)
+            requests, source = read.requests, read.source
             model = clef_local.load(model_path(args.model), **load_options(args))
             bar = tqdm(total=None, unit="req", desc="probe", disable=args.no_progress, file=sys.stderr)
 
@@ -127,32 +100,20 @@ def main(argv: list[str] | None = None) -> int:
             result = run_probe(model, requests, checks=checks, seed=args.seed, batch_size=args.batch_size,
                                settings=settings, data_name=source, progress=progress)
             bar.close()
-    except (ClefError, DataFormatError, ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except command.INPUT_ERRORS as exc:
+        return command.input_error(exc)
     result.meta.update(network=network, dtype=args.dtype, gates=check_gates(result, gates))
     return _finish(args, result, network)
 
 
 def _finish(args: argparse.Namespace, result: ProbeResult, network: str) -> int:
-    from clef_local.quality.report import bundle_json, markdown_table, probe_table_rows, render_markdown, write_report
+    from clef_local.quality.report import markdown_table, probe_table_rows
 
     print(f"network: {network}")
     print(markdown_table(probe_table_rows(result)))
-    if args.report:
-        write_report([], args.report, probes=[result], network=network)
-        print(f"report: {args.report}")
-    if args.md:
-        args.md.write_text(render_markdown([], probes=[result], network=network), encoding="utf-8")
-    if args.json:
-        args.json.write_text(json.dumps(bundle_json([], probes=[result], network=network)) + "\n", encoding="utf-8")
-    failed = [g for g in result.meta["gates"] if not g["ok"]]
-    for gate in failed:
-        value = "not measured" if gate["value"] is None else f"{gate['value']:.6g}"
-        print(f"gate failed: {gate['expr']} (measured {value})", file=sys.stderr)
-    if result.meta["gates"] and not failed:
-        print(f"gates passed: {', '.join(g['expr'] for g in result.meta['gates'])}")
-    return 1 if failed else 0
+    command.write_outputs(args, [], network, probes=[result])
+    failed = [("", g) for g in result.meta["gates"] if not g["ok"]]
+    return command.gate_verdict(failed, [g["expr"] for g in result.meta["gates"]])
 
 
 if __name__ == "__main__":

@@ -139,7 +139,8 @@ def test_the_planner_counts_the_budget() -> None:
     assert dims.linear_layers and dims.linear_conv_kernel == 4
     assert entry == 16384 * 2 * (dims.hidden + (dims.layers - dims.linear_layers) * 2 * dims.kv_heads
                                  * dims.head_dim) + state_entry_bytes(dims, 0, "bfloat16")
-    auto = plan_load(card, "bf16", footprint, context=16384, installed=ALL, options=LoadOptions(dtype="bfloat16"))
+    auto = plan_load(card, "bf16", footprint, context=16384, installed=ALL,
+                     options=LoadOptions(dtype="bfloat16", state_cache=None))  # None: sized by the planner
     assert 0 < auto.state_cache_bytes <= STATE_CACHE_CAP
     assert auto.need_bytes is not None and auto.available_bytes is not None
     assert auto.need_bytes <= auto.available_bytes
@@ -158,7 +159,7 @@ def test_the_planner_counts_the_budget() -> None:
                      options=LoadOptions(backend="mlx", state_cache=GiB)).state_cache_bytes == 0  # torch only
     assert STATE_CACHE_BACKENDS == ("torch",)
     unplanned = plan_load(card, "bf16", None, context=16384, installed=ALL,
-                          options=LoadOptions(check_memory=False))
+                          options=LoadOptions(check_memory=False, state_cache=None))
     assert unplanned.state_cache_bytes == UNPLANNED_STATE_CACHE
 
 

@@ -267,7 +267,7 @@ SCHEMES: dict[str, Scheme] = {
         half_precision_cpu_kernel=True, cuda_needs=(NEEDS_SM80, NEEDS_BF16),
         weight_dtype="U32", extra_tensors=(".scales", ".biases"), packed_marker=".weight_packed",
         quantized_embeddings=True,
-        torch_module="Int4Linear", mlx_loader="int4_layer", mlx_quantized=True, onnx_nbits="int4_nbits",
+        torch_module="Int4Linear", mlx_loader="int4_layer", mlx_quantized=True, onnx_nbits="int4_module_nbits",
         fake="int4_tensors", validation=_limits(0.03, 0.05), row_wise=True,
     ),
     "int8": Scheme(
@@ -279,19 +279,8 @@ SCHEMES: dict[str, Scheme] = {
                          "MatMulNBits"),
         half_precision_cpu_kernel=True, no_bitsandbytes_kernel="int_mm_cuda",
         weight_dtype="I8", extra_tensors=(".weight_scale",),
-        torch_module="Int8Linear", mlx_loader="int8_layer", mlx_quantized=True, onnx_nbits="int8_nbits",
+        torch_module="Int8Linear", mlx_loader="int8_layer", mlx_quantized=True, onnx_nbits="int8_module_nbits",
         fake="int8_tensors", validation=_limits(0.002, 0.01), row_wise=True,
-    ),
-    "fp8": Scheme(
-        name="fp8", bits=8, default_group_size=None, needs_divisible_input=False,
-        quantize=_FP8[0], dequantize=_FP8[1], bits_per_weight=_FP8[2], quantization_config=_FP8[3],
-        config_layout="clef-local per-channel (config before compressed-tensors)",
-        precision=2, flag="--format fp8", stored_bytes=_per_row_bytes,
-        kernels=_kernels(DEQUANTIZE, "scaled_mm_rowwise", DEQUANTIZE_AT_LOAD, DEQUANTIZE_AT_LOAD, DEQUANTIZE),
-        cuda_needs=(NEEDS_FP8,),
-        weight_dtype="F8_E4M3", extra_tensors=(".weight_scale",),
-        torch_module="FP8Linear", mlx_loader="fp8_layer", dequantized_growth=2.0,  # 8 bits/weight -> BF16
-        fake="fp8_tensors", validation=_limits(0.002, 0.01), row_wise=True,
     ),
     "nf4": Scheme(
         name="nf4", bits=4, default_group_size=64, needs_divisible_input=False, flattened_blocks=True,
@@ -306,11 +295,22 @@ SCHEMES: dict[str, Scheme] = {
         torch_module="NF4Linear", mlx_loader="nf4_layer", dequantized_growth=16 / 4.5,  # 4.5 bits/weight -> BF16
         fake="nf4_tensors", validation=_limits(0.03, 0.05),
     ),
+    "fp8": Scheme(
+        name="fp8", bits=8, default_group_size=None, needs_divisible_input=False,
+        quantize=_FP8[0], dequantize=_FP8[1], bits_per_weight=_FP8[2], quantization_config=_FP8[3],
+        config_layout="clef-local per-channel (config before compressed-tensors)",
+        precision=2, flag="--format fp8", stored_bytes=_per_row_bytes,
+        kernels=_kernels(DEQUANTIZE, "scaled_mm_rowwise", DEQUANTIZE_AT_LOAD, DEQUANTIZE_AT_LOAD, DEQUANTIZE),
+        cuda_needs=(NEEDS_FP8,),
+        weight_dtype="F8_E4M3", extra_tensors=(".weight_scale",),
+        torch_module="FP8Linear", mlx_loader="fp8_layer", dequantized_growth=2.0,  # 8 bits/weight -> BF16
+        fake="fp8_tensors", validation=_limits(0.002, 0.01), row_wise=True,
+    ),
 }
 
 
 def get(name: str) -> Scheme:
-    """The scheme called ``name`` (int4, int8, fp8, nf4); ValueError naming the known ones otherwise."""
+    """The scheme called ``name`` (int4, int8, nf4, fp8); ValueError naming the known ones otherwise."""
     try:
         return SCHEMES[name]
     except KeyError:

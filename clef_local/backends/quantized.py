@@ -118,9 +118,8 @@ class QuantizedLinear(nn.Module):
 
 
 def repack_int4(packed: dict[str, torch.Tensor], group_size: int, dtype: torch.dtype,
-                rows: int = REPACK_ROWS_BUDGET, convert: Callable[..., int4.TorchInt4] = int4.to_torch_int4pack
-                ) -> int4.TorchInt4:
-    """``convert`` (:func:`quant.int4.to_torch_int4pack` or :func:`quant.int4.to_tinygemm`) applied to blocks of
+                rows: int = REPACK_ROWS_BUDGET, *, convert: Callable[..., int4.TorchInt4]) -> int4.TorchInt4:
+    """``convert`` (:func:`quant.int4_cpu.repack` in a layout or :func:`quant.int4.to_tinygemm`) applied to blocks of
     rows (a multiple of 64 rows, about ``rows`` weights each) and concatenated: bit-identical to the whole-matrix
     repack (tested), with a transient memory of one block (the unpacking makes 8 bytes per weight), not one layer."""
     out_f, words = packed["weight"].shape

@@ -161,7 +161,8 @@ def load_exportable(release: Release, dtype: torch.dtype) -> ExportableBackbone:
         # int4 in either stored layout, as the MLX-layout tensors MatMulNBits is built from (Int4Linear.affine)
         stored = module.affine() if isinstance(module, Int4Linear) else module.packed()
         packed = {k: _to_numpy(v) for k, v in stored.items()}
-        build: Callable[[Any, dict[str, np.ndarray]], NBitsWeight] = globals()[registry.get(module.scheme).onnx_nbits]
+        builder = registry.get(module.scheme).onnx_nbits  # not None: the variant's scheme was checked above
+        build: Callable[[Any, dict[str, np.ndarray]], NBitsWeight] = globals()[str(builder)]
         nbits[name] = build(module, packed)
         linear = torch.nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, dtype=dtype)
         with torch.no_grad():

@@ -26,14 +26,14 @@ import numpy as np
 from clef_local.formats.head_config import HeadConfig
 from clef_local.formats.manifest import list_files, sha256, write_manifest
 from clef_local.formats.release import head_config_beside, read_head_config, read_json, write_json
+from clef_local.quant import registry
 from clef_local.units import GiB
 
 log = logging.getLogger(__name__)
 
-SCHEMES = ("bf16", "int4", "int8", "nf4", "fp8")
+SCHEMES = ("bf16", *registry.SCHEMES)
 DEFAULT_SHARD_BYTES = 4 * GiB
 PIECE_BYTES = 8 << 20  # bytes of one generated piece (a thread's unit of work)
-INT4_GROUP_SIZES = (32, 64, 128)
 _TABLE_SEED = 0x5EED  # the fixed normal table (a constant of the format of these files, not of a release)
 _NP_DTYPES = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32, "U32": np.uint32, "I8": np.int8,
               "U8": np.uint8, "F8_E4M3": np.uint8}
@@ -140,41 +140,64 @@ INT8_CODE_RMS = math.sqrt(127 * 128 / 3)  # RMS of q uniform on -127..127
 def quantized_tensors(scheme: str, name: str, out_f: int, in_f: int, std: float, group_size: int,
                       source_dtype: str = "BF16") -> list[Stored]:
     """The stored tensors of one ``[out_f, in_f]`` linear weight ``name`` in ``scheme`` (docs/format.md §6), with
-    values whose dequantized standard deviation is about ``std`` and whose mean is zero."""
-    prefix = name.removesuffix(".weight")
-    spread = (0.75, 1.25)  # scales vary per group / row / block by up to ±25 %
-    if scheme == "int4":
-        scales = Stored(f"{prefix}.scales", source_dtype, (out_f, in_f // group_size),
-                        uniform_fill(std / INT4_CODE_RMS * spread[0], std / INT4_CODE_RMS * spread[1], source_dtype,
-                                     random_sign=True))
+    values whose dequantized standard deviation is about ``std`` and whose mean is zero: the fake the scheme's row
+    names (:attr:`clef_local.quant.registry.Scheme.fake`)."""
+    from clef_local.quant import registry
 
-        def biases(rng: np.random.Generator, start: int, count: int) -> np.ndarray:  # -8 · scale, exact in bf16
-            bits = scales.fill(rng, start, count)
-            values = (bits.astype(np.uint32) << 16).view(np.float32) if source_dtype == "BF16" else bits
-            return _float_bits(np.asarray(values, dtype=np.float32) * np.float32(-8), source_dtype)
+    if scheme not in registry.SCHEMES:
+        raise ValueError(f"unknown scheme {scheme!r}; choose one of {', '.join(SCHEMES)}")
+    fake: Callable[..., list[Stored]] = globals()[registry.get(scheme).fake]
+    return fake(name.removesuffix(".weight"), out_f, in_f, std, group_size, source_dtype)
 
-        return [Stored(f"{prefix}.weight", "U32", (out_f, in_f // 8), bytes_fill("U32")), scales,
-                Stored(f"{prefix}.biases", source_dtype, scales.shape, biases, seed_name=scales.name)]
-    if scheme in ("int8", "fp8"):
-        rms = INT8_CODE_RMS if scheme == "int8" else _fp8_rms()
-        codes = (Stored(f"{prefix}.weight", "I8", (out_f, in_f), bytes_fill("I8", lambda q: np.maximum(q, -127)))
-                 if scheme == "int8" else
-                 Stored(f"{prefix}.weight", "F8_E4M3", (out_f, in_f), bytes_fill("U8", _fp8_low)))
-        return [codes, Stored(f"{prefix}.weight_scale", "F32", (out_f, 1),
-                              uniform_fill(std / rms * spread[0], std / rms * spread[1], "F32"))]
-    if scheme == "nf4":
-        from clef_local.quant import nf4
 
-        n = out_f * in_f
-        absmax = std / _nf4_rms()
-        meta = {"quant_type": "nf4", "blocksize": group_size, "dtype": "bfloat16", "shape": [out_f, in_f]}
-        blob = np.frombuffer(json.dumps(meta).encode("utf-8"), dtype=np.uint8)
-        return [Stored(f"{prefix}.weight", "U8", ((n + 1) // 2, 1), bytes_fill("U8")),
-                Stored(f"{prefix}.weight.absmax", "F32", (math.ceil(n / group_size),),
-                       uniform_fill(absmax * spread[0], absmax * spread[1], "F32")),
-                Stored(f"{prefix}.weight.quant_map", "F32", (16,), const_fill(np.array(nf4.NF4_CODE, np.float32))),
-                Stored(f"{prefix}.{nf4.QUANT_STATE_KEY}", "U8", (blob.size,), const_fill(blob))]
-    raise ValueError(f"unknown scheme {scheme!r}; choose one of {', '.join(SCHEMES)}")
+SPREAD = (0.75, 1.25)  # scales vary per group / row / block by up to ±25 %
+
+
+def int4_tensors(prefix: str, out_f: int, in_f: int, std: float, group_size: int, source_dtype: str) -> list[Stored]:
+    """int4 (MLX layout): random codes, a random scale per group and ``bias = -8 · scale`` (codes centred)."""
+    low, high = std / INT4_CODE_RMS * SPREAD[0], std / INT4_CODE_RMS * SPREAD[1]
+    scales = Stored(f"{prefix}.scales", source_dtype, (out_f, in_f // group_size),
+                    uniform_fill(low, high, source_dtype, random_sign=True))
+
+    def biases(rng: np.random.Generator, start: int, count: int) -> np.ndarray:  # -8 · scale, exact in bf16
+        bits = scales.fill(rng, start, count)
+        values = (bits.astype(np.uint32) << 16).view(np.float32) if source_dtype == "BF16" else bits
+        return _float_bits(np.asarray(values, dtype=np.float32) * np.float32(-8), source_dtype)
+
+    return [Stored(f"{prefix}.weight", "U32", (out_f, in_f // 8), bytes_fill("U32")), scales,
+            Stored(f"{prefix}.biases", source_dtype, scales.shape, biases, seed_name=scales.name)]
+
+
+def _row_scale(prefix: str, out_f: int, std: float, rms: float) -> Stored:
+    return Stored(f"{prefix}.weight_scale", "F32", (out_f, 1), uniform_fill(std / rms * SPREAD[0],
+                                                                            std / rms * SPREAD[1], "F32"))
+
+
+def int8_tensors(prefix: str, out_f: int, in_f: int, std: float, group_size: int, source_dtype: str) -> list[Stored]:
+    """int8: random codes in -127..127 and a random scale per row."""
+    codes = Stored(f"{prefix}.weight", "I8", (out_f, in_f), bytes_fill("I8", lambda q: np.maximum(q, -127)))
+    return [codes, _row_scale(prefix, out_f, std, INT8_CODE_RMS)]
+
+
+def fp8_tensors(prefix: str, out_f: int, in_f: int, std: float, group_size: int, source_dtype: str) -> list[Stored]:
+    """fp8: random e4m3fn codes of magnitude at most 1.875 (never NaN) and a random scale per row."""
+    codes = Stored(f"{prefix}.weight", "F8_E4M3", (out_f, in_f), bytes_fill("U8", _fp8_low))
+    return [codes, _row_scale(prefix, out_f, std, _fp8_rms())]
+
+
+def nf4_tensors(prefix: str, out_f: int, in_f: int, std: float, group_size: int, source_dtype: str) -> list[Stored]:
+    """nf4 (bitsandbytes serialization): random codes, a random absmax per block, the code table and the state."""
+    from clef_local.quant import nf4
+
+    n = out_f * in_f
+    absmax = std / _nf4_rms()
+    meta = {"quant_type": "nf4", "blocksize": group_size, "dtype": "bfloat16", "shape": [out_f, in_f]}
+    blob = np.frombuffer(json.dumps(meta).encode("utf-8"), dtype=np.uint8)
+    return [Stored(f"{prefix}.weight", "U8", ((n + 1) // 2, 1), bytes_fill("U8")),
+            Stored(f"{prefix}.weight.absmax", "F32", (math.ceil(n / group_size),),
+                   uniform_fill(absmax * SPREAD[0], absmax * SPREAD[1], "F32")),
+            Stored(f"{prefix}.weight.quant_map", "F32", (16,), const_fill(np.array(nf4.NF4_CODE, np.float32))),
+            Stored(f"{prefix}.{nf4.QUANT_STATE_KEY}", "U8", (blob.size,), const_fill(blob))]
 
 
 def _seed_of(seed: int, name: str, piece: int) -> np.random.Generator:
@@ -326,7 +349,7 @@ def backbone_tensors(model: Any, config: Mapping[str, Any], scheme: str, *, grou
     dtype = _FLOAT_NAMES.get(str(text.get("dtype") or config.get("dtype") or "bfloat16"), "BF16")
     std = float(text.get("initializer_range") or 0.02)
     vision_std = float((config.get("vision_config") or {}).get("initializer_range") or std)
-    pred_group = group_size if scheme == "int4" else None
+    pred_group = registry.get(scheme).predicate_group_size(group_size) if scheme in registry.SCHEMES else None
     params = dict(model.named_parameters())
     small = [n for n, p in params.items()
              if not (p.dim() == 2 and isinstance(model.get_submodule(n.rpartition(".")[0]),
@@ -396,14 +419,12 @@ def _quantization_config(scheme: str, group_size: int, model: Any, backbone: Bac
     """``quantization_config`` as ``clef-local quantize`` writes it, marked synthetic (the grid is random codes)."""
     import torch
 
-    from clef_local import quant
-
-    spec = quant.get(scheme)
+    spec = registry.get(scheme)
     group = group_size if spec.default_group_size is not None else None
     done = {n.removesuffix(".weight") for n in backbone.quantized}
     linear = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     qconfig = spec.quantization_config(group, skip_modules=[m for m in linear if m not in done])
-    if scheme == "int4":
+    if "grid" in spec.options:  # the scheme records how its grid was chosen: here, random codes
         qconfig["grid"] = "random"
     qconfig["clef_local"] = {"scheme": scheme, "group_size": group, "quantized": len(backbone.quantized),
                              "skipped": backbone.kept, "synthetic": True}
@@ -427,8 +448,9 @@ def write_shaped_weights(config_path: str | Path, out: str | Path, *, scheme: st
     """
     if scheme not in SCHEMES:
         raise ValueError(f"unknown scheme {scheme!r}; choose one of {', '.join(SCHEMES)}")
-    allowed = INT4_GROUP_SIZES if scheme == "int4" else "32, 64, 128, ... (a power of two >= 32)"
-    if group_size not in INT4_GROUP_SIZES if scheme == "int4" else group_size < 32 or group_size & (group_size - 1):
+    sizes = registry.get(scheme).group_sizes if scheme in registry.SCHEMES else None
+    allowed = sizes or "32, 64, 128, ... (a power of two >= 32)"
+    if group_size not in sizes if sizes else group_size < 32 or group_size & (group_size - 1):
         raise ValueError(f"{scheme} group_size must be one of {allowed}, not {group_size}")
     config_path, out = Path(config_path), Path(out)
     head_path = Path(head_config) if head_config else head_config_beside(config_path)
@@ -460,9 +482,7 @@ def write_shaped_weights(config_path: str | Path, out: str | Path, *, scheme: st
             "weight_map": dict(sorted((t.name, f) for f, shard in zip(names, shards, strict=True) for t in shard))})
     if scheme != "bf16":
         config["quantization_config"] = _quantization_config(scheme, group_size, model, backbone)
-        from clef_local import quant
-
-        config.update(quant.get(scheme).top_level_config(group_size))
+        config.update(registry.get(scheme).top_level_config(group_size))
         write_json(out / "config.json", config)
     write_json(out / "generation_config.json", {"eos_token_id": text.get("eos_token_id"),
                                            "pad_token_id": text.get("pad_token_id")})
@@ -470,7 +490,8 @@ def write_shaped_weights(config_path: str | Path, out: str | Path, *, scheme: st
     for name, entry in files.items():
         if name not in digests or digests[name]:
             entry["sha256"] = digests.get(name) or sha256(out / name)
-    group = group_size if scheme in ("int4", "nf4") else None
+    grouped = scheme in registry.SCHEMES and registry.get(scheme).default_group_size is not None
+    group = group_size if grouped else None
     fields: dict[str, Any] = {"tool": "clef-local", "synthetic": {
         "config": config_path.name, "scheme": scheme, "layers": layers, "vocab_size": vocab_size, "seed": seed,
         "group_size": group}}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from clef_local.quant import int4
+from clef_local.quant import int4, int4_cpu
 
 # mx.quantize(bf16 w, group_size=32, bits=4) on mlx 0.32.4 (CPU) for the tensor built by _golden_weight().
 GOLDEN_WORDS = [
@@ -156,12 +156,12 @@ def test_torch_int4pack_float32_matches_dequantize(group_size: int) -> None:
     packed = int4.quantize(_weight(96, 512, seed=3), group_size)
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(4))
     ref = x @ int4.dequantize(packed, group_size, torch.float32).T
-    repacked = int4.to_torch_int4pack(packed, group_size, torch.float32)
+    repacked = int4_cpu.repack(packed, group_size, torch.float32, int4_cpu.cpu_layout())
     assert repacked.weight.dtype == torch.uint8 and repacked.scales_and_zeros.shape == (512 // group_size, 96, 2)
-    y = int4.int4_matmul(x, repacked)
+    y = int4_cpu.matmul(x, repacked, kernel_rows=6)  # torch's packed kernel, not the blocked dequantize
     assert y.dtype == torch.float32
     assert (y - ref).abs().max() <= 1e-5 * ref.abs().max()
-    y3 = int4.int4_matmul(x.reshape(5, 1, 512), repacked)  # leading dims kept
+    y3 = int4_cpu.matmul(x.reshape(5, 1, 512), repacked, kernel_rows=6)  # leading dims kept
     assert y3.shape == (5, 1, 96) and torch.equal(y3.reshape(5, 96), y)
 
 
@@ -174,7 +174,7 @@ def test_torch_int4pack_bfloat16_is_exact_up_to_output_rounding() -> None:
     assert torch.equal(zeros.to(torch.bfloat16).float(), zeros)
     x = torch.randn(7, 512, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
     ref = x.float() @ int4.dequantize(packed, group_size, torch.float32).T
-    y = int4.int4_matmul(x, int4.to_torch_int4pack(packed, group_size, torch.bfloat16))
+    y = int4_cpu.matmul(x, int4_cpu.repack(packed, group_size, torch.bfloat16, int4_cpu.cpu_layout()), kernel_rows=8)
     assert y.dtype == torch.bfloat16
     assert ((y.float() - ref).abs() <= 2**-8 * ref.abs() + 1e-6).all()
     assert (y == ref.to(torch.bfloat16)).float().mean() >= 0.95
@@ -185,8 +185,7 @@ def test_rejects_bad_shapes() -> None:
         int4.quantize(_weight(16, 64), group_size=16)
     with pytest.raises(ValueError, match="multiple"):
         int4.quantize(_weight(16, 96), group_size=64)
-    with pytest.raises(ValueError, match="out_features % 16"):
-        int4.to_torch_int4pack(int4.quantize(_weight(8, 64)), 64)
+    assert "not a multiple of 16" in int4_cpu.unsupported(8, 64, 64)  # torch's CPU kernel: out_features % 16
     assert int4.bits_per_weight(64) == 4.5 and int4.bits_per_weight(32) == 5.0
 
 
@@ -203,7 +202,7 @@ def test_tinygemm_scales_and_zeros_are_the_cpu_kernels() -> None:
     """Both torch kernels compute (q - 8)·s + z: the same pairs serve both, and they reproduce dequantize."""
     stored = int4.quantize(_weight(16, 128), 64)
     pairs = int4.scales_and_zeros(stored, torch.float32)
-    assert torch.equal(pairs, int4.to_torch_int4pack(stored, 64).scales_and_zeros)
+    assert torch.equal(pairs, int4_cpu.repack(stored, 64, torch.float32, int4_cpu.cpu_layout()).scales_and_zeros)
     q = int4.unpack(stored["weight"]).float().reshape(16, 2, 64)
     rebuilt = (q - 8) * pairs[:, :, 0].T[..., None] + pairs[:, :, 1].T[..., None]
     torch.testing.assert_close(rebuilt.reshape(16, 128), int4.dequantize(stored, 64, torch.float32))

@@ -64,3 +64,36 @@ def test_quant_imports_nothing_of_clef_local() -> None:
                 assert node.level <= 1 and not (node.module or "").startswith("clef_local"), path.name
             elif isinstance(node, ast.Import):
                 assert not any(alias.name.startswith("clef_local") for alias in node.names), path.name
+
+
+def test_each_row_agrees_with_its_scheme_and_its_consumers() -> None:
+    """A row's numbers are its scheme module's, its stored bytes are what quantize writes, and every name it gives
+    (torch module, MLX loader, ONNX builder, synthetic fake) resolves where it says; importing the rows needs no
+    torch."""
+    import subprocess
+    import sys
+
+    from clef_local import synthetic
+    from clef_local.backends import mlx_weights, quantized
+    from clef_local.export.onnx import graph
+    from clef_local.formats.safetensors import DTYPES
+    from clef_local.quant import registry
+
+    code = "import sys; from clef_local.quant import registry; registry.get('int4'); print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
+    assert quant.get("int4").default_group_size == quant.int4.DEFAULT_GROUP_SIZE
+    assert quant.get("int4").group_sizes == quant.int4.GROUP_SIZES
+    assert dict(quant.get("int4").options) == {"grid": quant.int4.DEFAULT_GRID}
+    assert quant.get("nf4").default_group_size == quant.nf4.DEFAULT_BLOCKSIZE
+    w = (torch.randn(48, 256, generator=torch.Generator().manual_seed(1)) * 0.02).to(torch.bfloat16)
+    for name, row in registry.SCHEMES.items():
+        packed = row.quantize(w, row.default_group_size)
+        stored = sum(t.numel() * t.element_size() for t in packed.values())
+        assert row.stored_bytes(48, 256, 2, row.default_group_size or 64, "bfloat16") == stored, name
+        assert getattr(torch, DTYPES[row.weight_dtype].torch) == packed["weight"].dtype, name
+        assert quantized.MODULES[name].scheme == name
+        assert callable(getattr(synthetic, row.fake)) and callable(getattr(mlx_weights, row.mlx_loader))
+        assert row.onnx_nbits is None or callable(getattr(graph, row.onnx_nbits))
+        assert set(row.validation) == {"mean_kl", "flip_rate"}
+        assert row.flag in (f"--bits {row.bits}", f"--format {name}")
+        assert set(row.kernels) >= {("torch", "cpu"), ("torch", "cuda"), ("mlx", "apple"), ("onnx", "cpu")}

@@ -274,9 +274,16 @@ def test_int8_kernel_gets_an_aligned_weight():
 
 def test_repack_by_row_blocks_is_bit_identical():
     packed = quant.int4.quantize(torch.randn(1040, 256, generator=torch.Generator().manual_seed(1)), 64)
+    from clef_local.quant import int4_cpu
+
+    layout = int4_cpu.cpu_layout()
+
+    def convert(block: dict[str, torch.Tensor], group: int, dtype: torch.dtype) -> quant.int4.TorchInt4:
+        return int4_cpu.repack(block, group, dtype, layout)  # what Int4Linear.prepare hands repack_int4
+
     for dtype in (torch.float32, torch.bfloat16):
-        whole = quant.int4.to_torch_int4pack(packed, 64, dtype)
-        blocks = ql.repack_int4(packed, 64, dtype, rows=64 * 256)  # 64-row blocks and a 16-row remainder
+        whole = convert(packed, 64, dtype)
+        blocks = ql.repack_int4(packed, 64, dtype, rows=64 * 256, convert=convert)  # 64-row blocks + a 16-row rest
         assert torch.equal(whole.weight, blocks.weight) and torch.equal(whole.scales_and_zeros, blocks.scales_and_zeros)
 
 

@@ -20,9 +20,10 @@ import numpy as np
 
 from clef_local.backends.mlx_weights import QuantizedLayer, Stored, load_backbone_tensors, variant_scheme
 from clef_local.errors import ReleaseError
-from clef_local.formats.quant_plan import mixed_plan
+from clef_local.formats.quant_plan import MIXED, mixed_plan
 from clef_local.formats.release import Release
 from clef_local.heads.mlx_head import load_head
+from clef_local.quant import registry
 from clef_local.runtime.layout import HeadLayout, pad_batch
 from clef_local.runtime.state_cache import model_identity
 
@@ -318,7 +319,7 @@ class MLXBackend:
                "mlx_version": mx.__version__, "platform": f"{platform.system()} {platform.machine()}"}
         scheme = self.backbone.scheme
         if scheme is not None:
-            if scheme in ("int4", "int8", "mixed"):
+            if scheme == MIXED or registry.get(scheme).mlx_quantized:
                 kernels = {f"{scheme}:{self.backbone.kernel}": self.backbone.quantized_layers}
             else:
                 kernels = {f"{scheme}:dequantize_at_load": _dequantized_count(self.release)}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,12 +21,13 @@ from clef_local.errors import ReleaseError
 from clef_local.formats.quant_plan import MIXED, LayerFormat, layer_index, mixed_plan
 from clef_local.formats.safetensors import DTYPES, read_arrays, read_header
 from clef_local.formats.variant import variant_format
+from clef_local.quant import registry
 
 log = logging.getLogger(__name__)
 
 FLOATING = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3"})
-SCHEMES = ("int4", "int8", "nf4", "fp8")
-DEQUANTIZED = frozenset({"nf4", "fp8"})
+SCHEMES = tuple(registry.SCHEMES)
+DEQUANTIZED = frozenset(registry.names_where(lambda row: not row.mlx_quantized))  # MLX has no kernel: dequantized
 INT8_OFFSET = 128
 MLX_GROUP_SIZES = (128, 64, 32)  # largest first: the int8 mapping takes the largest that divides in_features
 
@@ -81,14 +82,20 @@ def variant_scheme(config: Mapping[str, Any]) -> tuple[str | None, int | None]:
         return None, None
     if fmt.scheme == MIXED:
         for layer in (mixed_plan(config) or {}).values():
-            if layer.scheme == "int4" and layer.group_size not in MLX_GROUP_SIZES:
-                raise ReleaseError(f"config.json: a mixed plan's int4 group_size {layer.group_size!r} is not one "
-                                   f"MLX supports ({MLX_GROUP_SIZES})")
+            if _mlx_grouped(layer.scheme) and layer.group_size not in MLX_GROUP_SIZES:
+                raise ReleaseError(f"config.json: a mixed plan's {layer.scheme} group_size {layer.group_size!r} is "
+                                   f"not one MLX supports ({MLX_GROUP_SIZES})")
         return MIXED, None
-    if fmt.scheme == "int4" and fmt.group_size not in MLX_GROUP_SIZES:
-        raise ReleaseError(f"config.json: int4 group_size {fmt.group_size!r} is not one MLX supports "
+    if _mlx_grouped(fmt.scheme) and fmt.group_size not in MLX_GROUP_SIZES:
+        raise ReleaseError(f"config.json: {fmt.scheme} group_size {fmt.group_size!r} is not one MLX supports "
                            f"({MLX_GROUP_SIZES})")
     return fmt.scheme, fmt.group_size
+
+
+def _mlx_grouped(scheme: str) -> bool:
+    """Whether ``scheme``'s layers become MLX quantized layers of its own groups (int4), which MLX must support."""
+    row = registry.SCHEMES.get(scheme)
+    return row is not None and row.mlx_quantized and row.needs_divisible_input
 
 
 @dataclass
@@ -187,29 +194,26 @@ def nf4_dequantize(tensors: Mapping[str, Stored]) -> np.ndarray:
     return (code[q] * absmax[block]).reshape(shape).astype(np.float32)
 
 
-_EXTRA = {"int4": (".scales", ".biases"), "int8": (".weight_scale",), "fp8": (".weight_scale",),
-          "nf4": (".weight.absmax",)}
-
-
 PACKED = ".weight_packed"  # int4 in compressed-tensors' pack-quantized layout
 
 
 def _quantized_prefixes(names: Iterable[str], scheme: str) -> list[str]:
-    markers = (_EXTRA[scheme][0], PACKED) if scheme == "int4" else (_EXTRA[scheme][0],)
+    row = registry.get(scheme)
+    markers = tuple(m for m in (row.marker, row.packed_marker) if m is not None)
     return sorted(n[: -len(m)] for n in names for m in markers if n.endswith(m))
 
 
 def _planned_layers(names: Iterable[str], plan: Mapping[int, LayerFormat]) -> dict[str, LayerFormat]:
     """{module path: its layer's format} for every module of a mixed variant that holds a scheme's extra tensor."""
     found: dict[str, LayerFormat] = {}
-    markers = {marker for extra in _EXTRA.values() for marker in extra[:1]}
+    markers = {row.marker for row in registry.SCHEMES.values()}
     for name in names:
         for marker in markers:
             if name.endswith(marker):
                 prefix = name[: -len(marker)]
                 index = layer_index(prefix)
                 fmt = plan.get(index) if index is not None else None
-                if fmt is None or fmt.scheme not in SCHEMES or _EXTRA[fmt.scheme][0] != marker:
+                if fmt is None or fmt.scheme not in SCHEMES or registry.get(fmt.scheme).marker != marker:
                     raise ReleaseError(f"{name}: its layer's entry in config.json's mixed plan is "
                                        f"{fmt.label if fmt else 'missing'}, which stores no {marker}")
                 found[prefix] = fmt
@@ -217,8 +221,16 @@ def _planned_layers(names: Iterable[str], plan: Mapping[int, LayerFormat]) -> di
 
 
 def _layer(prefix: str, tensors: Mapping[str, Stored], scheme: str, group: int | None) -> QuantizedLayer | Stored:
-    """The MLX form of one quantized layer's stored tensors: a QuantizedLayer (int4, int8) or a float32 weight."""
-    if scheme == "int4" and "weight_packed" in tensors:
+    """The MLX form of one quantized layer's stored tensors: a QuantizedLayer (int4, int8) or a float32 weight, by
+    the loader the scheme's row names."""
+    loader: Callable[[str, Mapping[str, Stored], int | None], QuantizedLayer | Stored] = globals()[
+        registry.get(scheme).mlx_loader]
+    return loader(prefix, tensors, group)
+
+
+def int4_layer(prefix: str, tensors: Mapping[str, Stored], group: int | None) -> QuantizedLayer:
+    """An int4 layer, in the MLX layout or compressed-tensors' pack-quantized one, as a QuantizedLayer."""
+    if "weight_packed" in tensors:
         packed, scale = tensors["weight_packed"], tensors["weight_scale"]
         if packed.dtype != "I32" or group is None or scale.array.shape != (packed.array.shape[0],
                                                                           packed.array.shape[1] * 8 // group):
@@ -227,24 +239,35 @@ def _layer(prefix: str, tensors: Mapping[str, Stored], scheme: str, group: int |
                                f"group_size {group} (expected I32 [out, in / 8] and [out, in / {group}])")
         return packed_int4_to_mlx(tensors, group)
     weight = tensors["weight"]
-    if scheme == "int4":
-        if weight.dtype != "U32" or group is None:
-            raise ReleaseError(f"{prefix}.weight is {weight.dtype}; an int4 layer stores uint32 (MLX layout)")
-        scales, biases = tensors["scales"], tensors["biases"]
-        in_f = weight.array.shape[1] * 8
-        if scales.array.shape != (weight.array.shape[0], in_f // group) or biases.array.shape != scales.array.shape:
-            raise ReleaseError(f"{prefix}: int4 scales {list(scales.array.shape)} do not match weight "
-                               f"{list(weight.array.shape)} with group_size {group}")
-        return QuantizedLayer(weight=np.ascontiguousarray(weight.array), scales=scales.float32(),
-                              biases=biases.float32(), group_size=group, bits=4)
-    if scheme == "int8":
-        if weight.dtype != "I8":
-            raise ReleaseError(f"{prefix}.weight is {weight.dtype}; an int8 layer stores I8")
-        return int8_to_mlx(weight.array, tensors["weight_scale"].float32())
-    if scheme == "fp8":
-        if weight.dtype != "F8_E4M3":
-            raise ReleaseError(f"{prefix}.weight is {weight.dtype}; an fp8 layer stores F8_E4M3")
-        return Stored(fp8_dequantize(weight, tensors["weight_scale"].float32()), "F32")
+    if weight.dtype != "U32" or group is None:
+        raise ReleaseError(f"{prefix}.weight is {weight.dtype}; an int4 layer stores uint32 (MLX layout)")
+    scales, biases = tensors["scales"], tensors["biases"]
+    in_f = weight.array.shape[1] * 8
+    if scales.array.shape != (weight.array.shape[0], in_f // group) or biases.array.shape != scales.array.shape:
+        raise ReleaseError(f"{prefix}: int4 scales {list(scales.array.shape)} do not match weight "
+                           f"{list(weight.array.shape)} with group_size {group}")
+    return QuantizedLayer(weight=np.ascontiguousarray(weight.array), scales=scales.float32(),
+                          biases=biases.float32(), group_size=group, bits=4)
+
+
+def int8_layer(prefix: str, tensors: Mapping[str, Stored], group: int | None) -> QuantizedLayer:
+    """An int8 layer as MLX 8-bit affine arrays (:func:`int8_to_mlx`)."""
+    weight = tensors["weight"]
+    if weight.dtype != "I8":
+        raise ReleaseError(f"{prefix}.weight is {weight.dtype}; an int8 layer stores I8")
+    return int8_to_mlx(weight.array, tensors["weight_scale"].float32())
+
+
+def fp8_layer(prefix: str, tensors: Mapping[str, Stored], group: int | None) -> Stored:
+    """An fp8 layer's weight, dequantized to float32 (MLX has no fp8 kernel)."""
+    weight = tensors["weight"]
+    if weight.dtype != "F8_E4M3":
+        raise ReleaseError(f"{prefix}.weight is {weight.dtype}; an fp8 layer stores F8_E4M3")
+    return Stored(fp8_dequantize(weight, tensors["weight_scale"].float32()), "F32")
+
+
+def nf4_layer(prefix: str, tensors: Mapping[str, Stored], group: int | None) -> Stored:
+    """An nf4 layer's weight, dequantized to float32 (MLX has no nf4 kernel)."""
     return Stored(nf4_dequantize(tensors), "F32")
 
 
@@ -268,7 +291,7 @@ def load_backbone_tensors(files: Sequence[Path], scheme: str | None, group: int 
         formats = {prefix: LayerFormat(scheme, group) for prefix in _quantized_prefixes(plain, scheme)}
     if not formats:
         raise ReleaseError(f"config.json names scheme {scheme} but no tensor carries a quantized layer's "
-                           f"{'extra tensors' if scheme == MIXED else _EXTRA[scheme][0]}")
+                           f"{'extra tensors' if scheme == MIXED else registry.get(scheme).marker}")
     for prefix, fmt in formats.items():
         start = prefix + "."
         names = [n for n in plain if n.startswith(start) and n != start + "bias"]

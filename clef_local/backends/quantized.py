@@ -18,7 +18,8 @@ from torch.nn import functional as F
 
 from clef_local.errors import ReleaseError
 from clef_local.formats.quant_plan import MIXED, LayerFormat, layer_index
-from clef_local.quant import fp8, int4, int4_cpu, int4_packed, int8, nf4
+from clef_local.formats.safetensors import DTYPES
+from clef_local.quant import fp8, int4, int4_cpu, int4_packed, int8, nf4, registry
 
 log = logging.getLogger(__name__)
 
@@ -117,9 +118,8 @@ class QuantizedLinear(nn.Module):
 
 
 def repack_int4(packed: dict[str, torch.Tensor], group_size: int, dtype: torch.dtype,
-                rows: int = REPACK_ROWS_BUDGET, convert: Callable[..., int4.TorchInt4] = int4.to_torch_int4pack
-                ) -> int4.TorchInt4:
-    """``convert`` (:func:`quant.int4.to_torch_int4pack` or :func:`quant.int4.to_tinygemm`) applied to blocks of
+                rows: int = REPACK_ROWS_BUDGET, *, convert: Callable[..., int4.TorchInt4]) -> int4.TorchInt4:
+    """``convert`` (:func:`quant.int4_cpu.repack` in a layout or :func:`quant.int4.to_tinygemm`) applied to blocks of
     rows (a multiple of 64 rows, about ``rows`` weights each) and concatenated: bit-identical to the whole-matrix
     repack (tested), with a transient memory of one block (the unpacking makes 8 bytes per weight), not one layer."""
     out_f, words = packed["weight"].shape
@@ -484,11 +484,25 @@ class NF4Linear(QuantizedLinear):
         return bitsandbytes.matmul_4bit(x, self.weight.t(), quant_state=self.quant_state)
 
 
-MODULES: dict[str, type[QuantizedLinear]] = {"int4": Int4Linear, "int8": Int8Linear, "nf4": NF4Linear,
-                                             "fp8": FP8Linear}
+# each scheme's module, named by its row (clef_local.quant.registry)
+MODULES: dict[str, type[QuantizedLinear]] = {name: globals()[row.torch_module]
+                                             for name, row in registry.SCHEMES.items()}
 PACKED = ".weight_packed"  # compressed-tensors' pack-quantized int4 (its .weight_scale is no int8 / fp8 marker)
-_MARKERS = {".scales": ("int4",), ".weight.absmax": ("nf4",), ".weight_scale": ("int8", "fp8"), PACKED: ("int4",)}
-_WEIGHT_DTYPES = {"int4": torch.uint32, "int8": torch.int8, "nf4": torch.uint8, "fp8": fp8.FP8_DTYPE}
+
+
+def _markers() -> dict[str, tuple[str, ...]]:
+    """A quantized module's marker tensor -> the schemes that store it (a packed layout's marker too)."""
+    markers: dict[str, tuple[str, ...]] = {}
+    for name, row in registry.SCHEMES.items():
+        for marker in (row.marker, row.packed_marker):
+            if marker is not None:
+                markers[marker] = (*markers.get(marker, ()), name)
+    return markers
+
+
+_MARKERS = _markers()
+_WEIGHT_DTYPES = {name: getattr(torch, DTYPES[row.weight_dtype].torch) for name, row in registry.SCHEMES.items()}
+_PACKED_SCHEMES = frozenset(name for name, row in registry.SCHEMES.items() if row.packed_marker == PACKED)
 
 
 def quantized_prefixes(headers: Mapping[str, TensorSpec], scheme: str,
@@ -548,7 +562,7 @@ def swap_linears(model: nn.Module, prefixes: Mapping[str, str], headers: Mapping
         start = prefix + "."
         specs = {k[len(start):]: v for k, v in headers.items() if k.startswith(start) and k != start + "bias"}
         bias = None if linear.bias is None else (tuple(linear.bias.shape), linear.bias.dtype)
-        cls = PackedInt4Linear if scheme == "int4" and "weight_packed" in specs else MODULES[scheme]
+        cls = PackedInt4Linear if scheme in _PACKED_SCHEMES and "weight_packed" in specs else MODULES[scheme]
         module = cls(linear.in_features, linear.out_features, specs, bias=bias, compute_dtype=dtype, device=device)
         parent, _, child = prefix.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, module)

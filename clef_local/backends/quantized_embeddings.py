@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from clef_local.errors import ReleaseError
-from clef_local.quant import int4
+from clef_local.quant import int4, registry
 
 log = logging.getLogger(__name__)
 PARTS = ("weight", "scales", "biases")
@@ -34,7 +34,7 @@ def embedding_prefixes(model: nn.Module, prefixes: Mapping[str, str]) -> set[str
         except AttributeError:
             continue  # swap_linears names it
         if isinstance(module, nn.Embedding) or module is model.get_output_embeddings():
-            if scheme != "int4":
+            if not registry.get(scheme).quantized_embeddings:
                 raise ReleaseError(f"{prefix} is an embedding stored as {scheme}; clef-local reads quantized "
                                    f"embeddings in int4 (mlx-lm's affine layout) only")
             found.add(prefix)

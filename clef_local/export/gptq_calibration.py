@@ -191,7 +191,7 @@ def gptq_tensors(source: Path | Release, scheme: str, group_size: int | None, op
     from clef_local.backends.torch_backend import TorchBackend
     from clef_local.formats.release import Release, read_release
     from clef_local.quant import get as get_scheme
-    from clef_local.quant import gptq, nf4, predicate
+    from clef_local.quant import gptq, predicate
 
     if scheme not in gptq.SCHEMES:
         raise ExportError(f"--calibrate (GPTQ) covers {', '.join(gptq.SCHEMES)}, not {scheme}: drop --calibrate "
@@ -243,8 +243,9 @@ def gptq_tensors(source: Path | Release, scheme: str, group_size: int | None, op
             if f"{full}.weight" not in stored:
                 raise ExportError(f"{source}: no tensor {full}.weight in the weight files for the module {full}")
             weight = module.weight.detach().to(stored[f"{full}.weight"][1])
-            if scheme == "nf4" and weight.shape[1] % (group_size or nf4.DEFAULT_BLOCKSIZE):
-                log.warning("%s: %d input columns are not whole nf4 blocks; rounded to nearest", full, weight.shape[1])
+            if spec.flattened_blocks and weight.shape[1] % (group_size or spec.default_group_size or 1):
+                log.warning("%s: %d input columns are not whole %s blocks; rounded to nearest", full, weight.shape[1],
+                            scheme)
                 result.rounded.append(f"{full}.weight")
                 result.packed[f"{full}.weight"] = spec.quantize(weight.cpu(), group_size)
                 continue

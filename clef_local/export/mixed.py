@@ -82,7 +82,6 @@ def parse_formats(text: str, int4_group: int) -> list[Candidate]:
     """``"int4,int4-g64,int8"`` → candidates (``int4`` alone takes ``int4_group``, the source's default); the
     source precision is always a choice too. :class:`ExportError` names a bad entry."""
     from clef_local import quant
-    from clef_local.quant import int4
 
     out = []
     for part in (p.strip() for p in text.split(",") if p.strip()):
@@ -96,10 +95,11 @@ def parse_formats(text: str, int4_group: int) -> list[Candidate]:
             raise ExportError(f"--mixed-formats {part!r}: write a group size as int4-g64")
         if spec.default_group_size is None and group is not None:
             raise ExportError(f"--mixed-formats {part!r}: {scheme} has one scale per row; it takes no group size")
-        if scheme == "int4":
+        if spec.group_sizes:  # int4: the source's default group unless one is written
             group = group or int4_group
-            if group not in int4.GROUP_SIZES:
-                raise ExportError(f"--mixed-formats {part!r}: int4 groups are {', '.join(map(str, int4.GROUP_SIZES))}")
+            if group not in spec.group_sizes:
+                raise ExportError(f"--mixed-formats {part!r}: {scheme} groups are "
+                                  f"{', '.join(map(str, spec.group_sizes))}")
         elif spec.default_group_size is not None:
             group = group or spec.default_group_size
         out.append(Candidate(scheme, group))
@@ -116,9 +116,9 @@ def layer_groups(layers: int, per_group: int) -> list[list[int]]:
 
 
 def _options(candidate: Candidate) -> dict[str, Any]:
-    from clef_local.quant import int4
+    from clef_local import quant
 
-    return {"grid": int4.DEFAULT_GRID} if candidate.scheme == "int4" else {}
+    return dict(quant.get(candidate.scheme).options)
 
 
 def round_trip(spec: Scheme, weight: torch.Tensor, group: int | None, options: Mapping[str, Any]
@@ -381,8 +381,8 @@ def write_mixed(source: Path | Release, out: Path, plan: Mapping[int, LayerForma
     source, out = release.path, resolve_out(out)
     shards = [f.name for f in release.weight_files]
     used = {fmt.scheme for fmt in plan.values() if fmt.scheme != SOURCE}
-    thresholds = {"mean_kl": max_kl,
-                  "flip_rate": max((THRESHOLDS[s]["flip_rate"] for s in used), default=THRESHOLDS["int8"]["flip_rate"])}
+    strictest = min(t["flip_rate"] for t in THRESHOLDS.values())  # no layer quantized
+    thresholds = {"mean_kl": max_kl, "flip_rate": max((THRESHOLDS[s]["flip_rate"] for s in used), default=strictest)}
     with staged(source, out, force) as tmp:
         source_files = file_entries(source)
         result = quantize_shards(source, tmp, shards, None, None, {}, choose=_chooser(plan))

@@ -34,6 +34,7 @@ from clef_local.export.shards import (
 from clef_local.export.staging import ExportError, check_paths, resolve_out, staged
 from clef_local.export.validate import VALIDATION_REQUESTS
 from clef_local.formats.manifest import file_entries
+from clef_local.quant import registry
 
 if TYPE_CHECKING:
 
@@ -44,7 +45,8 @@ log = logging.getLogger(__name__)
 __all__ = ["CHUNK_ELEMENTS", "ROW_WISE", "already_4bit", "build_parser", "main", "quantize_release", "quantize_tensor",
            "release_memory", "save_shard", "summary_lines"]
 
-BITS_TO_SCHEME = {4: "int4", 8: "int8"}
+# the schemes --bits names (int4, int8), by their rows' flags
+BITS_TO_SCHEME = {row.bits: name for name, row in registry.SCHEMES.items() if row.flag == f"--bits {row.bits}"}
 FOUR_BIT_HINT = ("the source's linear weights already lie on a 4-bit grid per 32 columns (a model dequantized from "
                  "GGUF Q4_0/Q4_1, like the demo backbone): --bits 4 --group-size 32 gives them back up to rounding; "
                  "this scheme re-quantizes them and adds its error on top")
@@ -58,7 +60,7 @@ def _check_options(scheme: Scheme, int4_grid: str | None, int4_layout: str | Non
     ``compressed``: compressed-tensors' pack-quantized); refused for the other schemes."""
     from clef_local.quant import int4, int4_packed
 
-    if scheme.name != "int4":
+    if not scheme.options:  # only int4 takes options
         if given := [f for f, v in (("--int4-grid", int4_grid), ("--int4-layout", int4_layout)) if v is not None]:
             raise ExportError(f"{', '.join(given)} applies to int4 only, not {scheme.name}; drop it")
         return {}
@@ -73,15 +75,14 @@ def _check_options(scheme: Scheme, int4_grid: str | None, int4_layout: str | Non
 
 
 def _check_group(scheme: Scheme, group_size: int | None) -> int | None:
-    from clef_local.quant import int4
-
     if scheme.default_group_size is None:
         if group_size is not None:
             raise ExportError(f"{scheme.name} has one scale per output channel; it takes no --group-size")
         return None
     group = group_size or scheme.default_group_size
-    if scheme.name == "int4" and group not in int4.GROUP_SIZES:
-        raise ExportError(f"int4 --group-size must be one of {', '.join(map(str, int4.GROUP_SIZES))}, not {group}")
+    if scheme.group_sizes and group not in scheme.group_sizes:
+        raise ExportError(f"{scheme.name} --group-size must be one of {', '.join(map(str, scheme.group_sizes))}, "
+                          f"not {group}")
     if group < 32 or group & (group - 1):
         raise ExportError(f"{scheme.name} --group-size must be a power of two >= 32, not {group}")
     return group
@@ -111,7 +112,7 @@ def _write_config(source: Path, tmp: Path, config: dict[str, Any], scheme: Schem
                   result: dict[str, Any], options: dict[str, Any], calibration: dict[str, Any] | None = None, *,
                   validated: bool = True) -> dict[str, Any]:
     done = {n.removesuffix(".weight") for n in result["quantized"]}
-    mlx_layout = scheme.name == "int4" and options.get("layout") != "compressed"
+    mlx_layout = bool(scheme.top_level_config(group, **options))  # mlx-lm's block: int4 in the MLX layout
     linear = _linear_modules(source, list(result["skipped"]), config) if not mlx_layout else []
     # bitsandbytes' and compressed-tensors' configs name every linear kept as released (their loaders would
     # otherwise expect quantized tensors there); mlx-lm finds int4's quantized layers by their scales
@@ -202,11 +203,12 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
     first = first_quantized_weight(source, shards)
     on_grid = first is not None and already_4bit(first)
     del first
-    group_from_source = spec.name == "int4" and group_size is None and on_grid
+    # groups along the input (int4) can take the source's own 32-column grid
+    group_from_source = spec.needs_divisible_input and group_size is None and on_grid
     if group_from_source:
         group = 32
         log.info("%s", GROUP_FROM_SOURCE)
-    source_4bit = on_grid and not (spec.name == "int4" and group == 32)
+    source_4bit = on_grid and not (spec.needs_divisible_input and group == 32)
     if source_4bit:
         log.warning("%s", FOUR_BIT_HINT)
     calibration = None
@@ -285,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", type=Path, help="source release directory (default: the built-in default model)")
     kind = parser.add_mutually_exclusive_group(required=True)
     kind.add_argument("--bits", type=int, choices=sorted(BITS_TO_SCHEME), help="4 = int4, 8 = int8")
-    kind.add_argument("--format", choices=["int4", "int8", "nf4", "fp8", "mixed"],
+    kind.add_argument("--format", choices=[*registry.SCHEMES, "mixed"],
                       help="the scheme, by name; mixed: a format per group of layers, chosen by measured drift "
                            "(--max-kl; docs/quantization.md#mixed-precision)")
     parser.add_argument("--group-size", type=int,

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from clef_local.export.staging import ExportError
+from clef_local.quant import registry
 
 if TYPE_CHECKING:
     import torch
@@ -28,7 +29,7 @@ log = logging.getLogger(__name__)
 # scheme's float32/int64 temporaries stay a few MB whatever the tensor, and cache-sized blocks run faster than one
 # call (docs/benchmarks.md, export size and memory).
 CHUNK_ELEMENTS = 1 << 18
-ROW_WISE = frozenset({"int4", "int8", "fp8"})
+ROW_WISE = frozenset(registry.names_where(lambda row: row.row_wise))
 ROW_BLOCK = 8
 FOUR_BIT_TOLERANCE = 1e-2  # relative error of an int4 g32 round trip below which a source counts as 4-bit already
 INDEX = "model.safetensors.index.json"
@@ -50,7 +51,7 @@ def quantize_tensor(scheme: Scheme, weight: torch.Tensor, group: int | None, **o
     :meth:`Scheme.join_rows`); nf4 (blocks over the flattened weight, one serialized state) in one call."""
     # a multiple of 8 rows: the pack-quantized layout packs 8 rows' zero points per word
     rows = max(ROW_BLOCK, CHUNK_ELEMENTS // max(1, weight.shape[-1]) // ROW_BLOCK * ROW_BLOCK)
-    if scheme.name not in ROW_WISE or weight.dim() != 2 or weight.shape[0] <= rows:
+    if not scheme.row_wise or weight.dim() != 2 or weight.shape[0] <= rows:
         return scheme.quantize(weight, group, **options)
     return scheme.join_rows([scheme.quantize(weight[i : i + rows], group, **options)
                              for i in range(0, weight.shape[0], rows)])

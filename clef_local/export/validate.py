@@ -25,6 +25,7 @@ import numpy as np
 from clef_local.data.datasets import packaged_datasets_dir
 from clef_local.data.probes import probe_requests
 from clef_local.errors import ClefError, InsufficientMemoryError, one_line
+from clef_local.quant import registry
 
 if TYPE_CHECKING:
     from clef_local.formats.release import Release
@@ -38,12 +39,8 @@ METRICS = ("mean_kl", "max_kl", "flip_rate", "max_abs_dp")
 # the packaged probe set's size: every type of question, enough for a 5% flip threshold to mean something, and a few
 # minutes resident on a laptop (a reference streamed on a CPU takes hours: --validation-requests lowers it)
 VALIDATION_REQUESTS = 64
-THRESHOLDS: dict[str, dict[str, float]] = {
-    "int8": {"mean_kl": 0.002, "flip_rate": 0.01},
-    "fp8": {"mean_kl": 0.002, "flip_rate": 0.01},
-    "int4": {"mean_kl": 0.03, "flip_rate": 0.05},
-    "nf4": {"mean_kl": 0.03, "flip_rate": 0.05},
-}
+# each scheme's limits, from its row (clef_local.quant.registry)
+THRESHOLDS: dict[str, dict[str, float]] = {name: dict(row.validation) for name, row in registry.SCHEMES.items()}
 _EPS = 1e-12
 
 

@@ -16,10 +16,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from clef_local.errors import ReleaseError
+from clef_local.quant import registry
 
 MIXED = "mixed"
 SOURCE = "bf16"  # a layer kept in the source precision (as released)
-LAYER_SCHEMES = ("int4", "int8", "fp8", "nf4", SOURCE)
+LAYER_SCHEMES = (*registry.SCHEMES, SOURCE)
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 

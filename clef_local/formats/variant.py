@@ -17,9 +17,9 @@ from typing import Any
 
 from clef_local.errors import ReleaseError
 from clef_local.formats.quant_plan import MIXED
-from clef_local.quant import compressed
+from clef_local.quant import compressed, registry
 
-SCHEMES = ("int4", "int8", "fp8", "nf4", MIXED)
+SCHEMES = (*registry.SCHEMES, MIXED)
 MLX_INT4_GROUPS = (32, 64, 128)  # clef-local's int4 groups (quant.int4.GROUP_SIZES), all of which MLX runs
 _MLX_KEYS = {"group_size", "bits", "mode"}
 
@@ -63,14 +63,11 @@ def _ours(quant: Mapping[str, Any], member: Mapping[str, Any]) -> VariantFormat:
             raise ReleaseError(f"config.json: quantization_config describes {found} tensors but its clef_local "
                                f"member says {scheme}; re-export the variant with clef-local quantize")
         layout = f"compressed-tensors {quant.get('format')}"
-    elif scheme == "int4":
-        layout = "mlx affine"
-    elif scheme == "nf4":
-        layout = "bitsandbytes nf4"
     elif scheme == MIXED:
         layout = "clef-local mixed"
-    else:  # fp8 / int8 written before their compressed-tensors config: the same tensors, a descriptive config
-        layout = "clef-local per-channel (config before compressed-tensors)"
+    else:  # the layout of the scheme's own config (fp8 / int8 written before their compressed-tensors config: the
+        # same tensors, a descriptive config)
+        layout = registry.get(str(scheme)).config_layout
     return VariantFormat(str(scheme), group if isinstance(group, int) else None, layout, "clef-local")
 
 

@@ -7,7 +7,6 @@ The roles: docs/hardware.md#clef-local-plan.
 from __future__ import annotations
 
 import functools
-import json
 import math
 import re
 from collections.abc import Iterable, Mapping
@@ -20,14 +19,15 @@ from clef_local.formats.mlx_layout import release_name
 from clef_local.formats.quant_plan import layer_groups, mixed_plan, span
 from clef_local.formats.safetensors import TensorInfo, read_header
 from clef_local.formats.variant import variant_format
+from clef_local.quant import registry
 
-FORMATS = ("bf16", "int8", "fp8", "int4", "nf4")  # best precision first
+FORMATS = ("bf16", *registry.by_precision())  # best precision first
 DEFAULT_GROUP_SIZE = 64
 TORCH_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 INT4_PER_WORD = 8  # 4-bit codes per uint32 word (MLX's affine layout)
 DEQUANTIZED_ITEMSIZE = 2  # an int4 embedding is counted as a 16-bit matrix, the unit of every floating role
-_MARKERS = (".scales", ".biases", ".weight_scale", ".weight.absmax", ".weight.quant_map", ".weight.quant_state",
-            ".weight.nested_absmax", ".weight.nested_quant_map")
+# every scheme's tensors stored beside a quantized linear's weight
+_MARKERS = tuple(dict.fromkeys(suffix for row in registry.SCHEMES.values() for suffix in row.extra_tensors))
 
 
 @dataclass(frozen=True)
@@ -131,22 +131,16 @@ def _quantized_prefixes(names: Iterable[str]) -> set[str]:
 def quantized_bytes(fmt: str, out_features: int, in_features: int, source_bytes: int,
                     group_size: int = DEFAULT_GROUP_SIZE, source_dtype: str = "bfloat16") -> int:
     """Stored bytes of one ``[out, in]`` weight in ``fmt`` (formulas in the module docstring)."""
-    n = out_features * in_features
     if fmt == "bf16":
-        return n * source_bytes
-    if fmt == "int4":
-        return n // 2 + 2 * source_bytes * out_features * (in_features // group_size)
-    if fmt in ("int8", "fp8"):
-        return n + 4 * out_features
-    if fmt == "nf4":
-        state = json.dumps({"quant_type": "nf4", "blocksize": group_size, "dtype": source_dtype,
-                            "shape": [out_features, in_features]})
-        return (n + 1) // 2 + 4 * math.ceil(n / group_size) + 4 * 16 + len(state)
-    raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
+        return out_features * in_features * source_bytes
+    if fmt not in registry.SCHEMES:
+        raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    return registry.get(fmt).stored_bytes(out_features, in_features, source_bytes, group_size, source_dtype)
 
 
 def _predicate_group(fmt: str, group_size: int) -> int | None:
-    return group_size if fmt == "int4" else None  # only int4's groups run along the input dimension
+    # only groups that run along the input dimension (int4's) constrain which linears are quantized
+    return registry.get(fmt).predicate_group_size(group_size) if fmt in registry.SCHEMES else None
 
 
 def census_from_shapes(shapes: Mapping[str, tuple[tuple[int, ...], int]], fmt: str, *, head: int,

@@ -22,6 +22,7 @@ from clef_local.planning.prefill import CHUNKED_PREFILL_BACKENDS
 from clef_local.planning.read_probe import ReadRate
 from clef_local.planning.split import SplitPlan, split_plan
 from clef_local.planning.stream import OFFLOAD_MODES, StreamDecision, StreamPlan, stream_plan
+from clef_local.quant import registry
 from clef_local.units import GiB
 
 log = logging.getLogger(__name__)
@@ -36,27 +37,21 @@ PACKAGES = {"torch": ("torch", "pip install torch"), "mlx": ("mlx", "pip install
             "onnx": ("onnxruntime", "pip install 'clef-local[onnx]'")}
 DENSE = "dense"
 PER_LAYER = "per_layer"  # a mixed-precision variant: its layers' schemes choose (clef_local.backends.quantized)
-DEQUANTIZE = "dequantize"  # clef_local.backends.quantized.DEQUANTIZE: W rebuilt per call, never cached
-# (backend, device kind) -> scheme -> kernel; the torch names are clef_local.backends.quantized's.
+DEQUANTIZE = registry.DEQUANTIZE  # clef_local.backends.quantized.DEQUANTIZE: W rebuilt per call, never cached
+# (backend, device kind) -> scheme -> kernel, from the schemes' rows; the torch names are
+# clef_local.backends.quantized's, MLX's clef_local.backends.mlx_backend's (its CPU build dequantizes and matmuls)
 KERNELS: dict[tuple[str, str], dict[str, str]] = {
-    ("torch", "cpu"): {"int4": "int4pack_cpu", "int8": "torch_int8pack_cpu", "nf4": "bnb_matmul_4bit",
-                       "fp8": DEQUANTIZE},
-    ("torch", "cuda"): {"int4": "tinygemm_cuda", "int8": "bnb_int8", "nf4": "bnb_matmul_4bit",
-                        "fp8": "scaled_mm_rowwise"},
-    ("mlx", "apple"): {"int4": "mlx_quantized_matmul", "int8": "mlx_quantized_matmul", "nf4": "dequantize_at_load",
-                       "fp8": "dequantize_at_load"},
-    ("onnx", "cpu"): {"int4": "MatMulNBits", "int8": "MatMulNBits", "nf4": DEQUANTIZE, "fp8": DEQUANTIZE},
+    device: {name: row.kernels[device] for name, row in registry.SCHEMES.items()}
+    for device in dict.fromkeys(device for row in registry.SCHEMES.values() for device in row.kernels)
 }
-# MLX's CPU build: the int4/int8 layers dequantize and matmul (clef_local.backends.mlx_backend's names)
-KERNELS[("mlx", "cpu")] = {**KERNELS[("mlx", "apple")], "int4": "mlx_dequantize_matmul",
-                           "int8": "mlx_dequantize_matmul"}
-KERNELS[("torch", "apple")] = KERNELS[("torch", "cpu")]
+# a mixed variant on MLX: its quantized layers run MLX's quantized kernel, whichever scheme (int4, int8)
+_MLX_MIXED = registry.names_where(lambda row: row.mlx_quantized)[0]
 # the backends that can continue a pass from a cached state (Backend.state_cache_blocker); the others run every state
 STATE_CACHE_BACKENDS = ("torch",)
 # the state cache when no plan was made (check_memory=False): a fixed, small budget
 UNPLANNED_STATE_CACHE = 256 << 20
-# BF16 bytes of a quantized linear over its stored bytes (nf4 4.5 bits/weight, fp8 8): MLX dequantizes these at load.
-DEQUANTIZED_GROWTH = {"nf4": 16 / 4.5, "fp8": 2.0}
+# BF16 bytes of a quantized linear over its stored bytes, for the schemes MLX dequantizes at load
+DEQUANTIZED_GROWTH = {name: row.dequantized_growth for name, row in registry.SCHEMES.items() if not row.mlx_quantized}
 
 
 @dataclass(frozen=True)
@@ -139,17 +134,19 @@ def kernel_for(backend: str, hardware: Hardware, scheme: str, *, bitsandbytes: b
         return DENSE
     kind = "cpu" if backend == "onnx" else hardware.kind
     if scheme == "mixed":  # each layer's module picks its own scheme's kernel at load; MLX runs int4 and int8 alike
-        return KERNELS[(backend, kind)]["int4"] if backend == "mlx" else PER_LAYER
+        return KERNELS[(backend, kind)][_MLX_MIXED] if backend == "mlx" else PER_LAYER
     kernel = KERNELS[(backend, kind)][scheme]
-    if backend == "torch" and kind in ("cpu", "apple") and scheme in ("int4", "int8") and dtype == "float32":
+    row = registry.get(scheme)
+    if backend == "torch" and kind in ("cpu", "apple") and row.half_precision_cpu_kernel and dtype == "float32":
         return DEQUANTIZE  # torch's int4/int8 CPU kernels are slower than dequantizing with float32 activations
     if backend == "torch" and hardware.kind == "cuda":
-        if scheme == "fp8" and not hardware.fp8:
-            return DEQUANTIZE  # torch._scaled_mm needs sm_89+
-        if scheme == "int4" and (dtype != "bfloat16" or not (hardware.compute_capability or (0, 0)) >= (8, 0)):
-            return DEQUANTIZE  # tinygemm needs sm_80+ and bfloat16 activations
-        if scheme == "int8" and not bitsandbytes:
-            return "int_mm_cuda"  # torch._int_mm (clef_local.backends.quantized)
+        met = {registry.NEEDS_FP8: hardware.fp8,  # torch._scaled_mm needs sm_89+
+               registry.NEEDS_SM80: (hardware.compute_capability or (0, 0)) >= (8, 0),  # tinygemm: sm_80+
+               registry.NEEDS_BF16: dtype == "bfloat16"}  # tinygemm: bfloat16 activations
+        if not all(met[need] for need in row.cuda_needs):
+            return DEQUANTIZE
+        if row.no_bitsandbytes_kernel and not bitsandbytes:
+            return row.no_bitsandbytes_kernel  # int8: torch._int_mm (clef_local.backends.quantized)
     return kernel
 
 
@@ -179,8 +176,8 @@ def choose(hardware: Hardware, scheme: str, *, backend: str = "auto", dtype: Any
                   + (f" (an ONNX export is here, but {installed.get('onnx')})" if onnx_export else ""))
     if name == "torch" and installed.get("torch") is not None:
         raise ApiUsageError(f"no backend for this machine: {installed['torch']}; available: {', '.join(usable)}")
-    if name == "torch" and scheme == "nf4" and not bitsandbytes:
-        raise ApiUsageError("nf4 variants run through bitsandbytes on torch: pip install 'clef-local[cuda]' "
+    if name == "torch" and scheme in registry.SCHEMES and registry.get(scheme).needs_bitsandbytes and not bitsandbytes:
+        raise ApiUsageError(f"{scheme} variants run through bitsandbytes on torch: pip install 'clef-local[cuda]' "
                             "(bitsandbytes), or load an int4 variant")
     onnx_on_cpu = name == "onnx" and not (onnx_cuda and hardware.kind == "cuda")
     device = "cpu" if onnx_on_cpu or (hardware.kind == "apple" and name == "torch") else hardware.device
@@ -192,7 +189,7 @@ def choose(hardware: Hardware, scheme: str, *, backend: str = "auto", dtype: Any
     else:
         why = "dtype was asked for"
     kernel = kernel_for(name, hardware, scheme, bitsandbytes=bitsandbytes, dtype=dtype)
-    if name == "mlx" and scheme in ("nf4", "fp8"):
+    if name == "mlx" and scheme in DEQUANTIZED_GROWTH:
         reason += f"; {scheme} is dequantized at load on MLX (more memory than the stored variant)"
     return LoadDecision(backend=name, device=device, dtype=dtype, scheme=scheme, kernel=kernel,
                         reason=f"{reason}; {dtype}: {why}")
@@ -208,7 +205,7 @@ def as_cpu(hardware: Hardware) -> Hardware:
 
 def resident_census(census: WeightCensus, backend: str) -> WeightCensus:
     """The weights as the backend holds them: MLX dequantizes nf4/fp8 at load (to bf16)."""
-    if backend == "mlx" and census.fmt in ("nf4", "fp8"):
+    if backend == "mlx" and census.fmt in DEQUANTIZED_GROWTH:
         return replace(census, quantized_linears=int(census.quantized_linears * DEQUANTIZED_GROWTH[census.fmt]))
     return census
 
@@ -392,7 +389,7 @@ def _host_embeddings(decision: LoadDecision) -> bool:
     return decision.backend == "torch" and decision.device.startswith("cuda")
 
 
-_BITS_FLAG = {"int4": "--bits 4", "int8": "--bits 8", "nf4": "--format nf4", "fp8": "--format fp8"}
+_BITS_FLAG = {name: row.flag for name, row in registry.SCHEMES.items()}
 
 
 def refusal(mine: Plan, plans: Mapping[str, Plan], footprint: Any, hardware: Hardware, decision: LoadDecision,
@@ -410,7 +407,8 @@ def refusal(mine: Plan, plans: Mapping[str, Plan], footprint: Any, hardware: Har
                           media=decision.backend == "torch", limit=context,
                           chunking=decision.backend in CHUNKED_PREFILL_BACKENDS)
     hints = []
-    if mine.fmt in ("bf16", "int8", "fp8") and mine.fmt == footprint.stored:
+    eight_bit = mine.fmt == "bf16" or (mine.fmt in registry.SCHEMES and registry.get(mine.fmt).bits > 4)
+    if eight_bit and mine.fmt == footprint.stored:
         hints.append("a 4-bit variant of the source (clef-local quantize --bits 4)")
     if longest:
         hints.append(f"max_length={longest} (a context of {longest:,} tokens fits)")

@@ -133,6 +133,7 @@ def report(probe: bool = True) -> dict[str, Any]:
     """Hardware, components, the backends the loader can use, what ``auto`` would pick here, the inference threads
     of each role (:func:`~clef_local.planning.hardware.thread_plan`: one-shot commands and the server) and the
     network isolation (:func:`network_isolation`)."""
+    from clef_local.planning.census import FORMATS
     from clef_local.planning.choice import choose, installed_backends
     from clef_local.planning.hardware import ROLES, detect, thread_plan
 
@@ -140,7 +141,7 @@ def report(probe: bool = True) -> dict[str, Any]:
     backends = installed_backends()
     bnb = importlib.util.find_spec("bitsandbytes") is not None
     auto: dict[str, Any] = {}
-    for scheme in ("bf16", "int8", "fp8", "int4", "nf4"):
+    for scheme in FORMATS:
         try:
             auto[scheme] = choose(hardware, scheme, installed=backends, bitsandbytes=bnb).to_json()
         except ValueError as exc:  # ApiUsageError: no backend for this scheme here

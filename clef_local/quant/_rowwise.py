@@ -1,8 +1,18 @@
-"""What int8 and fp8 share: one float32 scale per output row (``w ≈ q · scale[row]``)."""
+"""What int8 and fp8 share: one float32 scale per output row (``w ≈ q · scale[row]``); they differ only in how
+``w / scale`` becomes a code (their ``codes``)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+
+def quantize(weight: torch.Tensor, qmax: float, scheme: str, codes: Callable[[torch.Tensor], torch.Tensor]
+             ) -> dict[str, torch.Tensor]:
+    """``{"weight": codes(w / scale), "weight_scale": float32 [out, 1]}`` of a 2-D weight [out, in]."""
+    w, row_scale = scale(weight, qmax, scheme)
+    return {"weight": codes(w / row_scale), "weight_scale": row_scale}
 
 
 def dequantize(packed: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:

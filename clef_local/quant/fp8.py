@@ -14,18 +14,21 @@ from . import _rowwise, compressed
 BITS = 8
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
+QMAX = FP8_MAX
+CODE_DTYPE = FP8_DTYPE
+
+
+def codes(values: torch.Tensor) -> torch.Tensor:
+    """``w / scale`` clamped to ±448 (in place) and rounded to nearest by the cast to float8_e4m3fn."""
+    return values.clamp_(-FP8_MAX, FP8_MAX).to(CODE_DTYPE)
 
 
 def quantize(weight: torch.Tensor) -> dict[str, torch.Tensor]:
     """Quantize a 2-D weight [out, in] to ``{"weight": float8_e4m3fn [out, in], "weight_scale": float32 [out, 1]}``."""
-    w, scale = _rowwise.scale(weight, FP8_MAX, "fp8")
-    q = (w / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return {"weight": q, "weight_scale": scale}
+    return _rowwise.quantize(weight, FP8_MAX, "fp8", codes)
 
 
-def dequantize(packed: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``float32(q) * scale``, cast to ``dtype``."""
-    return _rowwise.dequantize(packed, dtype)
+dequantize = _rowwise.dequantize  # float32(q) · scale, cast to the dtype asked for
 
 
 def bits_per_weight(group_size: int | None = None, in_features: int = 4096) -> float:

@@ -20,22 +20,16 @@ class _RowGrid:
     """int8 / fp8: one scale per row from the original weight; codes are the scheme's own dtype."""
 
     def __init__(self, scheme: str, weight: torch.Tensor) -> None:
-        self.scheme = scheme
-        qmax = int8.QMAX if scheme == "int8" else fp8.FP8_MAX
-        _, self.scale = _rowwise.scale(weight, qmax, scheme)
-        self.codes = torch.empty(weight.shape, dtype=torch.int8 if scheme == "int8" else fp8.FP8_DTYPE,
-                                 device=weight.device)
+        self.module = int8 if scheme == "int8" else fp8  # the scheme's own rounding step (its ``codes``)
+        _, self.scale = _rowwise.scale(weight, self.module.QMAX, scheme)
+        self.codes = torch.empty(weight.shape, dtype=self.module.CODE_DTYPE, device=weight.device)
 
     def start_group(self, column: int, weights: torch.Tensor) -> None:
         """Rows have one scale, fixed at construction."""
 
     def round(self, column: int, w: torch.Tensor) -> torch.Tensor:
         s = self.scale[:, 0]
-        if self.scheme == "int8":
-            code = torch.round(w / s).clamp_(-int8.QMAX, int8.QMAX)
-            self.codes[:, column] = code.to(torch.int8)
-            return code * s
-        code = (w / s).clamp_(-fp8.FP8_MAX, fp8.FP8_MAX).to(fp8.FP8_DTYPE)
+        code = self.module.codes(w / s)
         self.codes[:, column] = code
         return code.to(torch.float32) * s
 

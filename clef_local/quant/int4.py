@@ -273,30 +273,6 @@ def scales_and_zeros(packed: dict[str, torch.Tensor], dtype: torch.dtype) -> tor
     return torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(dtype)
 
 
-def to_torch_int4pack(
-    packed: dict[str, torch.Tensor], group_size: int = DEFAULT_GROUP_SIZE, dtype: torch.dtype = torch.float32
-) -> TorchInt4:
-    """Repack MLX-layout int4 into torch's CPU int4 kernel format (``z = bias + 8·scale``, exact in float32).
-
-    ``dtype`` is the kernel's activation/scale dtype: float32 is exact, bfloat16 is the fast path.
-    """
-    q = unpack(packed["weight"]).to(torch.int32)
-    out_f, _ = q.shape
-    check_shape(tuple(q.shape), group_size)
-    if out_f % 16:
-        raise ValueError(f"torch's int4 CPU kernel needs out_features % 16 == 0, got {out_f}")
-    weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
-    return TorchInt4(weight, group_size, scales_and_zeros(packed, dtype))
-
-
-def int4_matmul(x: torch.Tensor, repacked: TorchInt4) -> torch.Tensor:
-    """``x @ W.T`` with torch's CPU int4 kernel; ``x`` [..., in] is cast to the repack's dtype (output dtype too)."""
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1]).to(repacked.scales_and_zeros.dtype).contiguous()
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, repacked.weight, repacked.group_size, repacked.scales_and_zeros)
-    return y.reshape(*lead, y.shape[-1])
-
-
 # torch's CUDA int4 kernel (tinygemm): the CPU kernel's ``w = (q - 8)·s + z``, bf16 only, its own nibble order
 # (docs/quantization.md#the-rounding-rules-exactly).
 TINYGEMM_CAPABILITY = (8, 0)

@@ -127,7 +127,8 @@ def dequantize_t(repacked: TorchInt4, layout: PackLayout, start: int, stop: int,
         target[..., 0].copy_((codes << 4) >> 4)
         target[..., 1].copy_(codes >> 4)
     grouped = columns.view(k // group, group, rows)
-    # contiguous copies of the block's (s, z) [groups, rows]: broadcast from the interleaved pairs they cost 8x more
+    # contiguous copies of the block's (s, z) [groups, rows]: broadcasting from the interleaved pairs is far slower
+    # (docs/benchmarks.md#int4-and-int8-on-a-cpu)
     scale = pairs[:, start:stop, 0].to(out.dtype).contiguous().unsqueeze(1)
     zero = pairs[:, start:stop, 1].to(out.dtype).contiguous().unsqueeze(1)
     return torch.addcmul(zero, grouped, scale, out=grouped).view(k, rows)

@@ -18,8 +18,8 @@ from . import compressed, int4
 
 LAYOUTS = ("mlx", "compressed")  # int4's stored layouts: MLX affine (float biases) or compressed-tensors'
 DEFAULT_LAYOUT = "mlx"
-# The demo model drifted 2.8x less with the mlx grid than with mse in this layout (KL 0.080 vs 0.22 at g32, though mse's
-# weight error is 18% lower; docs/quantization.md, int4 layouts), so quantize defaults to mlx here.
+# integer zero points cannot follow mse's float bias: on the demo model the mlx grid drifted less in this layout
+# (docs/benchmarks.md#variants-in-the-ecosystems-tools), so quantize defaults to mlx here
 DEFAULT_GRID = "mlx"
 KEYS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
 SYMMETRIC_ZERO = 8  # a symmetric pack-quantized weight's codes are q - 8 (compressed-tensors' uint4b8)

@@ -13,18 +13,20 @@ from . import _rowwise, compressed
 
 BITS = 8
 QMAX = 127
+CODE_DTYPE = torch.int8
+
+
+def codes(values: torch.Tensor) -> torch.Tensor:
+    """``w / scale`` rounded to the nearest integer in -127..127 (in place), as int8."""
+    return torch.round(values).clamp_(-QMAX, QMAX).to(CODE_DTYPE)
 
 
 def quantize(weight: torch.Tensor) -> dict[str, torch.Tensor]:
     """Quantize a 2-D weight [out, in] to ``{"weight": int8 [out, in], "weight_scale": float32 [out, 1]}``."""
-    w, scale = _rowwise.scale(weight, QMAX, "int8")
-    q = torch.round(w / scale).clamp_(-QMAX, QMAX).to(torch.int8)
-    return {"weight": q, "weight_scale": scale}
+    return _rowwise.quantize(weight, QMAX, "int8", codes)
 
 
-def dequantize(packed: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``q * scale`` in float32, cast to ``dtype``."""
-    return _rowwise.dequantize(packed, dtype)
+dequantize = _rowwise.dequantize  # q · scale in float32, cast to the dtype asked for
 
 
 def bits_per_weight(group_size: int | None = None, in_features: int = 4096) -> float:

@@ -22,10 +22,13 @@ import numpy as np
 from clef_local.errors import ClefError
 from clef_local.export.staging import ExportError, resolve_out, staged
 from clef_local.formats.manifest import MANIFEST, check_files, file_entries, list_files, write_manifest
+from clef_local.quant import registry
 
 log = logging.getLogger(__name__)
 
-FORMATS = ("fp32", "fp16", "int8", "int4")
+# the schemes whose rows name a MatMulNBits builder (clef_local.export.onnx.graph), best precision first
+NBITS_FORMATS = tuple(name for name in registry.by_precision() if registry.get(name).onnx_nbits)
+FORMATS = ("fp32", "fp16", *NBITS_FORMATS)
 ONNX_DIR = "onnx"
 EMBEDDING = "output_embedding.npy"
 
@@ -114,7 +117,7 @@ def export_onnx(source: str | Path, out: str | Path, fmt: str | None = None, *, 
         validation_requests(probes)
     with staged(source, out, force) as tmp:
         log.info("exporting %s → %s (%s) via %s", source, out, fmt, tmp)
-        if fmt in ("int4", "int8") and variant_scheme(release.config) is None:
+        if fmt in NBITS_FORMATS and variant_scheme(release.config) is None:
             tmp.rmdir()  # quantize_release writes the variant there (atomically, through its own sibling)
             log.info("quantizing %s to %s first (clef-local quantize's functions)", source, fmt)
             quantize_release(source, tmp, fmt, validate=False, log_summary=False)

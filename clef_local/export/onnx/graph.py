@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from clef_local.errors import ClefError
+from clef_local.quant import registry
 
 if TYPE_CHECKING:
     import onnx_ir
@@ -62,6 +64,16 @@ def int4_nbits(weight: np.ndarray, scales: np.ndarray, biases: np.ndarray, group
     zero_points = (-biases.astype(np.float32) / scales32).astype(np.float32)
     return NBitsWeight(4, group_size, k, n, packed.reshape(n, k // group_size, group_size // 2), scales32,
                        zero_points)
+
+
+def int4_module_nbits(module: Any, packed: dict[str, np.ndarray]) -> NBitsWeight:
+    """:func:`int4_nbits` of an int4 module's MLX-layout tensors (its row's ``onnx_nbits``)."""
+    return int4_nbits(packed["weight"], packed["scales"], packed["biases"], module.group_size)
+
+
+def int8_module_nbits(module: Any, packed: dict[str, np.ndarray]) -> NBitsWeight:
+    """:func:`int8_nbits` of an int8 module's tensors (its row's ``onnx_nbits``)."""
+    return int8_nbits(packed["weight"], packed["weight_scale"])
 
 
 def int8_block_size(k: int) -> int:
@@ -129,7 +141,7 @@ def load_exportable(release: Release, dtype: torch.dtype) -> ExportableBackbone:
     from clef_local.backends.torch_backend import TorchBackbone, variant_scheme
 
     scheme = variant_scheme(release.config)
-    if scheme not in (None, "int4", "int8"):
+    if scheme is not None and (scheme not in registry.SCHEMES or registry.get(scheme).onnx_nbits is None):
         raise OnnxExportError(f"{release.path} is a {scheme} variant; the ONNX export takes a BF16/FP32 release or "
                               f"an int4/int8 variant (MatMulNBits); export the BF16 release with --format int4|int8")
     if scheme is None:
@@ -149,10 +161,9 @@ def load_exportable(release: Release, dtype: torch.dtype) -> ExportableBackbone:
         # int4 in either stored layout, as the MLX-layout tensors MatMulNBits is built from (Int4Linear.affine)
         stored = module.affine() if isinstance(module, Int4Linear) else module.packed()
         packed = {k: _to_numpy(v) for k, v in stored.items()}
-        if module.scheme == "int4":
-            nbits[name] = int4_nbits(packed["weight"], packed["scales"], packed["biases"], module.group_size)
-        else:
-            nbits[name] = int8_nbits(packed["weight"], packed["weight_scale"])
+        builder = registry.get(module.scheme).onnx_nbits  # not None: the variant's scheme was checked above
+        build: Callable[[Any, dict[str, np.ndarray]], NBitsWeight] = globals()[str(builder)]
+        nbits[name] = build(module, packed)
         linear = torch.nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, dtype=dtype)
         with torch.no_grad():
             linear.weight.copy_(module.dequantize(dtype))

@@ -34,7 +34,7 @@ def _require(module: str) -> Any:
 
 @pytest.fixture(scope="module")
 def qwen(tiny_qwen: Path) -> Any:
-    return clef_local.load(tiny_qwen)
+    return clef_local.load(tiny_qwen, state_cache="auto")  # as serve loads it
 
 
 def _jevcompat(url: str, report: Path, key: str | None = None, timeout: int = 300,
@@ -78,7 +78,8 @@ def test_jevcompat_on_the_demo_model(demo_release: Path, tmp_path: Path) -> None
     the head, not the server (the demo head's nouls still move by more than 0.05 in some requests).
     Any other failure is a server bug and fails this test.
     """
-    app = create_app({"clef-local": clef_local.load(demo_release)}, ServerConfig())
+    # loaded as serve loads it: jevcompat's robustness checks send one state with many schemas
+    app = create_app({"clef-local": clef_local.load(demo_release, state_cache="auto")}, ServerConfig())
     with ThreadedServer(app) as running:
         # a real 135M backbone answers jevcompat's ~80 requests (some with 255 options) in minutes on 2 cores
         result = _jevcompat(running.url, tmp_path / "r.json", timeout=1800, allow_fail=True)

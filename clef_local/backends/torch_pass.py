@@ -110,10 +110,10 @@ class Run:
     ``kv`` already holds, ``mask`` ``[rows, past + T]``.
 
     ``kv`` is a ``transformers`` cache filled (or continued) in place, or None for a pass that keeps nothing.
-    ``media``: the record's media inputs, for its first chunk (the multimodal model); ``offset``: the rope offset
-    after media. ``key``: a state pass, stored in the state cache under that key when it ends, then continued for
-    ``rows``; else the run's states fill ``rows`` of the output from position ``past`` (``state``: the cached
-    state whose hidden states fill the positions before it)."""
+    ``media_record``: the one record of a run with media, whose media inputs its first chunk takes (the multimodal
+    model); ``offset``: the rope offset after media. ``key``: a state pass, stored in the state cache under that key
+    when it ends, then continued for ``rows``; else the run's states fill ``rows`` of the output from position
+    ``past`` (``state``: the cached state whose hidden states fill the positions before it)."""
 
     rows: list[int]
     ids: torch.Tensor
@@ -121,14 +121,14 @@ class Run:
     kv: Any = None
     past: int = 0
     offset: int = 0
-    media: EncodedRecord | None = None
+    media_record: EncodedRecord | None = None
     key: str | None = None
     state: TorchState | None = None
 
     def bounds(self, chunk_for: ChunkFor) -> list[tuple[int, int]]:
         rows, end = self.ids.shape[0], self.past + self.ids.shape[1]
-        media_end = None if self.media is None or self.media.media is None else \
-            self.media.media.token_offset + len(self.media.media.token_ids)
+        media = None if self.media_record is None else self.media_record.media
+        media_end = None if media is None else media.token_offset + len(media.token_ids)
         return chunk_bounds(self.past, end, chunk_for(end, rows), media_end)
 
     def positions(self, backbone: Backbone, a: int, b: int, one_piece: bool) -> tuple[torch.Tensor | None,
@@ -138,9 +138,9 @@ class Run:
         positions, and the offset they leave is kept for the chunks and continuations after it."""
         rows, device = self.ids.shape[0], self.ids.device
         plain = one_piece and self.kv is None
-        if self.media is None or a != self.past:
+        if self.media_record is None or a != self.past:
             return (None if plain else chunk_positions(a, b - a, rows, device, self.offset)), None
-        media = collate_media([self.media], b, device)
+        media = collate_media([self.media_record], b, device)
         if plain:
             return None, media
         get_rope_index = getattr(backbone.model.model, "get_rope_index", None)
@@ -195,7 +195,7 @@ def runs(backbone: Backbone, records: Sequence[EncodedRecord], input_ids: torch.
         for i, record in enumerate(records):
             if record.media is not None:
                 ids, mask = _tokens([record.input_ids], pad_token_id, 0, device)
-                out.append(Run([i], ids, mask, media=record))
+                out.append(Run([i], ids, mask, media_record=record))
         return out
     groups: dict[str, list[int]] = {}
     for row, record in enumerate(records):
@@ -211,7 +211,7 @@ def runs(backbone: Backbone, records: Sequence[EncodedRecord], input_ids: torch.
         first = records[rows[0]]
         ids, mask = _tokens([first.input_ids[: state_end(first)]], pad_token_id, 0, device)
         out.append(Run(rows, ids, mask, new_cache(backbone.text_model.config),
-                       media=first if first.media is not None else None, key=key))
+                       media_record=first if first.media is not None else None, key=key))
     return out
 
 

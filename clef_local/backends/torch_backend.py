@@ -86,8 +86,6 @@ class TorchBackbone:
         qwen3_5 = config.get("model_type") == "qwen3_5" or QWEN3_5 in (config.get("architectures") or [])
         cls = transformers.Qwen3_5ForConditionalGeneration if qwen3_5 else transformers.AutoModelForCausalLM
         self.scheme = variant_scheme(config)
-        self.vision_pad_ids = frozenset(v for k in ("image_token_id", "video_token_id")
-                                        if isinstance(v := config.get(k), int))
         self.split = tuple(split)
         self.device = torch.device(self.split[-1][0] if self.split else device)
         self.input_device = torch.device(self.split[0][0]) if self.split else self.device  # where the layers start

@@ -193,9 +193,9 @@ def runs(backbone: Backbone, records: Sequence[EncodedRecord], input_ids: torch.
             index = torch.tensor(text, device=input_ids.device)
             out.append(Run(text, input_ids[index], attention_mask[index]))
         for i, record in enumerate(records):
-            if record.media is not None:
-                ids, mask = _tokens([record.input_ids], pad_token_id, 0, device)
-                out.append(Run([i], ids, mask, media_record=record))
+            if record.media is not None:  # its own row of the collated batch, without the padding
+                n = len(record.input_ids)
+                out.append(Run([i], input_ids[i:i + 1, :n], attention_mask[i:i + 1, :n], media_record=record))
         return out
     groups: dict[str, list[int]] = {}
     for row, record in enumerate(records):

@@ -89,8 +89,8 @@ def _predictions(path: Path | Release, requests: Sequence[dict[str, Any]], dtype
                  max_memory: str | None = None, truncate_state: bool = True, max_length: int | None = None,
                  role: str = "model") -> ModelRun:
     """``path``'s (a directory, or the release already read) predictions of ``requests`` (resident, or streamed
-    from disk when it does not fit), its compute
-    dtype and context (``max_length``; None: the model's default); a streamed run logs what it read per pass."""
+    from disk when it does not fit), its compute dtype and context (``max_length``; None: the model's default); a
+    streamed run logs what it read per pass."""
     import clef_local
 
     started = time.perf_counter()

@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import os
+import uuid
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+
+
+@pytest.fixture(autouse=True)
+def _own_reference_cache(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Each test its own folder of cached reference answers (quantize keeps them per release, and the tiny releases
+    of two tests, or two workers, can share a digest): created only when a test writes one."""
+    monkeypatch.setenv("CLEF_LOCAL_REFERENCES", str(tmp_path_factory.getbasetemp() / f"references-{uuid.uuid4().hex}"))
 
 
 @pytest.fixture(scope="session")

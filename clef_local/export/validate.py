@@ -44,8 +44,22 @@ THRESHOLDS: dict[str, dict[str, float]] = {name: dict(row.validation) for name, 
 _EPS = 1e-12
 
 
-class ValidationFailed(ClefError):
+class ValidationRefused(ClefError):
+    """Validation ran and did not pass: the export is refused. ``result`` holds what ``validation.json`` holds
+    (written into the staging directory before this is raised; None when nothing was measured, e.g. the variant did
+    not load), which the export keeps beside ``--out`` (:mod:`clef_local.export.refusal`)."""
+
+    def __init__(self, message: str, result: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.result = result
+
+
+class ValidationFailed(ValidationRefused):
     """The variant's decisions moved more than the scheme's thresholds allow (or the variant did not load)."""
+
+
+class ValidationUndecided(ValidationRefused):
+    """The probe set was used up before validation reached a verdict either way: the export is refused."""
 
 
 class ValidationUnavailable(ClefError):
@@ -290,5 +304,5 @@ def validate_export(reference_dir: Path | Release, variant_dir: Path, scheme: st
     result = {"validated": not result["failed"], **result}
     (variant_dir / VALIDATION).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     if result["failed"]:
-        raise ValidationFailed(f"{scheme} variant fails validation: " + ", ".join(result["failed"]))
+        raise ValidationFailed(f"{scheme} variant fails validation: " + ", ".join(result["failed"]), result)
     return result

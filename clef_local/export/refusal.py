@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 REFUSED_SUFFIX = ".validation.json"
 # beyond the census: safetensors headers, the index, config.json, validation.json and the HTML report (a few hundred
 # KB for a 9B model), and 1% for whatever the formulas round
-SLACK_BYTES = 16 << 20
+SLACK_BYTES = 1 << 20
 SLACK_RATIO = 0.01
 
 

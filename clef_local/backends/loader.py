@@ -113,9 +113,15 @@ def build_backend(release: Release, options: LoadOptions = DEFAULT_OPTIONS) -> B
     over all of them when the model does not fit on the first one alone. ``offload``: ``"none"`` (resident only),
     ``"auto"`` (streamed from disk when it does not fit resident) or ``"disk"`` (always streamed;
     docs/hardware.md#streamed-from-disk). ``backend.prefill`` is the budget each prefill is cut to
-    (:mod:`clef_local.planning.prefill`; ``prefill_chunk`` forces a chunk length, 0 one pass)."""
+    (:mod:`clef_local.planning.prefill`; ``prefill_chunk`` forces a chunk length, 0 one pass). A variant that export
+    validation refused and ``quantize --quarantine`` kept is refused (:class:`~clef_local.errors.ReleaseError`,
+    :func:`clef_local.formats.variant.check_not_quarantined`)."""
+    from clef_local.formats.variant import check_not_quarantined
     from clef_local.planning.prefill import prefill_budget
 
+    # every run of a model comes here (load, decide, serve, ui, mcp, batch, drift, eval, probe): a variant that
+    # export validation refused and --quarantine kept is refused here, once, for all of them
+    check_not_quarantined(release.path, release.config)
     decision = plan_backend(release, options)
     caps = parse_max_memory(options.max_memory)  # valid: plan_backend read it
     state_cache, dtype = options.state_cache, options.dtype

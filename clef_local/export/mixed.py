@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from clef_local.export.finish import CONFIG, finish_variant
+from clef_local.export.refusal import Keep, check_disk
 from clef_local.export.shards import (
     INDEX,
     already_4bit,
@@ -321,10 +322,12 @@ def _progress_bar(total: int) -> Any:
 def mixed_release(source: Path, out: Path, max_kl: float, *, formats: str = DEFAULT_FORMATS,
                   group_layers: int = DEFAULT_GROUP_LAYERS, selection_requests: int = DEFAULT_SELECTION_REQUESTS,
                   force: bool = False, validate: bool = True, seed: int = 0,
-                  validation_requests: int = VALIDATION_REQUESTS) -> dict[str, Any]:
+                  validation_requests: int = VALIDATION_REQUESTS, report: str | Path | None = None,
+                  quarantine: str | Path | None = None) -> dict[str, Any]:
     """Write the mixed-precision variant of ``source`` to ``out`` whose mean KL stays within ``max_kl`` (module
     docstring); returns the summary. ``formats``: the candidates (``int4`` takes the source's default group: 32 when
-    the weights already lie on a 4-bit grid per 32 columns, as the demo backbone's do, else 64)."""
+    the weights already lie on a 4-bit grid per 32 columns, as the demo backbone's do, else 64). ``report``,
+    ``quarantine`` and the disk check: as :func:`clef_local.export.quantize.quantize_release`'s."""
     import safetensors.torch  # noqa: F401  (imported before the temp directory exists: it takes seconds)
 
     from clef_local.data.probes import probe_requests
@@ -341,6 +344,10 @@ def mixed_release(source: Path, out: Path, max_kl: float, *, formats: str = DEFA
     if not max_kl > 0:
         raise ExportError(f"--max-kl must be > 0, got {max_kl}; e.g. 0.002 (nats, mean over the probe questions)")
     check_paths(source, out, force)
+    if not validate and (report is not None or quarantine is not None):
+        raise ExportError("--report and --quarantine keep what validation measured; drop them or --no-validate")
+    keep = Keep.of(source, out, report=report, quarantine=quarantine, force=force)
+    check_disk(release, out, None, None, what="mixed")  # at most the source's bytes: known before the plan is
     check_validation(release)  # the source is loaded to measure: it must fit, with the probe set readable
     shards = [f.name for f in release.weight_files]
     for file in release.weight_files:
@@ -363,18 +370,19 @@ def mixed_release(source: Path, out: Path, max_kl: float, *, formats: str = DEFA
         del bench
     record = {**chosen["record"], "selection": f"{len(requests)} probe requests from the training splits (seed {seed})"}
     summary = write_mixed(release, out, chosen["layers"], record, max_kl=max_kl, force=force, validate=validate,
-                          validation_requests=validation_requests)
+                          validation_requests=validation_requests, keep=keep)
     return {**summary, "candidates": [c.label for c in candidates], "group_layers": group_layers,
             "seconds": time.perf_counter() - started}
 
 
 def write_mixed(source: Path | Release, out: Path, plan: Mapping[int, LayerFormat], record: Mapping[str, Any], *,
                 max_kl: float, force: bool = False, validate: bool = True,
-                validation_requests: int = VALIDATION_REQUESTS) -> dict[str, Any]:
+                validation_requests: int = VALIDATION_REQUESTS, keep: Keep | None = None) -> dict[str, Any]:
     """Write ``source`` with each decoder layer in its ``plan`` format (steps 4–5 of the module docstring);
     ``record`` (how the plan was chosen) goes into config.json beside it; validated at mean KL ≤ ``max_kl``.
-    ``source`` may be the :class:`Release` already read (passed on, not read again)."""
-    from clef_local.export.validate import THRESHOLDS, validate_export
+    ``source`` may be the :class:`Release` already read (passed on, not read again). ``keep``: what a refusal keeps
+    (:class:`clef_local.export.refusal.Keep`; default: ``OUT.validation.json`` only)."""
+    from clef_local.export.validate import THRESHOLDS, ValidationRefused, validate_export
     from clef_local.formats.release import Release, read_release
 
     release = source if isinstance(source, Release) else read_release(Path(source).expanduser().resolve())
@@ -383,6 +391,8 @@ def write_mixed(source: Path | Release, out: Path, plan: Mapping[int, LayerForma
     used = {fmt.scheme for fmt in plan.values() if fmt.scheme != SOURCE}
     strictest = min(t["flip_rate"] for t in THRESHOLDS.values())  # no layer quantized
     thresholds = {"mean_kl": max_kl, "flip_rate": max((THRESHOLDS[s]["flip_rate"] for s in used), default=strictest)}
+    keep = keep or Keep.of(source, out, force=force)
+    check_disk(release, out, None, None, what="mixed")
     with staged(source, out, force) as tmp:
         source_files = file_entries(source)
         result = quantize_shards(source, tmp, shards, None, None, {}, choose=_chooser(plan))
@@ -397,10 +407,14 @@ def write_mixed(source: Path | Release, out: Path, plan: Mapping[int, LayerForma
         def run_validation(tmp: Path) -> dict[str, Any]:
             return validate_export(release, tmp, MIXED, n=validation_requests, dtype="float32", variant_name=out,
                                    thresholds=thresholds)
-        finished = finish_variant(source, tmp, shards=shards, result=result, source_files=source_files,
-                                  scheme=MIXED, group_size=None, fallback_bits=16.0,
-                                  validate=run_validation if validate else None)
+        try:
+            finished = finish_variant(source, tmp, shards=shards, result=result, source_files=source_files,
+                                      scheme=MIXED, group_size=None, fallback_bits=16.0,
+                                      validate=run_validation if validate else None)
+        except ValidationRefused as exc:  # kept before staged removes tmp
+            raise keep.refused(exc, tmp) from exc
     validation, nbytes, bits = finished.validation, finished.nbytes, finished.bits
+    keep.passed(validation)
     return {"out": str(out), "source": str(source), "scheme": MIXED, "max_kl": max_kl, "plan": dict(record),
             "layers": {i: fmt.label for i, fmt in plan.items()}, "bits_per_weight": bits, "bytes": nbytes,
             "quantized": len(result["quantized"]), "kept": len(result["skipped"]), "validation": validation}

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from clef_local.errors import ClefError
 from clef_local.export.finish import CONFIG, finish_variant
+from clef_local.export.refusal import Keep, check_disk
 from clef_local.export.shards import (
     CHUNK_ELEMENTS,
     INDEX,
@@ -32,7 +33,7 @@ from clef_local.export.shards import (
     write_index,
 )
 from clef_local.export.staging import ExportError, check_paths, resolve_out, staged
-from clef_local.export.validate import VALIDATION_REQUESTS
+from clef_local.export.validate import VALIDATION_REQUESTS, ValidationRefused, ValidationUndecided
 from clef_local.formats.manifest import file_entries
 from clef_local.quant import registry
 
@@ -134,7 +135,8 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
                      calibration_requests: int | None = None, log_summary: bool = True,
                      on_tensor: Callable[[str], None] | None = None, max_memory: str | None = None,
                      reference_file: str | Path | None = None, max_length: int | None = None,
-                     validation_requests: int = VALIDATION_REQUESTS) -> dict[str, Any]:
+                     validation_requests: int = VALIDATION_REQUESTS, report: str | Path | None = None,
+                     quarantine: str | Path | None = None) -> dict[str, Any]:
     """Write the ``scheme`` variant of the release at ``source`` to ``out``; return the summary.
 
     ``group_size``: int4 group (32/64/128; by default 32 when the source's weights already lie on a 4-bit grid per
@@ -153,7 +155,11 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
     must be this export's) instead of running it; ``max_length``: the context validation loads both models at (None:
     the model's default); ``validation_requests``: how many packaged probe requests validation runs (fewer: faster, and
     a coarser verdict). ``validate=False`` writes the variant with ``validated: false``
-    in ``config.json`` and ``validation.json``.
+    in ``config.json`` and ``validation.json``. A variant validation refuses (:class:`ValidationRefused`) is not
+    written; its ``validation.json`` is kept as ``OUT.validation.json`` beside ``out``, ``report`` (an HTML path:
+    written whether it passed or not) renders it, and ``quarantine`` (a directory) keeps the refused variant whole,
+    marked so that no loader runs it (:mod:`clef_local.export.refusal`); the error names each path. An estimate of
+    the variant's bytes larger than the free space beside ``out`` is refused before any tensor is read.
     ``calibrate`` rounds with GPTQ on ``calibration_requests`` requests (default 128) instead of round-to-nearest
     (:mod:`clef_local.export.gptq_calibration`; every scheme; it loads the source like validation does).
     ``log_summary`` logs :func:`summary_lines` at INFO (the CLI prints them instead). ``on_tensor(name)`` is
@@ -186,6 +192,12 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
     check_paths(source, out, force)  # a bad --out is refused before any work (staged checks again)
     if reference_file is not None and not validate:
         raise ExportError("--reference-file is what validation compares with; drop it or --no-validate")
+    if not validate and (report is not None or quarantine is not None):
+        raise ExportError("--report and --quarantine keep what validation measured; drop them or --no-validate")
+    keep = Keep.of(source, out, report=report, quarantine=quarantine, force=force)
+    # a source on int4's own grid takes group 32 (found below, from its first weight): the largest int4 estimate
+    estimate_group = 32 if spec.needs_divisible_input and group_size is None else group
+    check_disk(release, out, spec.name, estimate_group, what=spec.name)
     if validation_requests < 1:
         raise ExportError(f"--validation-requests {validation_requests}: validation needs at least 1 probe request "
                           f"(default {VALIDATION_REQUESTS}; --no-validate skips it)")
@@ -232,10 +244,14 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
             return validate_export(release, tmp, spec.name, validation_requests, variant_name=out,
                                    max_memory=max_memory, max_length=max_length, reference_file=reference_file,
                                    checked=checked)
-        finished = finish_variant(source, tmp, shards=shards, result=result, source_files=source_files,
-                                  scheme=spec.name, group_size=group, fallback_bits=spec.bits_per_weight(group),
-                                  validate=run_validation if validate else None)
+        try:
+            finished = finish_variant(source, tmp, shards=shards, result=result, source_files=source_files,
+                                      scheme=spec.name, group_size=group, fallback_bits=spec.bits_per_weight(group),
+                                      validate=run_validation if validate else None)
+        except ValidationRefused as exc:  # kept before staged removes tmp
+            raise keep.refused(exc, tmp) from exc
     validation, nbytes, bits = finished.validation, finished.nbytes, finished.bits
+    keep.passed(validation)
     summary = {"out": str(out), "source": str(source), "scheme": spec.name, "group_size": group, **options,
                "bits_per_weight": bits, "quantized": len(result["quantized"]), "kept": len(result["skipped"]),
                "skipped": result["skipped"], "skipped_by_reason": dict(Counter(result["skipped"].values())),
@@ -321,6 +337,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-validate", action="store_true",
                         help="write the variant without comparing it with the source (config.json and "
                              "validation.json record validated: false)")
+    parser.add_argument("--report", type=Path, metavar="FILE.html",
+                        help="write validation's result as an HTML page, whether the variant passed or not")
+    parser.add_argument("--quarantine", type=Path, metavar="DIR",
+                        help="when validation refuses the variant, keep it whole in DIR, marked quarantined: "
+                             "clef-local refuses to load, serve or decide with it (for inspection; its report is "
+                             "DIR/validation.json). Without it a refused variant is removed; its validation.json is "
+                             "always kept as OUT.validation.json")
     parser.add_argument("--validation-requests", type=int, metavar="N", default=VALIDATION_REQUESTS,
                         help=f"packaged probe requests validation runs (default {VALIDATION_REQUESTS}); fewer is "
                              "faster and a coarser verdict, for a reference streamed on a slow machine")
@@ -351,9 +374,20 @@ def _print_summary(summary: dict[str, Any]) -> None:
         console.print(validation_table(validation))
 
 
+EXIT_REFUSED, EXIT_CANNOT_RUN, EXIT_UNDECIDED = 1, 2, 3
+
+
+def exit_code(exc: ClefError) -> int:
+    """``quantize``'s exit status for an error: 1 validation refused the variant (it failed), 3 validation used up
+    its probe set without a verdict, 2 anything else (bad arguments or source, no disk space, validation cannot run).
+    docs/quantization.md#validation."""
+    if isinstance(exc, ValidationUndecided):
+        return EXIT_UNDECIDED
+    return EXIT_REFUSED if isinstance(exc, ValidationRefused) else EXIT_CANNOT_RUN
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point (``clef-local quantize``)."""
-    from clef_local.export.validate import ValidationFailed
     from clef_local.options import model_path
 
     parser = build_parser()
@@ -372,17 +406,17 @@ def main(argv: list[str] | None = None) -> int:
                                    int4_layout=args.int4_layout, calibrate=args.calibrate,
                                    calibration_requests=args.calibration_requests, log_summary=False,
                                    max_memory=args.max_memory, reference_file=args.reference_file,
-                                   max_length=args.max_length, validation_requests=args.validation_requests)
-    except ClefError as exc:  # refusals, bad sources, validation that cannot run: 2; a variant that fails it: 1
+                                   max_length=args.max_length, validation_requests=args.validation_requests,
+                                   report=args.report, quarantine=args.quarantine)
+    except ClefError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 1 if isinstance(exc, ValidationFailed) else 2
+        return exit_code(exc)
     _print_summary(summary)
     return 0
 
 
 def _main_mixed(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from clef_local.export import mixed
-    from clef_local.export.validate import ValidationFailed
 
     if args.max_kl is None:
         parser.error("--format mixed needs --max-kl NATS (the mean KL budget, e.g. 0.002)")
@@ -396,10 +430,11 @@ def _main_mixed(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
                                       formats=args.mixed_formats or mixed.DEFAULT_FORMATS,
                                       group_layers=args.group_layers or mixed.DEFAULT_GROUP_LAYERS,
                                       selection_requests=args.selection_requests or mixed.DEFAULT_SELECTION_REQUESTS,
-                                      force=args.force, validate=not args.no_validate)
+                                      force=args.force, validate=not args.no_validate, report=args.report,
+                                      quarantine=args.quarantine)
     except ClefError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 1 if isinstance(exc, ValidationFailed) else 2
+        return exit_code(exc)
     for line in mixed.summary_lines(summary):
         print(line)
     if "skipped" not in summary["validation"]:

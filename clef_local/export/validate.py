@@ -47,8 +47,9 @@ _EPS = 1e-12
 
 
 class ValidationRefused(ClefError):
-    """Validation ran and did not pass; ``result`` holds what ``validation.json`` records (None when the variant
-    did not even load)."""
+    """Validation ran and did not pass: the export is refused. ``result`` holds what ``validation.json`` holds
+    (written into the staging directory before this is raised; None when nothing was measured, e.g. the variant did
+    not load), which the export keeps beside ``--out`` (:mod:`clef_local.export.refusal`)."""
 
     def __init__(self, message: str, result: dict[str, Any] | None = None) -> None:
         super().__init__(message)
@@ -60,8 +61,8 @@ class ValidationFailed(ValidationRefused):
 
 
 class ValidationUndecided(ValidationRefused):
-    """The probe set was used up before the bounds decided: neither a pass nor a failure can be claimed at the
-    stated error; the message says what would decide it."""
+    """The probe set was used up before validation reached a verdict either way: the export is refused. Neither a
+    pass nor a failure can be claimed at the stated error; the message says what would decide it."""
 
 
 class ValidationUnavailable(ClefError):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from clef_local.errors import ReleaseError
@@ -22,6 +23,9 @@ from clef_local.quant import compressed, registry
 SCHEMES = (*registry.SCHEMES, MIXED)
 MLX_INT4_GROUPS = (32, 64, 128)  # clef-local's int4 groups (quant.int4.GROUP_SIZES), all of which MLX runs
 _MLX_KEYS = {"group_size", "bits", "mode"}
+# A variant refused by export validation and kept with --quarantine (clef_local.export.refusal) has this file and
+# quantization_config.clef_local.quarantined; either one is enough for the loaders to refuse it.
+QUARANTINED = "QUARANTINED"
 
 
 @dataclass(frozen=True)
@@ -108,3 +112,31 @@ def variant_format(config: Mapping[str, Any]) -> VariantFormat | None:
     raise ReleaseError(f"config.json: quantization_config with quant_method {method!r} is not a format clef-local "
                        f"reads (clef-local's own variants, mlx-lm 4-bit affine, compressed-tensors fp8/int8 per "
                        f"channel and int4 pack-quantized per group, bitsandbytes nf4)")
+
+
+def quarantine_reason(path: str | Path, config: Mapping[str, Any]) -> str | None:
+    """Why the variant at ``path`` (its ``config.json`` read as ``config``) was quarantined by ``quantize
+    --quarantine``: ``quantization_config.clef_local.quarantined``, else the :data:`QUARANTINED` file's first line;
+    None for any other directory."""
+    quant = config.get("quantization_config")
+    member = quant.get("clef_local") if isinstance(quant, Mapping) else None
+    reason = member.get("quarantined") if isinstance(member, Mapping) else None
+    if reason:
+        return str(reason)
+    marker = Path(path) / QUARANTINED
+    if marker.is_file():
+        lines = marker.read_text(encoding="utf-8", errors="replace").splitlines()
+        return lines[0].strip() if lines and lines[0].strip() else "it failed export validation"
+    return None
+
+
+def check_not_quarantined(path: str | Path, config: Mapping[str, Any]) -> None:
+    """Refuse to run a quarantined variant (:func:`quarantine_reason`): :class:`ReleaseError` naming why and where its
+    report is. Its files can still be read (``inspect``, ``verify``); only running it is refused."""
+    reason = quarantine_reason(path, config)
+    if reason is None:
+        return
+    raise ReleaseError(f"{path} is a quarantined variant: export validation refused it ({reason}); its report is "
+                       f"{Path(path) / 'validation.json'}. clef-local does not run it: export the variant again "
+                       f"(another scheme or group size, --calibrate), or with --no-validate to write one "
+                       f"unvalidated on purpose")

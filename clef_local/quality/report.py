@@ -27,7 +27,7 @@ from clef_local.quality.tables import name as _name
 from clef_local.runtime.schema import QUESTION_TYPES
 
 __all__ = ["comparison_table_rows", "drift_table_rows", "labelled_table_rows", "markdown_table", "probe_table_rows",
-           "render_html", "render_markdown", "selective_table_rows", "write_report"]
+           "render_html", "render_markdown", "render_validation_html", "selective_table_rows", "write_report"]
 
 BUNDLE = "clef-local-report/1"
 DRIFT_COLUMNS = (("questions", "questions", "d"), ("kl_mean", "KL mean", "g"), ("kl_p99", "KL p99", "g"),
@@ -297,6 +297,29 @@ def render_html(results: Sequence[DriftResult], *, evals: Sequence[EvalResult] =
         parts.append("<h2>Recalibration (per-type temperature)</h2>" + _html_table(calibration_table_rows(calibration)))
     parts.append("</body></html>")
     return "\n".join(p for p in parts if p)
+
+
+def render_validation_html(result: Mapping[str, Any], *, verdict: str | None = None) -> str:
+    """An export's validation (``validation.json``'s dict, :mod:`clef_local.export.validate`) as one HTML page, in
+    the drift report's style: the verdict, then metric, value, threshold and ✓/✗ per check. ``verdict``: the
+    export's one line when it was refused (default: passed or failed, from ``result``)."""
+    title = f"clef-local validation: {result.get('variant', 'variant')}"
+    passed = bool(result.get("passed", result.get("validated")))
+    verdict = verdict or ("passed" if passed else "refused: " + ", ".join(result.get("failed", [])))
+    rows = [["metric", "value", "threshold", ""]]
+    for name, check in result.get("checks", {}).items():
+        rows.append([name, _fmt(check.get("value"), ".6g"), "—" if check.get("threshold") is None
+                     else f"{check['threshold']:g}", "✓" if check.get("ok") else "✗"])
+    shown = " · ".join(f"{key} {html.escape(str(result[key]))}" for key in ("requests", "questions", "flips", "dtype")
+                       if key in result)
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+             f"<style>{CSS}</style></head><body><h1>{html.escape(title)}</h1>",
+             f"<p class='{'ok' if passed else 'fail'}'>{html.escape(verdict)}</p>",
+             f"<p class='small'>reference <code>{html.escape(str(result.get('reference', '')))}</code> · {shown} · "
+             f"generated {dt.datetime.now(dt.UTC).strftime('%Y-%m-%d %H:%M UTC')}</p>",
+             "<h2>Checks</h2>" + _html_table(rows) if len(rows) > 1 else "<p>nothing was measured</p>",
+             "</body></html>"]
+    return "\n".join(parts)
 
 
 def render_markdown(results: Sequence[DriftResult], *, evals: Sequence[EvalResult] = (),

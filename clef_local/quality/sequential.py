@@ -13,7 +13,11 @@ look ``continue`` becomes ``undecided``. The procedure, exactly:
   true value, at some look: ≤ ``Σ_k level_k = alpha`` (union bound over the looks; one such metric suffices). A
   wrong refusal needs some metric's lower bound over its true value (≤ its limit): ≤ ``Σ_k Σ_m level_k / M =
   alpha``. The union bound holds for any schedule and any dependence between looks; it is conservative.
-- **Flip rate**: the exact one-sided Clopper–Pearson bounds of ``flips`` among ``questions``.
+- **Flip rate**: the exact one-sided Clopper–Pearson bounds of ``flips`` among ``questions``, at the effective
+  counts ``flips / d`` of ``questions / d`` where ``d ≥ 1`` is the design effect of flips clustered in requests
+  (Korn & Graubard 1998; ``d = 1``, plain Clopper–Pearson, when requests hold one question or flips do not
+  cluster). Without it, flips that come together in a request (a borderline message flips several of its
+  questions) make the binomial bound too narrow: simulated at the limit, a wrong-pass rate over alpha.
 - **Mean KL**: over *requests* (the questions of a request share a forward pass): the ratio mean
   ``Σ KL / Σ questions`` with its linearized request-level standard error ``se``. Upper bound: ``mean + se ·
   max(t, h, √((1 − a)/a))`` at level ``a``: the Student-t quantile (``n − 1`` df), Hall's (1992) skewness-corrected
@@ -27,8 +31,8 @@ look ``continue`` becomes ``undecided``. The procedure, exactly:
   than its level: a high mean comes with a high spread). Analytic rather than resampled, so that its small levels
   need no 10⁴ resamples per look and the simulation (benchmarks/verdict_simulation.py) runs the same code.
 
-Flip bounds treat questions as independent; flips clustered within requests make them a little narrow, which the
-union bound's slack absorbs (the simulation has clustered flips). Pure numpy; scipy is imported when a bound is.
+The design effect is estimated from the same data (noisy with few flips), so the flip bound's level is approximate
+when flips cluster; the simulation has clustered flips. Pure numpy; scipy is imported when a bound is.
 """
 
 from __future__ import annotations
@@ -43,7 +47,9 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 ALPHA = 0.05  # each error (a wrong pass, a wrong refusal) at most 5% over the whole run: drift's @upper95 gates' 5%
-FIRST_LOOK = 8  # validation's batch (8 requests, ~16 questions): enough for a broken variant to be refused at once
+# 16 requests (~32 questions): the fewest at which a broken variant (40% flips) is refused at the first look nearly
+# always; at 8, a first look's small level refuses it there only about half the time (benchmarks/verdict_simulation.py)
+FIRST_LOOK = 16
 GATEABLE = ("mean_kl", "flip_rate")
 VERDICTS = ("pass", "fail", "continue", "undecided")
 
@@ -59,7 +65,7 @@ class Schedule:
         if not self.looks or any(n < 1 for n in self.looks) or any(
                 b <= a for a, b in zip(self.looks, self.looks[1:], strict=False)):
             raise ValueError(f"looks must be increasing positive request counts, got {self.looks}; e.g. "
-                             f"schedule(256).looks = (8, 16, 32, 64, 128, 256)")
+                             f"schedule(256).looks = (16, 32, 64, 128, 256)")
         if not 0 < self.alpha < 0.5:
             raise ValueError(f"alpha must be in (0, 0.5), got {self.alpha}; e.g. {ALPHA}")
 
@@ -106,14 +112,16 @@ def schedule(max_requests: int, *, first: int = FIRST_LOOK, alpha: float = ALPHA
 # ---------------------------------------------------------------------------------------------------- the bounds
 
 
-def flip_bounds(flips: np.ndarray | int, questions: np.ndarray | int, upper_level: float,
-                lower_level: float) -> tuple[np.ndarray, np.ndarray]:
+def flip_bounds(flips: np.ndarray | float, questions: np.ndarray | float, upper_level: float,
+                lower_level: float, deff: np.ndarray | float = 1.0) -> tuple[np.ndarray, np.ndarray]:
     """One-sided Clopper–Pearson bounds (lower at ``lower_level``, upper at ``upper_level``) of the rate of
-    ``flips`` events among ``questions`` (arrays broadcast; ``(0, 1)`` where ``questions`` is 0)."""
+    ``flips`` events among ``questions`` (arrays broadcast; ``(0, 1)`` where ``questions`` is 0); with a design
+    effect ``deff`` > 1, at the effective counts ``flips / deff`` of ``questions / deff`` (Korn & Graubard 1998:
+    clustered questions carry less information than as many independent ones)."""
     from scipy.stats import beta
 
-    k = np.asarray(flips, dtype=np.float64)
-    n = np.asarray(questions, dtype=np.float64)
+    k = np.asarray(flips, dtype=np.float64) / deff
+    n = np.asarray(questions, dtype=np.float64) / deff
     with np.errstate(invalid="ignore", divide="ignore"):
         upper = np.where(k >= n, 1.0, beta.ppf(1 - upper_level, k + 1, np.maximum(n - k, 1e-300)))
         lower = np.where(k <= 0, 0.0, beta.ppf(lower_level, np.maximum(k, 1e-300), n - k + 1))
@@ -170,6 +178,21 @@ class RequestMoments:
         return sd / np.sqrt(n), skew
 
 
+def design_effect(moments: RequestMoments) -> np.ndarray:
+    """Kish's design effect of a rate over clustered questions: the variance of ``Σ events / Σ questions`` over
+    requests (the ratio estimator's linearization, ``1/n`` like the binomial's) over the binomial variance, at least
+    1 (Korn & Graubard 1998 truncate it so, so that no clustering leaves the exact bound as it is): exactly 1 when
+    every request has one question; 1 where the rate is 0 or 1."""
+    p, n = moments.mean, moments.n
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mbar = moments.m1 / n
+        z2 = (moments.s2 - 2 * p * moments.sm + p * p * moments.m2) / mbar ** 2
+        clustered = np.maximum(z2, 0.0) / n ** 2
+        binomial = p * (1 - p) / moments.m1
+        deff = np.where(binomial > 0, clustered / np.where(binomial > 0, binomial, 1.0), 1.0)
+    return np.maximum(np.nan_to_num(deff, nan=1.0), 1.0)
+
+
 def _hall_inverse(y: np.ndarray | float, skew: np.ndarray, n: np.ndarray) -> np.ndarray:
     """``t`` with ``g(t) = y`` for Hall's transform ``g(t) = t + a·t² + a²·t³/3 + b`` (``a = γ/(3√n)``,
     ``b = γ/(6√n)``), monotone: ``g(t) = ((1 + a·t)³ − 1)/(3a) + b``."""
@@ -220,7 +243,8 @@ def verdict_of(bounds: Mapping[str, tuple[np.ndarray, np.ndarray]], limits: Mapp
 class Bound:
     """One metric at one look: its value, one-sided bounds (see :class:`Look` for their levels), its limit, and
     ``state``: ``inside`` (upper ≤ limit), ``outside`` (lower > limit) or ``open``. ``spread``: the mean's
-    standard error over requests (NaN for a rate), which :func:`what_would_decide` scales."""
+    standard error over requests (NaN for a rate), which :func:`what_would_decide` scales; ``design_effect``: the
+    rate's (:func:`design_effect`; 1 for a mean)."""
 
     metric: str
     value: float
@@ -229,6 +253,7 @@ class Bound:
     limit: float
     state: str
     spread: float = math.nan
+    design_effect: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -287,14 +312,16 @@ def look(schedule: Schedule, k: int, kl: np.ndarray, flipped: np.ndarray, reques
     if requests != schedule.looks[k]:
         log.debug("look %d: %d requests seen, the schedule says %d", k, requests, schedule.looks[k])
     raw: dict[str, tuple[float, float, float, float]] = {}
+    deff = 1.0
     if "flip_rate" in limits:
-        lo, up = flip_bounds(flips, questions, upper_level, lower_level)
+        deff = float(design_effect(RequestMoments.from_questions(flipped.astype(np.float64), request_of)))
+        lo, up = flip_bounds(flips, questions, upper_level, lower_level, deff)
         raw["flip_rate"] = (flips / questions, float(lo), float(up), math.nan)
     if "mean_kl" in limits:
         lo, up, se = mean_bounds(moments, upper_level, lower_level)
         raw["mean_kl"] = (float(moments.mean), float(lo), float(up), float(se))
-    bounds = {m: Bound(m, v, lo, up, float(limits[m]), _state(lo, up, float(limits[m])), se)
-              for m, (v, lo, up, se) in raw.items()}
+    bounds = {m: Bound(m, v, lo, up, float(limits[m]), _state(lo, up, float(limits[m])), se,
+                       deff if m == "flip_rate" else 1.0) for m, (v, lo, up, se) in raw.items()}
     verdict = str(verdict_of({m: (b.lower, b.upper) for m, b in bounds.items()}, limits, last))
     log.info("verdict look %d (%d requests, %d questions, level %.4g): %s — %s", k, requests, questions,
              upper_level, verdict, ", ".join(f"{b.metric} {b.value:.4g} [{b.lower:.4g}, {b.upper:.4g}] {b.state}"
@@ -320,7 +347,7 @@ def _questions_to_decide(bound: Bound, side: str, upper_level: float, lower_leve
         return questions_now * (z * bound.spread / abs(limit - value)) ** 2
 
     def crosses(q: float) -> bool:
-        lo, up = flip_bounds(value * q, q, upper_level, lower_level)
+        lo, up = flip_bounds(value * q, q, upper_level, lower_level, bound.design_effect)
         return bool(up <= limit) if side == "upper" else bool(lo > limit)
 
     hi = 16.0

@@ -24,12 +24,12 @@ look ``continue`` becomes ``undecided``. The procedure, exactly:
   one, and Cantelli's one-sided Chebyshev factor. Per-question KL is right-skewed and heavy-tailed (most questions
   near 0, a few near a decision boundary far out): the sample mean is then mostly *below* the true mean and the
   standard error with it, so t, Hall and a percentile bootstrap all let the upper bound fall under a true mean at
-  the limit several times more often than their level (simulated: ~9% at a nominal 0.16% with 8 requests);
-  Cantelli's factor (~25 at the first looks' level) holds it at every request count ≥ 16 and at 8 but for the
-  heaviest tail simulated. Conservative, and it costs little: a good variant's mean KL sits 10–60× under its
-  limit. Lower bound: ``mean − se · max(t, h)`` at ``a / M``, never below 0 (skewness makes it cover *more*
-  than its level: a high mean comes with a high spread). Analytic rather than resampled, so that its small levels
-  need no 10⁴ resamples per look and the simulation (benchmarks/verdict_simulation.py) runs the same code.
+  the limit several times more often than their level at the small levels of the first looks; Cantelli's factor
+  holds it in the simulated cases but for the heaviest tail at the smallest request counts. Conservative, and it
+  costs little: a good variant's mean KL sits far under its limit, and the flip rate is what takes the requests.
+  Lower bound: ``mean − se · max(t, h)`` at ``a / M``, never below 0 (skewness makes it cover *more* than its
+  level: a high mean comes with a high spread). Analytic rather than resampled, so that its small levels need no
+  10⁴ resamples per look and the simulation (benchmarks/verdict_simulation.py) runs the same code.
 
 The design effect is estimated from the same data (noisy with few flips), so the flip bound's level is approximate
 when flips cluster; the simulation has clustered flips. Pure numpy; scipy is imported when a bound is.

@@ -2,10 +2,23 @@
 
 The rounding rules of both grids (``grid="mse"``, the default, and ``grid="mlx"``, bit for bit ``mx.quantize``),
 the packing and how torch's int4 kernels read the same tensors: docs/quantization.md#the-rounding-rules-exactly.
+
+How the grids run (:func:`_by_blocks`): on the CPU in blocks of :data:`BLOCK_ELEMENTS` values (whole groups) on a
+pool of ``torch.get_num_threads()`` threads. Every group goes through the same elementwise ops and the same
+reductions over its own g values whatever block it falls in, so the bytes are those of one whole-tensor call
+(tests/test_int4_grid_speed.py keeps that call as its oracle).
+
+A weight on a CUDA device runs in one call on the device. The bytes can differ from the CPU's there: CUDA sums a
+group in another order, and divides by a Python number (``span / 15``) as a multiplication by its reciprocal (1 ulp
+off at times), so a least-squares fit, a candidate's error or a step can differ in its last bits; where two
+candidates nearly tie or a value sits at a rounding midpoint, another grid or code wins. Rare: a test on a GPU
+bounds the fraction of differing codes and the squared error.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import torch
@@ -31,8 +44,11 @@ def check_shape(shape: tuple[int, ...], group_size: int) -> None:
 
 def mlx_grid(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """MLX's (scale, bias) per group of ``w`` [..., g] (float32), before the cast to the source dtype."""
-    w_max = w.amax(dim=-1)
-    w_min = w.amin(dim=-1)
+    return _mlx_pair(w.amin(dim=-1), w.amax(dim=-1))
+
+
+def _mlx_pair(w_min: torch.Tensor, w_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`mlx_grid` from each group's minimum and maximum."""
     side = w_min.abs() > w_max.abs()
     scale = torch.clamp((w_max - w_min) / _N_BINS, min=_EPS)
     scale = torch.where(side, scale, -scale)
@@ -45,16 +61,20 @@ def mlx_grid(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _assign(w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    return torch.round((w - bias[..., None]) / scale[..., None]).clamp_(0, _N_BINS)
+    """``clamp(rint((w - bias) / scale), 0, 15)`` per group, as float32 codes (one new tensor, the rest in place)."""
+    return (w - bias[..., None]).div_(scale[..., None]).round_().clamp_(0, _N_BINS)
 
 
-def _stored(w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q, scale, bias, squared error per group) of a grid once scale and bias are cast to ``dtype``."""
+def _stored(scale: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, bias) as stored in ``dtype``, back in float32."""
     scale, bias = scale.to(dtype).to(torch.float32), bias.to(dtype).to(torch.float32)
-    scale = torch.where(scale == 0, torch.full_like(scale, -_EPS), scale)  # a cast can flush a tiny scale
-    q = _assign(w, scale, bias)
-    return q, scale, bias, (q * scale[..., None] + bias[..., None] - w).square_().sum(dim=-1)
+    return torch.where(scale == 0, torch.full_like(scale, -_EPS), scale), bias  # a cast can flush a tiny scale
+
+
+def _error(w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``Σ (scale·q + bias − w)²`` per group with q = :func:`_assign` (the products, sums and square each rounded
+    once, in this order)."""
+    return _assign(w, scale, bias).mul_(scale[..., None]).add_(bias[..., None]).sub_(w).square_().sum(dim=-1)
 
 
 def _oriented(lo: torch.Tensor, step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,12 +84,13 @@ def _oriented(lo: torch.Tensor, step: torch.Tensor) -> tuple[torch.Tensor, torch
     return torch.where(flip, -step, step), torch.where(flip, hi, lo)
 
 
-def _least_squares(w: torch.Tensor, q: torch.Tensor, step: torch.Tensor, lo: torch.Tensor
+def _least_squares(w: torch.Tensor, sw: torch.Tensor, q: torch.Tensor, step: torch.Tensor, lo: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (step, lo) minimising ``sum((step·q + lo - w)^2)`` per group; the old pair where that is not > 0."""
+    """The (step, lo) minimising ``sum((step·q + lo - w)^2)`` per group (``sw``: ``w.sum(-1)``); the old pair where
+    that is not > 0. Squares ``q`` in place."""
     n = w.shape[-1]
-    sq, sqq = q.sum(-1), q.square().sum(-1)
-    sw, sqw = w.sum(-1), (q * w).sum(-1)
+    sq, sqw = q.sum(-1), (q * w).sum(-1)
+    sqq = q.square_().sum(-1)
     det = n * sqq - sq * sq
     safe = torch.where(det > 0, det, 1.0)
     fit_step = (n * sqw - sq * sw) / safe
@@ -81,42 +102,105 @@ def _least_squares(w: torch.Tensor, q: torch.Tensor, step: torch.Tensor, lo: tor
 _MSE_LEVELS = (14.0, 14.5, 15.0, 15.5, 16.0)  # initial grids: the range over n steps, stretched or clipped
 GRIDS = ("mse", "mlx")
 DEFAULT_GRID = "mse"
+# CPU blocks of groups (_by_blocks): float32 values per block. A block's temporaries (a few times its 2 MB) stay in
+# cache instead of walking the whole tensor's through memory at every op; much smaller blocks lose to torch's per-op
+# overhead (measured on a 2-core EPYC: 2^17 to 2^21 within ~30% of each other, 2^19 fastest; benchmarks/grid_speed.py)
+BLOCK_ELEMENTS = 1 << 19
+Block = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 def _mse_grid(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q, scale, bias) of the stored grid with the least squared error (docs/quantization.md, ``mse``)."""
     w_min, w_max = w.amin(dim=-1), w.amax(dim=-1)
-    span = (w_max - w_min).clamp(min=_EPS)
-    candidates = [mlx_grid(w), _oriented(w_min, span / _N_BINS)]
+    span = (w_max - w_min).clamp_(min=_EPS)
+    sw = w.sum(-1)
+    candidates = [_mlx_pair(w_min, w_max), _oriented(w_min, span / _N_BINS)]
     for levels in _MSE_LEVELS:
         step, lo = span / levels, w_min
         for _ in range(2):
-            step, lo = _least_squares(w, _assign(w, step, lo), step, lo)
+            step, lo = _least_squares(w, sw, _assign(w, step, lo), step, lo)
         candidates.append(_oriented(lo, step))
-    q, scale, bias, error = _stored(w, *candidates[0], dtype)
+    scale, bias = _stored(*candidates[0], dtype)
+    error = _error(w, scale, bias)
     for candidate in candidates[1:]:
-        q2, scale2, bias2, error2 = _stored(w, *candidate, dtype)
+        scale2, bias2 = _stored(*candidate, dtype)
+        error2 = _error(w, scale2, bias2)
         better = error2 < error  # strict: ties keep the earlier candidate
-        q = torch.where(better[..., None], q2, q)
         scale, bias, error = (torch.where(better, new, old) for new, old in
                               ((scale2, scale), (bias2, bias), (error2, error)))
-    return q, scale, bias
+    return _assign(w, scale, bias), scale, bias  # the winner's codes: the same elementwise ops on the same values
+
+
+def _by_blocks(weight: torch.Tensor, group_size: int, block: Block, dtypes: tuple[torch.dtype, torch.dtype]
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``block`` (float32 groups [n, g] → float32 codes [n, g] and two [n] per-group tensors) over every group of
+    ``weight``, cast to (uint8, ``dtypes[0]``, ``dtypes[1]``) and shaped [out, in], [out, in / g] twice.
+
+    Off the CPU (a CUDA weight) one call takes every group. On the CPU the groups run in blocks of
+    :data:`BLOCK_ELEMENTS` values on a pool of ``torch.get_num_threads()`` threads, each with one intra-op thread (the
+    setting is put back after): every group's values go through the same elementwise ops and the same per-group
+    reductions whatever its block, so the bytes are the one call's (tests/test_int4_grid_speed.py). A weight of one
+    block (the export's row chunks, clef_local.export.shards.CHUNK_ELEMENTS) runs inline on torch's own intra-op
+    threads, as fast on the 2-core machine measured.
+    """
+    out_f, in_f = weight.shape
+    per_row = in_f // group_size
+    groups = weight.detach().reshape(-1, group_size)
+    if weight.device.type != "cpu":
+        q, a, b = block(groups.to(torch.float32))
+        return (q.to(torch.uint8).reshape(out_f, in_f), a.to(dtypes[0]).reshape(out_f, per_row),
+                b.to(dtypes[1]).reshape(out_f, per_row))
+    q_out = torch.empty(groups.shape, dtype=torch.uint8)
+    a_out, b_out = (torch.empty(groups.shape[0], dtype=dtype) for dtype in dtypes)
+    step = max(1, BLOCK_ELEMENTS // group_size)
+
+    def run(start: int) -> None:
+        stop = min(start + step, groups.shape[0])
+        q, a, b = block(groups[start:stop].to(torch.float32))
+        q_out[start:stop].copy_(q)  # copy_ casts as .to() does
+        a_out[start:stop].copy_(a)
+        b_out[start:stop].copy_(b)
+
+    starts = range(0, groups.shape[0], step)
+    workers = min(len(starts), torch.get_num_threads())
+    if workers <= 1:
+        for start in starts:
+            run(start)
+    else:
+        threads = torch.get_num_threads()
+        try:
+            # one intra-op thread per worker: the pool is the parallelism (torch's setting is per process, so the
+            # caller's is restored once the pool is done)
+            with ThreadPoolExecutor(workers, thread_name_prefix="clef-int4", initializer=torch.set_num_threads,
+                                    initargs=(1,)) as pool:
+                for _ in pool.map(run, starts):
+                    pass
+        finally:
+            torch.set_num_threads(threads)
+    return q_out.reshape(out_f, in_f), a_out.reshape(out_f, per_row), b_out.reshape(out_f, per_row)
+
+
+def _check_grid(grid: str) -> None:
+    if grid not in GRIDS:
+        raise ValueError(f"int4 grid must be one of {GRIDS}, got {grid!r}")
 
 
 def quantize_values(weight: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE, grid: str = DEFAULT_GRID
                     ) -> tuple[torch.Tensor, ...]:
-    """Return (q uint8 [out, in], scales, biases [out, in / g] in ``weight.dtype``) on the ``grid`` rule."""
+    """Return (q uint8 [out, in], scales, biases [out, in / g] in ``weight.dtype``) on the ``grid`` rule.
+
+    On the CPU in row blocks on every core (:func:`_by_blocks`), on a CUDA device in one call: docs/quantization.md
+    #the-rounding-rules-exactly says what may differ there."""
     check_shape(tuple(weight.shape), group_size)
-    if grid not in GRIDS:
-        raise ValueError(f"int4 grid must be one of {GRIDS}, got {grid!r}")
-    out_f, in_f = weight.shape
-    w = weight.detach().to(torch.float32).reshape(out_f, in_f // group_size, group_size)
-    if grid == "mlx":
+    _check_grid(grid)
+
+    def block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if grid == "mse":
+            return _mse_grid(w, weight.dtype)
         scale, bias = mlx_grid(w)
-        q = _assign(w, scale, bias)
-    else:
-        q, scale, bias = _mse_grid(w, weight.dtype)
-    return q.to(torch.uint8).reshape(out_f, in_f), scale.to(weight.dtype), bias.to(weight.dtype)
+        return _assign(w, scale, bias), scale, bias
+
+    return _by_blocks(weight, group_size, block, (weight.dtype, weight.dtype))
 
 
 def _ascending(scale: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,42 +208,79 @@ def _ascending(scale: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, t
     return scale.abs(), torch.where(scale < 0, bias + _N_BINS * scale, bias)
 
 
-def _zero_range(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """compressed-tensors' min-max rule (its ``calculate_qparams``): the range widened to hold 0, so the zero point
-    is a code in 0..15 whatever the signs."""
-    lo, hi = w.amin(dim=-1).clamp(max=0), w.amax(dim=-1).clamp(min=0)
+def _zero_range(w_min: torch.Tensor, w_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """compressed-tensors' min-max rule (its ``calculate_qparams``) from each group's minimum and maximum: the range
+    widened to hold 0, so the zero point is a code in 0..15 whatever the signs."""
+    lo, hi = w_min.clamp(max=0), w_max.clamp(min=0)
     step = ((hi - lo) / _N_BINS).clamp(min=_EPS)
     return step, torch.round(-lo / step).clamp_(0, _N_BINS)
 
 
 def _zero_assign(w: torch.Tensor, step: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    return torch.round(w / step[..., None] + zero[..., None]).clamp_(0, _N_BINS)
+    """``clamp(rint(w / step + zero), 0, 15)`` per group, as float32 codes."""
+    return (w / step[..., None]).add_(zero[..., None]).round_().clamp_(0, _N_BINS)
 
 
 def _zero_fit(w: torch.Tensor, q: torch.Tensor, step: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     """The step minimising ``sum((step·(q - zero) - w)^2)`` per group with the zero fixed; the old one where that is
-    not > 0."""
-    d = q - zero[..., None]
-    den, num = d.square().sum(-1), (d * w).sum(-1)
+    not > 0. Overwrites ``q``."""
+    d = q.sub_(zero[..., None])
+    num = (d * w).sum(-1)
+    den = d.square_().sum(-1)
     fit = num / torch.where(den > 0, den, 1.0)
     return torch.where((den > 0) & (fit > 0), fit, step)
 
 
-def _mlx_zero_grid(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q, step, zero) of MLX's rule: its codes (flipped to ``15 - q`` where its scale is negative) and its bias as
-    an integer code (MLX puts the bias on ``q0·scale``). A group all of one sign far from 0 has its zero outside
-    0..15: it takes :func:`_zero_range` instead."""
-    scale, bias = mlx_grid(w)
-    step, lo = _ascending(scale, bias)
+def _mlx_zero_pair(w_min: torch.Tensor, w_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(step, zero, inside) of MLX's rule: its scale made positive and its bias as an integer code (MLX puts the bias
+    on ``q0·scale``); ``inside`` where that code is in 0..15. Elsewhere (a group all of one sign far from 0)
+    :func:`_zero_range`'s pair replaces it."""
+    step, lo = _ascending(*_mlx_pair(w_min, w_max))
     zero = torch.round(-lo / step)
-    q = _assign(w, scale, bias)
-    q = torch.where(scale[..., None] < 0, _N_BINS - q, q)
     inside = (zero >= 0) & (zero <= _N_BINS)
     if not bool(inside.all()):
-        step2, zero2 = _zero_range(w)
-        q = torch.where(inside[..., None], q, _zero_assign(w, step2, zero2))
+        step2, zero2 = _zero_range(w_min, w_max)
         step, zero = torch.where(inside, step, step2), torch.where(inside, zero, zero2)
+    return step, zero, inside
+
+
+def _mlx_zero_grid(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, step, zero) of MLX's rule: its codes (flipped to ``15 - q`` where its scale is negative) and its bias as
+    an integer code (:func:`_mlx_zero_pair`). A group all of one sign far from 0 has its zero outside 0..15: it takes
+    :func:`_zero_range` instead."""
+    w_min, w_max = w.amin(dim=-1), w.amax(dim=-1)
+    scale, bias = _mlx_pair(w_min, w_max)
+    step, zero, inside = _mlx_zero_pair(w_min, w_max)
+    q = _assign(w, scale, bias)
+    q = torch.where(scale[..., None] < 0, _N_BINS - q, q)
+    if not bool(inside.all()):
+        q = torch.where(inside[..., None], q, _zero_assign(w, step, zero))
     return q, step, zero
+
+
+def _zero_mse_grid(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, scale, zero) of the zero-point candidate with the least squared error (:func:`zero_point_values`)."""
+    w_min, w_max = w.amin(dim=-1), w.amax(dim=-1)
+    span = (w_max - w_min).clamp_(min=_EPS)
+    step, zero, _ = _mlx_zero_pair(w_min, w_max)
+    candidates = [(step, zero), _zero_range(w_min, w_max)]
+    candidates += [(span / levels, torch.round(-w_min / (span / levels)).clamp_(0, _N_BINS))
+                   for levels in _MSE_LEVELS]
+    error = None
+    for index, (step2, zero2) in enumerate(candidates):
+        for _ in range(2 if index else 0):  # MLX's own pair stays as it is: the mse grid is never worse
+            step2 = _zero_fit(w, _zero_assign(w, step2, zero2), step2, zero2)
+        stored = step2.to(dtype).to(torch.float32)
+        stored = torch.where(stored > 0, stored, torch.full_like(stored, _EPS))  # a cast can flush a tiny step
+        error2 = _zero_assign(w, stored, zero2).sub_(zero2[..., None]).mul_(stored[..., None]).sub_(w)
+        error2 = error2.square_().sum(dim=-1)
+        if error is None:
+            step, zero, error = stored, zero2, error2
+        else:
+            better = error2 < error  # strict: ties keep the earlier candidate
+            step, zero, error = (torch.where(better, new, old) for new, old in
+                                 ((stored, step), (zero2, zero), (error2, error)))
+    return _zero_assign(w, step, zero), step, zero  # the winner's codes: the same ops on the same values
 
 
 def zero_point_values(weight: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE, grid: str = DEFAULT_GRID
@@ -172,32 +293,15 @@ def zero_point_values(weight: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE
     the MLX layout's by the bf16 rounding of the bias only). ``grid="mse"``: the candidate with the least squared
     error once its scale is cast to ``weight.dtype``, among MLX's, compressed-tensors' min-max rule and the ``mse``
     grid's stretched ranges with the zero rounded to a code, each step refitted by least squares with its zero fixed.
+    Row blocks and devices as :func:`quantize_values`.
     """
     check_shape(tuple(weight.shape), group_size)
-    if grid not in GRIDS:
-        raise ValueError(f"int4 grid must be one of {GRIDS}, got {grid!r}")
-    out_f, in_f = weight.shape
-    w = weight.detach().to(torch.float32).reshape(out_f, in_f // group_size, group_size)
-    q, step, zero = _mlx_zero_grid(w)
-    if grid == "mse":
-        candidates = [(step, zero), _zero_range(w)]
-        w_min, span = w.amin(dim=-1), (w.amax(dim=-1) - w.amin(dim=-1)).clamp(min=_EPS)
-        candidates += [(span / levels, torch.round(-w_min / (span / levels)).clamp_(0, _N_BINS))
-                       for levels in _MSE_LEVELS]
-        error = None
-        for index, (step2, zero2) in enumerate(candidates):
-            for _ in range(2 if index else 0):  # MLX's own pair stays as it is: the mse grid is never worse
-                step2 = _zero_fit(w, _zero_assign(w, step2, zero2), step2, zero2)
-            stored = step2.to(weight.dtype).to(torch.float32)
-            stored = torch.where(stored > 0, stored, torch.full_like(stored, _EPS))  # a cast can flush a tiny step
-            q2 = _zero_assign(w, stored, zero2)
-            error2 = ((q2 - zero2[..., None]) * stored[..., None] - w).square_().sum(dim=-1)
-            better = error2 < error if error is not None else torch.ones_like(error2, dtype=torch.bool)
-            q = torch.where(better[..., None], q2, q)
-            step, zero = torch.where(better, stored, step), torch.where(better, zero2, zero)
-            error = error2 if error is None else torch.where(better, error2, error)
-    return (q.to(torch.uint8).reshape(out_f, in_f), step.to(weight.dtype),
-            zero.to(torch.uint8))
+    _check_grid(grid)
+
+    def block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _zero_mse_grid(w, weight.dtype) if grid == "mse" else _mlx_zero_grid(w)
+
+    return _by_blocks(weight, group_size, block, (weight.dtype, torch.uint8))
 
 
 def pack(q: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -11,10 +12,17 @@ import pytest
 
 
 @pytest.fixture(autouse=True)
-def _own_reference_cache(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
+def _own_reference_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Each test its own folder of cached reference answers (quantize keeps them per release, and the tiny releases
-    of two tests, or two workers, can share a digest): created only when a test writes one."""
-    monkeypatch.setenv("CLEF_LOCAL_REFERENCES", str(tmp_path_factory.getbasetemp() / f"references-{uuid.uuid4().hex}"))
+    of two tests, or two workers, can share a digest): created only when a test writes one. Set here, not with
+    ``monkeypatch``: a test's ``monkeypatch.undo()`` would send it to the user cache."""
+    before = os.environ.get("CLEF_LOCAL_REFERENCES")
+    os.environ["CLEF_LOCAL_REFERENCES"] = str(tmp_path_factory.getbasetemp() / f"references-{uuid.uuid4().hex}")
+    yield
+    if before is None:
+        os.environ.pop("CLEF_LOCAL_REFERENCES", None)
+    else:
+        os.environ["CLEF_LOCAL_REFERENCES"] = before
 
 
 @pytest.fixture(scope="session")

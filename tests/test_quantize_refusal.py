@@ -4,6 +4,7 @@ the exit codes. docs/quantization.md#validation."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
@@ -12,6 +13,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 import clef_local
 from clef_local.errors import ReleaseError
@@ -22,9 +24,10 @@ from clef_local.export.staging import ExportError
 from clef_local.export.validate import VALIDATION, ValidationFailed, ValidationRefused, ValidationUndecided
 from clef_local.formats.release import read_release
 from clef_local.formats.variant import QUARANTINED
+from clef_local.quant import registry
 from clef_local.testing import build_tiny_release
 
-FAST = ["--validation-requests", "2"]
+FAST = ["--validation-requests", "16"]  # the first look: a broken variant is refused there
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +37,17 @@ def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def strict(monkeypatch: pytest.MonkeyPatch) -> None:
-    """int8's limits below any measurable value: the real validation runs, measures, and refuses."""
-    monkeypatch.setitem(validate.THRESHOLDS, "int8", {"mean_kl": -1.0, "flip_rate": -1.0})
+    """A seeded broken int8: its codes replaced by seeded random ones, so decisions move; the real validation runs,
+    measures, and refuses it at its first look."""
+    row = registry.SCHEMES["int8"]
+    generator = torch.Generator().manual_seed(0)
+
+    def broken(weight, *args, **kwargs):
+        out = row.quantize(weight, *args, **kwargs)
+        codes = torch.randint(-127, 128, out["weight"].shape, generator=generator, dtype=torch.int8)
+        return {**out, "weight": codes}
+
+    monkeypatch.setitem(registry.SCHEMES, "int8", dataclasses.replace(row, quantize=broken))
 
 
 def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, list[str]]:
@@ -60,15 +72,16 @@ def test_a_refused_export_keeps_its_report_beside_out_and_nothing_at_out(source:
                                                                         strict: None) -> None:
     out, html = tmp_path / "v", tmp_path / "r.html"
     with pytest.raises(ValidationFailed) as info:
-        quantize_release(source, out, "int8", validation_requests=2, report=html)
+        quantize_release(source, out, "int8", validation_requests=16, report=html)
     kept = tmp_path / "v.validation.json"
     message = str(info.value)
-    assert re.match(r"int8 variant fails validation: mean_kl [0-9.e-]+ > -1, flip_rate 0 > -1; ", message)
+    bounds = r"[0-9.e-]+ \[[0-9.e-]+, [0-9.e-]+\]"
+    assert re.match(rf"int8 variant fails validation: mean_kl {bounds} > 0\.002, flip_rate {bounds} > 0\.01; ", message)
     assert f"nothing was written to {out}; report: {kept}; HTML report: {html}" in message
     assert not out.exists() and leftovers(tmp_path) == []
     stored = json.loads(kept.read_text())
-    assert stored == info.value.result and stored["passed"] is False and stored["requests"] == 2
-    assert stored["variant"] == str(out) and stored["thresholds"] == {"mean_kl": -1.0, "flip_rate": -1.0}
+    assert stored == info.value.result and stored["passed"] is False and stored["requests"] == 16
+    assert stored["variant"] == str(out) and stored["thresholds"] == validate.THRESHOLDS["int8"]
     page = html.read_text()
     assert page.startswith("<!doctype html>") and "int8 variant fails validation" in page and "✗" in page
 
@@ -107,7 +120,7 @@ def test_quarantine_on_a_full_disk_keeps_the_report_and_says_so(source: Path, tm
     monkeypatch.setattr(refusal.shutil, "move", full)
     out, kept = tmp_path / "v", tmp_path / "kept"
     with pytest.raises(ValidationFailed) as info:
-        quantize_release(source, out, "int8", validation_requests=2, quarantine=kept)
+        quantize_release(source, out, "int8", validation_requests=16, quarantine=kept)
     assert f"report: {tmp_path / 'v.validation.json'}; --quarantine {kept}: the variant could not be kept there " \
            f"(cannot write " in str(info.value)
     assert str(info.value).endswith("its report is kept (above)")
@@ -136,8 +149,8 @@ def test_a_passing_export_writes_the_html_report_and_drops_a_stale_refusal(sourc
     out, html = tmp_path / "v", tmp_path / "r.html"
     stale = tmp_path / "v.validation.json"
     stale.write_text('{"passed": false}')
-    code, _ = cli(capsys, "--model", str(source), "--format", "int8", "--out", str(out), "--report", str(html),
-                  *FAST)
+    # int4: its 5% flip limit can be shown on the tiny release's probes (int8's 1% needs ~500 questions)
+    code, _ = cli(capsys, "--model", str(source), "--format", "int4", "--out", str(out), "--report", str(html))
     assert code == 0 and (out / VALIDATION).is_file() and not stale.exists()
     page = html.read_text()
     assert "passed" in page and "✓" in page and "✗" not in page

@@ -107,10 +107,17 @@ def test_broken_head_fails_naming_the_metrics(tiny_llama: Path, copies, requests
 
 def test_validate_export_records_and_raises(tiny_llama: Path, copies, requests, tmp_path: Path) -> None:
     broken = shutil.copytree(copies["broken"], tmp_path / "broken")
-    with pytest.raises(ValidationFailed, match=r"mean_kl [0-9.e-]+ > 0\.002.*flip_rate [0-9.e-]+ > 0\.01"):
-        validate_export(tiny_llama, broken, "int8", n=16, dtype="float32")
+    bounds = r"[0-9.e-]+ \[[0-9.e-]+, [0-9.e-]+\]"
+    with pytest.raises(ValidationFailed, match=rf"mean_kl {bounds} > 0\.002.*flip_rate {bounds} > 0\.01"):
+        validate_export(tiny_llama, broken, "int8", n=64, dtype="float32")
     stored = json.loads((broken / "validation.json").read_text())
     assert stored["passed"] is False and stored["thresholds"] == THRESHOLDS["int8"]
+    # refused at the first look: a broken variant does not need the whole probe set
+    assert stored["verdict"] == "fail" and len(stored["sequential"]["looks"]) == 1 and stored["requests"] == 16
+    assert stored["sequential"]["schedule"] == [16, 32, 64]
+    for name in ("mean_kl", "flip_rate"):
+        check = stored["checks"][name]
+        assert check["lower"] > check["threshold"] and check["state"] == "outside"
 
 
 def test_validation_that_cannot_run_is_an_error_not_a_skip(tiny_llama: Path, copies, tmp_path: Path,
@@ -134,12 +141,12 @@ def test_validation_that_cannot_run_is_an_error_not_a_skip(tiny_llama: Path, cop
         validate_export(tiny_llama, same, "int8")
     monkeypatch.undo()
 
-    def no_reference(path, *args, **kwargs):
-        if Path(path) == Path(tiny_llama):
+    def no_reference(self, role, path, *args, **kwargs):
+        if role == "reference":
             raise MemoryError("cannot allocate")
         raise AssertionError("the variant is not run when the reference cannot be")
 
-    monkeypatch.setattr(validate, "_predictions", no_reference)
+    monkeypatch.setattr("clef_local.export.turns.Turns.predict", no_reference)
     with pytest.raises(ValidationUnavailable) as info:
         validate_export(tiny_llama, same, "int8")
     assert str(info.value) == ("validation cannot run: the reference could not be loaded or run (MemoryError: cannot "
@@ -206,25 +213,28 @@ def test_export_with_validation_end_to_end(tiny_llama: Path, tmp_path: Path, cap
     out = tmp_path / "int4"
     assert quantize_main(["--model", str(tiny_llama), "--bits", "4", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "validation: 64 requests" in printed and "mean_kl" in printed
     stored = json.loads((out / "validation.json").read_text())
+    assert f"validation: pass after {stored['requests']} of 256 requests" in printed and "mean_kl" in printed
     assert stored["passed"] and stored["metrics"]["mean_kl"] <= THRESHOLDS["int4"]["mean_kl"]
     assert "validation.json" in read_manifest(out)["files"] and verify(out) == []
     assert not torch.isnan(torch.tensor(list(stored["metrics"].values()))).any()
 
 
 def test_validation_requests_sets_the_probe_set_size(tiny_llama: Path, tmp_path: Path, capsys) -> None:
-    """--validation-requests N runs the first-seeded N-request probe set through both models (a reference streamed
-    on a slow machine); below 1 it is refused before anything is written."""
+    """--validation-requests N caps the probes both models run; 6 cannot show int8's 1% flip limit (undecided,
+    exit 3, the report kept beside --out and the line says what would decide it); below 1 it is refused before
+    anything is written."""
     out = tmp_path / "int8"
     assert quantize_main(["--model", str(tiny_llama), "--bits", "8", "--out", str(out),
-                          "--validation-requests", "6"]) == 0
-    stored = json.loads((out / "validation.json").read_text())
+                          "--validation-requests", "6"]) == 3
+    err = capsys.readouterr().err
+    assert "validation undecided after 6 requests" in err and "--validation-requests" in err and not out.exists()
+    stored = json.loads((tmp_path / "int8.validation.json").read_text())
     assert stored["requests"] == 6 and stored["questions"] == sum(len(r["questions"]) for r in validation_requests(6))
+    assert stored["verdict"] == "undecided" and stored["checks"]["flip_rate"]["state"] == "open"
     assert {run["batches"] >= 1 for run in stored["runs"].values()} == {True}
-    capsys.readouterr()
     assert quantize_main(["--model", str(tiny_llama), "--bits", "8", "--out", str(tmp_path / "none"),
                           "--validation-requests", "0"]) == 2
     assert capsys.readouterr().err.strip() == ("error: --validation-requests 0: validation needs at least 1 probe "
-                                               "request (default 64; --no-validate skips it)")
+                                               "request (default 1024 for int8; --no-validate skips it)")
     assert not (tmp_path / "none").exists()

@@ -47,9 +47,9 @@ from clef_local.export.shards import (
     write_index,
 )
 from clef_local.export.staging import ExportError, check_paths, resolve_out, staged
-from clef_local.export.validate import VALIDATION_REQUESTS
 from clef_local.formats.manifest import file_entries
 from clef_local.formats.quant_plan import MIXED, SOURCE, LayerFormat, layer_index
+from clef_local.quant import registry
 
 if TYPE_CHECKING:
     import torch
@@ -322,7 +322,7 @@ def _progress_bar(total: int) -> Any:
 def mixed_release(source: Path, out: Path, max_kl: float, *, formats: str = DEFAULT_FORMATS,
                   group_layers: int = DEFAULT_GROUP_LAYERS, selection_requests: int = DEFAULT_SELECTION_REQUESTS,
                   force: bool = False, validate: bool = True, seed: int = 0,
-                  validation_requests: int = VALIDATION_REQUESTS, report: str | Path | None = None,
+                  validation_requests: int | None = None, report: str | Path | None = None,
                   quarantine: str | Path | None = None) -> dict[str, Any]:
     """Write the mixed-precision variant of ``source`` to ``out`` whose mean KL stays within ``max_kl`` (module
     docstring); returns the summary. ``formats``: the candidates (``int4`` takes the source's default group: 32 when
@@ -377,7 +377,7 @@ def mixed_release(source: Path, out: Path, max_kl: float, *, formats: str = DEFA
 
 def write_mixed(source: Path | Release, out: Path, plan: Mapping[int, LayerFormat], record: Mapping[str, Any], *,
                 max_kl: float, force: bool = False, validate: bool = True,
-                validation_requests: int = VALIDATION_REQUESTS, keep: Keep | None = None) -> dict[str, Any]:
+                validation_requests: int | None = None, keep: Keep | None = None) -> dict[str, Any]:
     """Write ``source`` with each decoder layer in its ``plan`` format (steps 4–5 of the module docstring);
     ``record`` (how the plan was chosen) goes into config.json beside it; validated at mean KL ≤ ``max_kl``.
     ``source`` may be the :class:`Release` already read (passed on, not read again). ``keep``: what a refusal keeps
@@ -391,6 +391,9 @@ def write_mixed(source: Path | Release, out: Path, plan: Mapping[int, LayerForma
     used = {fmt.scheme for fmt in plan.values() if fmt.scheme != SOURCE}
     strictest = min(t["flip_rate"] for t in THRESHOLDS.values())  # no layer quantized
     thresholds = {"mean_kl": max_kl, "flip_rate": max((THRESHOLDS[s]["flip_rate"] for s in used), default=strictest)}
+    if validation_requests is None:  # the probes its flip limit needs, as for the scheme whose limit it is
+        validation_requests = max(row.validation_requests for row in registry.SCHEMES.values()
+                                  if row.validation["flip_rate"] == thresholds["flip_rate"])
     keep = keep or Keep.of(source, out, force=force)
     check_disk(release, out, None, None, what="mixed")
     with staged(source, out, force) as tmp:

@@ -33,7 +33,7 @@ from clef_local.export.shards import (
     write_index,
 )
 from clef_local.export.staging import ExportError, check_paths, resolve_out, staged
-from clef_local.export.validate import VALIDATION_REQUESTS, ValidationRefused, ValidationUndecided
+from clef_local.export.validate import ValidationRefused, ValidationUndecided
 from clef_local.formats.manifest import file_entries
 from clef_local.quant import registry
 
@@ -135,7 +135,7 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
                      calibration_requests: int | None = None, log_summary: bool = True,
                      on_tensor: Callable[[str], None] | None = None, max_memory: str | None = None,
                      reference_file: str | Path | None = None, max_length: int | None = None,
-                     validation_requests: int = VALIDATION_REQUESTS, report: str | Path | None = None,
+                     validation_requests: int | None = None, report: str | Path | None = None,
                      quarantine: str | Path | None = None) -> dict[str, Any]:
     """Write the ``scheme`` variant of the release at ``source`` to ``out``; return the summary.
 
@@ -198,9 +198,11 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
     # a source on int4's own grid takes group 32 (found below, from its first weight): the largest int4 estimate
     estimate_group = 32 if spec.needs_divisible_input and group_size is None else group
     check_disk(release, out, spec.name, estimate_group, what=spec.name)
-    if validation_requests < 1:
+    if validation_requests is None:
+        validation_requests = spec.validation_requests
+    elif validation_requests < 1:
         raise ExportError(f"--validation-requests {validation_requests}: validation needs at least 1 probe request "
-                          f"(default {VALIDATION_REQUESTS}; --no-validate skips it)")
+                          f"(default {spec.validation_requests} for {spec.name}; --no-validate skips it)")
     checked = None
     if validate:
         from clef_local.export.validate import check_validation
@@ -344,9 +346,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "clef-local refuses to load, serve or decide with it (for inspection; its report is "
                              "DIR/validation.json). Without it a refused variant is removed; its validation.json is "
                              "always kept as OUT.validation.json")
-    parser.add_argument("--validation-requests", type=int, metavar="N", default=VALIDATION_REQUESTS,
-                        help=f"packaged probe requests validation runs (default {VALIDATION_REQUESTS}); fewer is "
-                             "faster and a coarser verdict, for a reference streamed on a slow machine")
+    limits = ", ".join(f"{name} {row.validation_requests}" for name, row in registry.SCHEMES.items())
+    parser.add_argument("--validation-requests", type=int, metavar="N",
+                        help=f"the most probe requests validation may run (default per scheme: {limits}); it stops "
+                             "as soon as the bounds decide, and fewer make an undecided verdict likelier")
     parser.add_argument("--reference-file", type=Path, metavar="FILE",
                         help="validate against the source's probabilities in FILE (clef-local drift --reference "
                              "SOURCE --save-reference FILE, on this machine or another) instead of running it")

@@ -38,9 +38,9 @@ log = logging.getLogger(__name__)
 
 VALIDATION = "validation.json"
 METRICS = ("mean_kl", "max_kl", "flip_rate", "max_abs_dp")
-# the packaged probe set's size: every type of question, enough for a 5% flip threshold to mean something, and a few
-# minutes resident on a laptop (a reference streamed on a CPU takes hours: --validation-requests lowers it)
-VALIDATION_REQUESTS = 64
+# the most probes a sequential validation may use unless its scheme says (clef_local.quant.registry
+# ``validation_requests``): what a 5% flip limit needs (benchmarks/verdict_simulation.py); it stops when decided
+VALIDATION_REQUESTS = 256
 # each scheme's limits, from its row (clef_local.quant.registry)
 THRESHOLDS: dict[str, dict[str, float]] = {name: dict(row.validation) for name, row in registry.SCHEMES.items()}
 _EPS = 1e-12
@@ -222,9 +222,8 @@ def _level_caption(result: Mapping[str, Any]) -> str:
     if not sequential or not sequential.get("looks"):
         return ""
     last = sequential["looks"][-1]
-    return (f"; bounds at level {last['level']:.3g} (look {len(sequential['looks'])} of "
-            f"{len(sequential['looks_at']) if 'looks_at' in sequential else '?'}; overall error "
-            f"{sequential.get('alpha', '?')})")
+    return (f"; look {len(sequential['looks'])} of {len(sequential['schedule'])}, upper bounds at level "
+            f"{last['level']:.2g}; overall error ≤ {sequential['alpha']:g} each way")
 
 
 def validation_requests(n: int = VALIDATION_REQUESTS, seed: int = 0) -> list[dict[str, Any]]:
@@ -476,5 +475,5 @@ def _sequential_result(reference_dir: Path, variant_dir: Path, plan: Any, looks:
             "probe_set": plan.looks[-1], "questions": metrics["questions"], "flips": metrics["flips"],
             "dtype": answers.dtype or "as stored", "metrics": {k: metrics[k] for k in METRICS},
             "thresholds": dict(limits), "checks": checks, "passed": passed, "failed": failed,
-            "sequential": {**plan.to_json(), "looks": [look.to_json() for look in looks]},
+            "sequential": {**plan.to_json(), "schedule": list(plan.looks), "looks": [look.to_json() for look in looks]},
             "reference_answers": answers.describe(), "seconds": round(time.perf_counter() - started, 2)}

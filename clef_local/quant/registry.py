@@ -65,7 +65,9 @@ class Scheme:
     ``onnx_nbits``: the function in :mod:`clef_local.export.onnx.graph` that builds its MatMulNBits weight (None:
     no ONNX export). ``fake``: the function in :mod:`clef_local.synthetic` that writes its random stored tensors.
 
-    Export: ``validation``: the thresholds of :func:`clef_local.export.validate.validate_export`; ``row_wise``: its
+    Export: ``validation``: the thresholds of :func:`clef_local.export.validate.validate_export`;
+    ``validation_requests``: the most probe requests its sequential verdict may use (a 1% flip limit needs ~500
+    questions to be shown even with no flip; benchmarks/verdict_simulation.py); ``row_wise``: its
     quantize is bit-identical on row blocks (the export streams it so); GPTQ rounds it (:mod:`.gptq`) row blocks of
     whole groups only where ``flattened_blocks``.
     """
@@ -102,6 +104,7 @@ class Scheme:
     dequantized_growth: float = 1.0
     onnx_nbits: str | None = None
     row_wise: bool = False
+    validation_requests: int = 256
 
     @property
     def marker(self) -> str:
@@ -280,7 +283,7 @@ SCHEMES: dict[str, Scheme] = {
         half_precision_cpu_kernel=True, no_bitsandbytes_kernel="int_mm_cuda",
         weight_dtype="I8", extra_tensors=(".weight_scale",),
         torch_module="Int8Linear", mlx_loader="int8_layer", mlx_quantized=True, onnx_nbits="int8_module_nbits",
-        fake="int8_tensors", validation=_limits(0.002, 0.01), row_wise=True,
+        fake="int8_tensors", validation=_limits(0.002, 0.01), row_wise=True, validation_requests=1024,
     ),
     "nf4": Scheme(
         name="nf4", bits=4, default_group_size=64, needs_divisible_input=False, flattened_blocks=True,
@@ -304,7 +307,7 @@ SCHEMES: dict[str, Scheme] = {
         cuda_needs=(NEEDS_FP8,),
         weight_dtype="F8_E4M3", extra_tensors=(".weight_scale",),
         torch_module="FP8Linear", mlx_loader="fp8_layer", dequantized_growth=2.0,  # 8 bits/weight -> BF16
-        fake="fp8_tensors", validation=_limits(0.002, 0.01), row_wise=True,
+        fake="fp8_tensors", validation=_limits(0.002, 0.01), row_wise=True, validation_requests=1024,
     ),
 }
 

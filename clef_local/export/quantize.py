@@ -134,7 +134,8 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
                      calibration_requests: int | None = None, log_summary: bool = True,
                      on_tensor: Callable[[str], None] | None = None, max_memory: str | None = None,
                      reference_file: str | Path | None = None, max_length: int | None = None,
-                     validation_requests: int = VALIDATION_REQUESTS) -> dict[str, Any]:
+                     validation_requests: int = VALIDATION_REQUESTS,
+                     validation_data: str | Path | None = None) -> dict[str, Any]:
     """Write the ``scheme`` variant of the release at ``source`` to ``out``; return the summary.
 
     ``group_size``: int4 group (32/64/128; by default 32 when the source's weights already lie on a 4-bit grid per
@@ -152,8 +153,9 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
     reference's probabilities from ``drift --save-reference`` (checked first: its reference, probe set and dtype
     must be this export's) instead of running it; ``max_length``: the context validation loads both models at (None:
     the model's default); ``validation_requests``: how many packaged probe requests validation runs (fewer: faster, and
-    a coarser verdict). ``validate=False`` writes the variant with ``validated: false``
-    in ``config.json`` and ``validation.json``.
+    a coarser verdict); ``validation_data``: a JSONL file of the user's requests validation runs instead (its first
+    ``validation_requests``; read and checked before anything is written). ``validate=False`` writes the variant
+    with ``validated: false`` in ``config.json`` and ``validation.json``.
     ``calibrate`` rounds with GPTQ on ``calibration_requests`` requests (default 128) instead of round-to-nearest
     (:mod:`clef_local.export.gptq_calibration`; every scheme; it loads the source like validation does).
     ``log_summary`` logs :func:`summary_lines` at INFO (the CLI prints them instead). ``on_tensor(name)`` is
@@ -186,6 +188,8 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
     check_paths(source, out, force)  # a bad --out is refused before any work (staged checks again)
     if reference_file is not None and not validate:
         raise ExportError("--reference-file is what validation compares with; drop it or --no-validate")
+    if validation_data is not None and not validate:
+        raise ExportError("--validation-data is what validation runs on; drop it or --no-validate")
     if validation_requests < 1:
         raise ExportError(f"--validation-requests {validation_requests}: validation needs at least 1 probe request "
                           f"(default {VALIDATION_REQUESTS}; --no-validate skips it)")
@@ -196,7 +200,7 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
         # no probe set, too little memory for the reference or the variant, a wrong reference file: refused now,
         # not after minutes of quantizing; validation uses what this found
         checked = check_validation(release, validation_requests, scheme=spec.name, max_memory=max_memory,
-                         reference_file=reference_file, max_length=max_length)
+                         reference_file=reference_file, max_length=max_length, data=validation_data)
     shards = [f.name for f in release.weight_files]
     for file in release.weight_files:  # a truncated or garbled shard: one ReleaseError naming it, not a traceback
         read_header(file)
@@ -231,7 +235,7 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
 
             return validate_export(release, tmp, spec.name, validation_requests, variant_name=out,
                                    max_memory=max_memory, max_length=max_length, reference_file=reference_file,
-                                   checked=checked)
+                                   checked=checked, data=validation_data)
         finished = finish_variant(source, tmp, shards=shards, result=result, source_files=source_files,
                                   scheme=spec.name, group_size=group, fallback_bits=spec.bits_per_weight(group),
                                   validate=run_validation if validate else None)
@@ -322,8 +326,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="write the variant without comparing it with the source (config.json and "
                              "validation.json record validated: false)")
     parser.add_argument("--validation-requests", type=int, metavar="N", default=VALIDATION_REQUESTS,
-                        help=f"packaged probe requests validation runs (default {VALIDATION_REQUESTS}); fewer is "
-                             "faster and a coarser verdict, for a reference streamed on a slow machine")
+                        help=f"probe requests validation runs (default {VALIDATION_REQUESTS}; the first N of "
+                             "--validation-data); fewer is faster and a coarser verdict, for a reference streamed on a "
+                             "slow machine")
+    parser.add_argument("--validation-data", type=Path, metavar="FILE",
+                        help="validate on your own requests: the first --validation-requests of FILE (JSONL, one "
+                             "request per line, as clef-local drift --data reads; labels ignored) instead of the "
+                             "packaged probe set; checked before anything is written")
     parser.add_argument("--reference-file", type=Path, metavar="FILE",
                         help="validate against the source's probabilities in FILE (clef-local drift --reference "
                              "SOURCE --save-reference FILE, on this machine or another) instead of running it")
@@ -331,8 +340,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "does not fit under it is streamed from disk")
     parser.add_argument("--max-length", type=int, metavar="N",
                         help="the context validation loads both models at (default: the model's, 65,536, or 16,384 "
-                             "where that does not fit); the probe requests are short, and a streamed pass is not "
-                             "chunked, so a short one lets a streamed reference fit a tight --max-memory")
+                             "where that does not fit); the packaged probes reach 4K tokens in the first 64 (16K "
+                             "after them), longer states are cut to fit, and a streamed pass is not chunked, so a "
+                             "short one lets a streamed reference fit a tight --max-memory")
     return parser
 
 
@@ -372,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
                                    int4_layout=args.int4_layout, calibrate=args.calibrate,
                                    calibration_requests=args.calibration_requests, log_summary=False,
                                    max_memory=args.max_memory, reference_file=args.reference_file,
-                                   max_length=args.max_length, validation_requests=args.validation_requests)
+                                   max_length=args.max_length, validation_requests=args.validation_requests,
+                                   validation_data=args.validation_data)
     except ClefError as exc:  # refusals, bad sources, validation that cannot run: 2; a variant that fails it: 1
         print(f"error: {exc}", file=sys.stderr)
         return 1 if isinstance(exc, ValidationFailed) else 2
@@ -386,6 +397,9 @@ def _main_mixed(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
 
     if args.max_kl is None:
         parser.error("--format mixed needs --max-kl NATS (the mean KL budget, e.g. 0.002)")
+    if args.validation_data is not None:
+        parser.error("--validation-data applies to a single scheme; --format mixed validates on the packaged probe "
+                     "set")
     if given := [f for f, v in {"--group-size": args.group_size, "--int4-grid": args.int4_grid,
                                 "--int4-layout": args.int4_layout,
                                 "--calibrate": args.calibrate or None,

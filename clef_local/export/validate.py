@@ -22,8 +22,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from clef_local.data.datasets import packaged_datasets_dir
-from clef_local.data.probes import probe_requests
 from clef_local.errors import ClefError, InsufficientMemoryError, one_line
 from clef_local.quant import registry
 
@@ -165,12 +163,14 @@ def validation_table(result: Mapping[str, Any]) -> Any:
     return table
 
 
-def validation_requests(n: int = VALIDATION_REQUESTS, seed: int = 0) -> list[dict[str, Any]]:
-    """The probe set export validation runs on: ``n`` requests from the datasets shipped in the package."""
-    try:
-        return probe_requests(n, seed, root=packaged_datasets_dir())
-    except (FileNotFoundError, OSError, ValueError) as exc:
-        raise ValidationUnavailable(f"the packaged probe set cannot be read ({exc})") from exc
+def validation_requests(n: int = VALIDATION_REQUESTS, seed: int = 0, *, data: str | Path | None = None,
+                        vision: bool = False) -> list[dict[str, Any]]:
+    """The requests export validation runs on: ``n`` from the datasets shipped in the package (image requests among
+    them when ``vision``), or the first ``n`` of the JSONL file ``data``
+    (:func:`clef_local.export.probe_set.validation_set`)."""
+    from clef_local.export.probe_set import validation_set
+
+    return validation_set(n, seed, data=data, vision=vision)
 
 
 @dataclass(frozen=True)
@@ -186,8 +186,10 @@ class ValidationInputs:
 def check_validation(reference_dir: Path | Release, n: int = VALIDATION_REQUESTS, seed: int = 0, *,
                      scheme: str | None = None,
                      dtype: str | None = None, max_memory: str | None = None,
-                     reference_file: str | Path | None = None, max_length: int | None = None) -> ValidationInputs:
-    """Check, before an export writes anything, that its validation can run: the probe set reads; the reference
+                     reference_file: str | Path | None = None, max_length: int | None = None,
+                     data: str | Path | None = None) -> ValidationInputs:
+    """Check, before an export writes anything, that its validation can run: the probe set reads (``data``: the
+    user's JSONL requests instead, each checked; a release with a vision tower gets image probes too); the reference
     fits as the loader plans it (resident, else streamed from disk; logged), or ``reference_file`` holds its
     probabilities on this probe set; and the ``scheme`` variant will fit too (planned from the source's headers),
     both at ``max_length`` tokens (None: the model's default). :class:`ValidationUnavailable` naming why not.
@@ -196,15 +198,16 @@ def check_validation(reference_dir: Path | Release, n: int = VALIDATION_REQUESTS
     from clef_local.formats.release import Release, read_release
     from clef_local.planning.load_options import LoadOptions
 
-    requests = validation_requests(n, seed)
     release = reference_dir if isinstance(reference_dir, Release) else read_release(reference_dir)
+    requests = validation_requests(n, seed, data=data, vision=release.has_vision)
     reference_dir = release.path
     stored = None
     if reference_file is not None:
         from clef_local.quality import reference_file as files
 
         stored = files.read(reference_file)
-        files.check_requests(stored, requests, f"the packaged probe set ({n} requests, seed {seed})")
+        files.check_requests(stored, requests, f"--validation-data {data} ({len(requests)} requests)" if data else
+                             f"the packaged probe set ({n} requests, seed {seed})")
         files.check_reference(stored, reference_dir)
         files.check_run(stored, dtype=dtype or stored.dtype, context=None)
         log.info("reference from %s: %s", reference_file, stored.describe())
@@ -237,7 +240,7 @@ def validate_export(reference_dir: Path | Release, variant_dir: Path, scheme: st
                     dtype: str | None = None, variant_name: str | Path | None = None, *,
                     thresholds: Mapping[str, float] | None = None, max_memory: str | None = None,
                     reference_file: str | Path | None = None, max_length: int | None = None,
-                    checked: ValidationInputs | None = None) -> dict[str, Any]:
+                    checked: ValidationInputs | None = None, data: str | Path | None = None) -> dict[str, Any]:
     """Validation as the export runs it: packaged probe set, scheme thresholds, ``validation.json`` in the variant;
     :class:`ValidationUnavailable` when it cannot run (:func:`check_validation`, or the reference does not load or
     run); :class:`ValidationFailed` naming each failing metric and its value when a threshold is exceeded or the
@@ -247,11 +250,12 @@ def validate_export(reference_dir: Path | Release, variant_dir: Path, scheme: st
     reference's probabilities from ``drift --save-reference`` instead of running it. ``max_length``: the context both
     models are loaded at (None: the model's default). ``reference_dir`` may be the :class:`Release` already read:
     it is passed on as it is (read once). ``checked``: what :func:`check_validation` found for these same
-    arguments before the export began (not checked again)."""
+    arguments before the export began (not checked again). ``data``: validate on the first ``n`` requests of this
+    JSONL file instead of the packaged probe set (``--validation-data``)."""
     started = time.perf_counter()
     limits = thresholds if thresholds is not None else THRESHOLDS[scheme]
     inputs = checked or check_validation(reference_dir, n, seed, dtype=dtype, max_memory=max_memory,
-                                         reference_file=reference_file, max_length=max_length)
+                                         reference_file=reference_file, max_length=max_length, data=data)
     requests, stored, release = inputs.requests, inputs.reference, inputs.release
     runs: dict[str, dict[str, Any]] = {}
     if stored is None:

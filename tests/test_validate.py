@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from clef_local.data.probes import probe_requests
+from clef_local.data.probes import probe_requests, validation_probes
 from clef_local.export import validate
 from clef_local.export.quantize import main as quantize_main
 from clef_local.export.quantize import quantize_release
@@ -129,7 +129,7 @@ def test_validation_that_cannot_run_is_an_error_not_a_skip(tiny_llama: Path, cop
     def no_data(*args, **kwargs):
         raise FileNotFoundError("BANKING77/NLU++ not found")
 
-    monkeypatch.setattr(validate, "probe_requests", no_data)
+    monkeypatch.setattr("clef_local.export.probe_set.validation_probes", no_data)
     with pytest.raises(ValidationUnavailable, match="the packaged probe set cannot be read"):
         validate_export(tiny_llama, same, "int8")
     monkeypatch.undo()
@@ -153,7 +153,7 @@ def test_quantize_refuses_to_write_unvalidated_unless_told(tiny_llama: Path, tmp
     """No probe data: exit 2 with the reason before anything is written; --no-validate writes the variant and
     records validated: false in config.json and validation.json."""
     source_files = sorted(p.name for p in tiny_llama.iterdir())
-    monkeypatch.setattr(validate, "probe_requests", lambda *a, **k: (_ for _ in ()).throw(
+    monkeypatch.setattr("clef_local.export.probe_set.validation_probes", lambda *a, **k: (_ for _ in ()).throw(
         FileNotFoundError("banking77/test.csv is missing")))
     written = []
     monkeypatch.setattr("clef_local.export.quantize.quantize_shards", lambda *a, **k: written.append(a))
@@ -177,7 +177,7 @@ def test_validation_runs_on_the_packaged_probes_whatever_the_datasets_override(t
     with pytest.raises(FileNotFoundError):
         probe_requests(8)
     monkeypatch.delenv("CLEF_LOCAL_DATASETS")
-    expected = probe_requests(8)
+    expected = validation_probes(8)
     monkeypatch.setenv("CLEF_LOCAL_DATASETS", str(tmp_path / "nowhere"))
     assert validate.validation_requests(8) == expected
 

@@ -203,8 +203,10 @@ def test_failed_validation_fails_the_export_and_removes_the_temp(tiny_llama: Pat
 @pytest.mark.skipif(importlib.util.find_spec("clef_local.backends.quantized") is None,
                     reason="the variant loader (clef_local.backends.quantized) is not there yet")
 def test_export_with_validation_end_to_end(tiny_llama: Path, tmp_path: Path, capsys) -> None:
+    """int4 g32: the tiny random model's choices are near ties, and int4 g64 flips them at the threshold itself
+    (4.7% of the short probe set's questions, 5.3% of the mixed set's first 64, 4.3% of its 128; g32: 3.3%)."""
     out = tmp_path / "int4"
-    assert quantize_main(["--model", str(tiny_llama), "--bits", "4", "--out", str(out)]) == 0
+    assert quantize_main(["--model", str(tiny_llama), "--bits", "4", "--group-size", "32", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "validation: 64 requests" in printed and "mean_kl" in printed
     stored = json.loads((out / "validation.json").read_text())

@@ -179,11 +179,12 @@ def conversation_log(pools: Pools, tokens: int, count_tokens: Callable[[str], in
             lines.extend(new)
             size += sum(len(line) + 1 for line in new)
 
-    # with a count: aim 10% short, then add what is missing, a message at a time near the end
-    grow(int(tokens * CHARS_PER_TOKEN * (1.0 if count_tokens is None else 0.9)) - len(lines[0]))
+    # with a count: aim at half (another tokenizer may take twice the tokens per character), then add 90% of what is
+    # missing at the characters per token measured so far, down to a message at a time
+    grow(int(tokens * CHARS_PER_TOKEN * (1.0 if count_tokens is None else 0.5)) - len(lines[0]))
     if count_tokens is not None:
-        while (have := count_tokens("\n".join(lines))) < tokens:
-            grow(int((tokens - have) * CHARS_PER_TOKEN * 0.8))
+        while (have := count_tokens(text := "\n".join(lines))) < tokens:
+            grow(int((tokens - have) * len(text) / max(have, 1) * 0.9))
     if not last:  # a short log of NLU++ lines only: end on a message with a known intent
         text, last = pools.banking()
         lines.append(f"[day {day}, 23:59] customer: {text}")

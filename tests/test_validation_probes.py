@@ -175,3 +175,32 @@ def test_validation_data_is_what_validation_runs(tiny_llama: Path, tmp_path: Pat
     assert validation_requests(2, data=data) == own[:2] and validation_requests(64, data=data) == own
     assert quantize_main(["--model", str(tiny_llama), "--bits", "8", "--out", str(tmp_path / "none"),
                           "--validation-data", str(data), "--no-validate"]) == 2
+
+
+def test_a_drift_reference_file_of_a_vision_release_matches_its_validation(tiny_vision: Path, tmp_path: Path) -> None:
+    """drift's built-in set takes the image probes for a release with a vision tower, as validation does: the file
+    it saves passes quantize --reference-file's request check."""
+    from clef_local.quality import reference_file
+    from clef_local.quality.drift_cli import main as drift_main
+
+    file = tmp_path / "ref.json"
+    assert drift_main(["--reference", str(tiny_vision), "--save-reference", str(file), "--limit", "8",
+                       "--dtype", "float32", "--no-progress"]) == 0
+    stored = reference_file.read(file)
+    reference_file.check_requests(stored, validation_requests(8, vision=True), "validation")
+    with pytest.raises(reference_file.ReferenceFileError):
+        reference_file.check_requests(stored, validation_requests(8), "validation")
+
+
+def test_a_vision_release_is_validated_on_image_probes_too(tiny_vision: Path, tmp_path: Path, monkeypatch) -> None:
+    from clef_local.export import validate
+
+    seen: list[list[dict]] = []
+    real = validate._predictions
+    monkeypatch.setattr(validate, "_predictions", lambda path, requests, *a, **k: (seen.append(list(requests)),
+                                                                                   real(path, requests, *a, **k))[1])
+    out = tmp_path / "int8"
+    assert quantize_main(["--model", str(tiny_vision), "--bits", "8", "--out", str(out),
+                          "--validation-requests", "8"]) == 0
+    assert json.loads((out / "validation.json").read_text())["requests"] == 8
+    assert len(seen) == 2 and all(any("images" in r for r in requests) for requests in seen)

@@ -173,8 +173,6 @@ def test_validation_data_is_what_validation_runs(tiny_llama: Path, tmp_path: Pat
     stored = json.loads((out / "validation.json").read_text())
     assert stored["requests"] == len(own) and stored["questions"] == sum(len(r["questions"]) for r in own)
     assert validation_requests(2, data=data) == own[:2] and validation_requests(64, data=data) == own
-    assert quantize_main(["--model", str(tiny_llama), "--bits", "8", "--out", str(tmp_path / "none"),
-                          "--validation-data", str(data), "--no-validate"]) == 2
 
 
 def test_a_drift_reference_file_of_a_vision_release_matches_its_validation(tiny_vision: Path, tmp_path: Path) -> None:
@@ -204,3 +202,15 @@ def test_a_vision_release_is_validated_on_image_probes_too(tiny_vision: Path, tm
                           "--validation-requests", "8"]) == 0
     assert json.loads((out / "validation.json").read_text())["requests"] == 8
     assert len(seen) == 2 and all(any("images" in r for r in requests) for requests in seen)
+
+
+def test_validation_data_is_refused_where_it_does_not_apply(tiny_llama: Path, tmp_path: Path, capsys) -> None:
+    data = _lines(tmp_path / "own.jsonl", validation_probes(2))
+    with pytest.raises(SystemExit) as info:
+        quantize_main(["--model", str(tiny_llama), "--format", "mixed", "--max-kl", "0.01", "--out",
+                       str(tmp_path / "m"), "--validation-data", str(data)])
+    assert info.value.code == 2 and "--validation-data applies to a single scheme" in capsys.readouterr().err
+    assert quantize_main(["--model", str(tiny_llama), "--bits", "8", "--out", str(tmp_path / "n"),
+                          "--validation-data", str(data), "--no-validate"]) == 2
+    assert "--validation-data is what validation runs on" in capsys.readouterr().err
+    assert not (tmp_path / "m").exists() and not (tmp_path / "n").exists()

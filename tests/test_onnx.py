@@ -297,13 +297,12 @@ def test_demo_model_onnx_parity(demo_release: Path, tmp_path: Path) -> None:
 def test_export_onnx_without_a_probe_set_is_refused_before_writing(tiny_llama: Path, tmp_path: Path, monkeypatch,
                                                                    capsys) -> None:
     """Before, the ONNX validation was skipped with a warning and the export exited 0."""
-    from clef_local.export import validate
     from clef_local.export.onnx import export as onnx_export
 
     def no_data(*args, **kwargs):
         raise FileNotFoundError("banking77/test.csv is missing")
 
-    monkeypatch.setattr(validate, "probe_requests", no_data)
+    monkeypatch.setattr("clef_local.export.probe_set.validation_probes", no_data)
     out = tmp_path / "onnx"
     assert onnx_export.main(["--model", str(tiny_llama), "--out", str(out), "--format", "fp32"]) == 2
     err = capsys.readouterr().err

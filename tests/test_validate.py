@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from clef_local.data.probes import probe_requests
+from clef_local.data.probes import probe_requests, validation_probes
 from clef_local.export import validate
 from clef_local.export.quantize import main as quantize_main
 from clef_local.export.quantize import quantize_release
@@ -136,7 +136,7 @@ def test_validation_that_cannot_run_is_an_error_not_a_skip(tiny_llama: Path, cop
     def no_data(*args, **kwargs):
         raise FileNotFoundError("BANKING77/NLU++ not found")
 
-    monkeypatch.setattr(validate, "probe_requests", no_data)
+    monkeypatch.setattr("clef_local.export.probe_set.validation_probes", no_data)
     with pytest.raises(ValidationUnavailable, match="the packaged probe set cannot be read"):
         validate_export(tiny_llama, same, "int8")
     monkeypatch.undo()
@@ -160,7 +160,7 @@ def test_quantize_refuses_to_write_unvalidated_unless_told(tiny_llama: Path, tmp
     """No probe data: exit 2 with the reason before anything is written; --no-validate writes the variant and
     records validated: false in config.json and validation.json."""
     source_files = sorted(p.name for p in tiny_llama.iterdir())
-    monkeypatch.setattr(validate, "probe_requests", lambda *a, **k: (_ for _ in ()).throw(
+    monkeypatch.setattr("clef_local.export.probe_set.validation_probes", lambda *a, **k: (_ for _ in ()).throw(
         FileNotFoundError("banking77/test.csv is missing")))
     written = []
     monkeypatch.setattr("clef_local.export.quantize.quantize_shards", lambda *a, **k: written.append(a))
@@ -184,7 +184,7 @@ def test_validation_runs_on_the_packaged_probes_whatever_the_datasets_override(t
     with pytest.raises(FileNotFoundError):
         probe_requests(8)
     monkeypatch.delenv("CLEF_LOCAL_DATASETS")
-    expected = probe_requests(8)
+    expected = validation_probes(8)
     monkeypatch.setenv("CLEF_LOCAL_DATASETS", str(tmp_path / "nowhere"))
     assert validate.validation_requests(8) == expected
 
@@ -210,8 +210,10 @@ def test_failed_validation_fails_the_export_and_removes_the_temp(tiny_llama: Pat
 @pytest.mark.skipif(importlib.util.find_spec("clef_local.backends.quantized") is None,
                     reason="the variant loader (clef_local.backends.quantized) is not there yet")
 def test_export_with_validation_end_to_end(tiny_llama: Path, tmp_path: Path, capsys) -> None:
+    """int4 g32: the tiny random model's choices are near ties, and int4 g64 flips them at the threshold itself
+    (4.7% of the short probe set's questions, 5.3% of the mixed set's first 64, 4.3% of its 128; g32: 3.3%)."""
     out = tmp_path / "int4"
-    assert quantize_main(["--model", str(tiny_llama), "--bits", "4", "--out", str(out)]) == 0
+    assert quantize_main(["--model", str(tiny_llama), "--bits", "4", "--group-size", "32", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     stored = json.loads((out / "validation.json").read_text())
     assert f"validation: pass after {stored['requests']} of 256 requests" in printed and "mean_kl" in printed

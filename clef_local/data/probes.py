@@ -1,14 +1,18 @@
-"""Fixed probe requests drawn from the packaged BANKING77 / NLU++ data: export validation
-(:mod:`clef_local.export.validate`, the ONNX check), ``drift``'s built-in set and, from the training splits, GPTQ's
-calibration requests. Here, beside the data, so that a reader of probes does not import the export package.
+"""Fixed probe requests drawn from the packaged BANKING77 / NLU++ / VADER data. :func:`validation_probes`: export
+validation's probe set (:mod:`clef_local.export.validate`, the ONNX check) and ``drift``'s built-in set, every kind
+of request mixed in each run of 8; :func:`probe_requests`: short messages grouped by kind, from the test or (GPTQ's
+calibration, mixed's selection) the training splits. Here, beside the data, so that a reader of probes does not
+import the export package.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from clef_local.data import probe_kinds
 from clef_local.data.datasets import banking77_intents, banking77_request, banking77_rows, nlupp_intents, nlupp_rows
 
 SCORE_QUESTION = ("How urgent is the customer's request?",
@@ -49,3 +53,61 @@ def probe_requests(n: int = 64, seed: int = 0, root: Path | None = None, *, spli
             "urgency": {"type": "score", "instructions": SCORE_QUESTION[0], "criteria": list(SCORE_QUESTION[1])},
             "about_card": {"type": "noul", "instructions": CARD_QUESTION}}})
     return requests
+
+
+# One block of validation_probes: every kind once (short choice twice), in a seeded order; the last slot alternates
+# noul / score between blocks, and is an image request when the model reads images.
+BLOCK = ("choice", "choice", "choice_long", "noul", "score", "json", "long", "short")
+# The long state's target tokens in each block of the first 64 requests (mean 1.5K: the 64 cost 2x the short-only
+# set's tokens, 48K with the demo tokenizer against 24K), and in each block after them: one 8K and one 16K state per
+# 64 requests, which only a run of more than 64 requests pays for (16K tokens through a 4B backbone are ~130 TFLOP,
+# minutes on a laptop CPU).
+LONG_FIRST = (1024, 2048, 1024, 4096, 1024, 1024, 1024, 1024)
+LONG_LATER = (1024, 2048, 4096, 8192, 2048, 1024, 16384, 4096)
+
+
+def validation_probes(n: int = 64, seed: int = 0, *, vision: bool = False, root: Path | None = None
+                      ) -> list[dict[str, Any]]:
+    """``n`` validation probe requests, the same for the same ``seed``, each prefix of 8 a mix of kinds.
+
+    Built in blocks of 8 requests in a seeded order: two short BANKING77 messages as a choice over 8–16 intents, one
+    over 40–77 intents (a long option list), an NLU++ message with 4 noul questions, a message with an urgency score
+    and a noul, a JSON state (an account event, a disputed transaction or a list of events) with all three types, a
+    customer's conversation log of 1K–4K tokens in the first 64 requests (:data:`LONG_FIRST`; 1K–16K after them,
+    :data:`LONG_LATER`) asked about as a whole, and one more short noul or score request, or with ``vision`` an image
+    request (one or two small synthetic PNGs as data URIs, questions naming ``<image 1>``). A longer list begins
+    with the shorter one (``validation_probes(64) == validation_probes(128)[:64]``). Drawn from BANKING77 test and
+    NLU++ folds 16–19 (``root``: another datasets folder); FileNotFoundError when they cannot be found.
+    """
+    if n < 0:
+        raise ValueError(f"n must be >= 0, not {n}")
+    pools = probe_kinds.Pools.load(seed, root)
+    makers: dict[str, Callable[[], dict[str, Any]]] = {
+        "choice": lambda: probe_kinds.choice_request(pools),
+        "choice_long": lambda: probe_kinds.choice_request(pools, 40, 77),
+        "noul": lambda: probe_kinds.noul_request(pools),
+        "score": lambda: probe_kinds.score_request(pools),
+        "json": lambda: probe_kinds.json_request(pools),
+        "vision": lambda: probe_kinds.vision_request(pools)}
+    requests: list[dict[str, Any]] = []
+    for block in range(-(-n // 8)):
+        kinds = list(BLOCK)
+        pools.rng.shuffle(kinds)
+        for kind in kinds:
+            if kind == "long":
+                lengths = LONG_FIRST if block < 8 else LONG_LATER
+                requests.append(probe_kinds.long_state_request(pools, lengths[block % 8]))
+            elif kind == "short":
+                requests.append(makers["vision" if vision else ("noul" if block % 2 else "score")]())
+            else:
+                requests.append(makers[kind]())
+    return requests[:n]
+
+
+def long_state_requests(n: int, tokens: int, seed: int = 0, *, count_tokens: Callable[[str], int] | None = None,
+                        root: Path | None = None) -> list[dict[str, Any]]:
+    """``n`` requests whose state is a customer's conversation log of about ``tokens`` tokens (at least that many
+    by ``count_tokens``, a tokenizer's count of a text, when given), each with a choice over 8–16 intents, two noul
+    questions and a score (:func:`clef_local.data.probe_kinds.long_state_request`)."""
+    pools = probe_kinds.Pools.load(seed, root)
+    return [probe_kinds.long_state_request(pools, tokens, count_tokens) for _ in range(n)]

@@ -136,7 +136,8 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
                      on_tensor: Callable[[str], None] | None = None, max_memory: str | None = None,
                      reference_file: str | Path | None = None, max_length: int | None = None,
                      validation_requests: int | None = None, report: str | Path | None = None,
-                     quarantine: str | Path | None = None) -> dict[str, Any]:
+                     quarantine: str | Path | None = None,
+                     validation_data: str | Path | None = None) -> dict[str, Any]:
     """Write the ``scheme`` variant of the release at ``source`` to ``out``; return the summary.
 
     ``group_size``: int4 group (32/64/128; by default 32 when the source's weights already lie on a 4-bit grid per
@@ -147,19 +148,23 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
     compressed-tensors' pack-quantized with integer zero points, which vLLM and SGLang read;
     :mod:`clef_local.quant.int4_packed`).
     ``force`` replaces an existing ``out`` once the new variant is complete. ``validate`` compares the variant with the
-    source on the packaged probe set (:mod:`clef_local.export.validate`) and fails the export when a threshold is
-    exceeded or when validation cannot run (``ValidationUnavailable``: no probe set, too little memory, the reference
-    does not load; the first two are found before anything is written: the memory rule is the loader's plan, each
-    model streamed from disk when it does not fit, under ``max_memory``). ``reference_file``: validate against the
-    reference's probabilities from ``drift --save-reference`` (checked first: its reference, probe set and dtype
-    must be this export's) instead of running it; ``max_length``: the context validation loads both models at (None:
-    the model's default); ``validation_requests``: how many packaged probe requests validation runs (fewer: faster, and
-    a coarser verdict). ``validate=False`` writes the variant with ``validated: false``
-    in ``config.json`` and ``validation.json``. A variant validation refuses (:class:`ValidationRefused`) is not
-    written; its ``validation.json`` is kept as ``OUT.validation.json`` beside ``out``, ``report`` (an HTML path:
-    written whether it passed or not) renders it, and ``quarantine`` (a directory) keeps the refused variant whole,
-    marked so that no loader runs it (:mod:`clef_local.export.refusal`); the error names each path. An estimate of
-    the variant's bytes larger than the free space beside ``out`` is refused before any tensor is read.
+    source, sequentially, on the packaged probe set (:mod:`clef_local.export.validate`): it passes when the bounds of
+    its flip rate and mean KL are inside the scheme's limits, and the export fails when one is outside, when the
+    probes are used up undecided, or when validation cannot run (``ValidationUnavailable``: no probe set, too little
+    memory, the reference does not load; the first two are found before anything is written: the memory rule is the
+    loader's plan, each model streamed from disk when it does not fit, under ``max_memory``). ``reference_file``:
+    validate against the reference's probabilities from ``drift --save-reference`` (checked first: its reference,
+    probe set and dtype must be this export's) instead of running it; else the reference's answers are kept in the
+    user cache for the next variant of this release. ``max_length``: the context validation loads both models at
+    (None: the model's default); ``validation_requests``: the most probe requests validation may run (None: the
+    scheme's); ``validation_data``: a JSONL file of the user's requests validation runs instead (its first
+    ``validation_requests``; read and checked before anything is written). ``validate=False`` writes the variant
+    with ``validated: false`` in ``config.json`` and ``validation.json``. A variant validation refuses
+    (:class:`ValidationRefused`) is not written; its ``validation.json`` is kept as ``OUT.validation.json`` beside
+    ``out``, ``report`` (an HTML path: written whether it passed or not) renders it, and ``quarantine`` (a directory)
+    keeps the refused variant whole, marked so that no loader runs it (:mod:`clef_local.export.refusal`); the error
+    names each path. An estimate of the variant's bytes larger than the free space beside ``out`` is refused before
+    any tensor is read.
     ``calibrate`` rounds with GPTQ on ``calibration_requests`` requests (default 128) instead of round-to-nearest
     (:mod:`clef_local.export.gptq_calibration`; every scheme; it loads the source like validation does).
     ``log_summary`` logs :func:`summary_lines` at INFO (the CLI prints them instead). ``on_tensor(name)`` is
@@ -192,6 +197,8 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
     check_paths(source, out, force)  # a bad --out is refused before any work (staged checks again)
     if reference_file is not None and not validate:
         raise ExportError("--reference-file is what validation compares with; drop it or --no-validate")
+    if validation_data is not None and not validate:
+        raise ExportError("--validation-data is what validation runs on; drop it or --no-validate")
     if not validate and (report is not None or quarantine is not None):
         raise ExportError("--report and --quarantine keep what validation measured; drop them or --no-validate")
     keep = Keep.of(source, out, report=report, quarantine=quarantine, force=force)
@@ -210,7 +217,7 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
         # no probe set, too little memory for the reference or the variant, a wrong reference file: refused now,
         # not after minutes of quantizing; validation uses what this found
         checked = check_validation(release, validation_requests, scheme=spec.name, max_memory=max_memory,
-                         reference_file=reference_file, max_length=max_length)
+                         reference_file=reference_file, max_length=max_length, data=validation_data)
     shards = [f.name for f in release.weight_files]
     for file in release.weight_files:  # a truncated or garbled shard: one ReleaseError naming it, not a traceback
         read_header(file)
@@ -245,7 +252,7 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
 
             return validate_export(release, tmp, spec.name, validation_requests, variant_name=out,
                                    max_memory=max_memory, max_length=max_length, reference_file=reference_file,
-                                   checked=checked)
+                                   checked=checked, data=validation_data)
         try:
             finished = finish_variant(source, tmp, shards=shards, result=result, source_files=source_files,
                                       scheme=spec.name, group_size=group, fallback_bits=spec.bits_per_weight(group),
@@ -349,7 +356,12 @@ def build_parser() -> argparse.ArgumentParser:
     limits = ", ".join(f"{name} {row.validation_requests}" for name, row in registry.SCHEMES.items())
     parser.add_argument("--validation-requests", type=int, metavar="N",
                         help=f"the most probe requests validation may run (default per scheme: {limits}); it stops "
-                             "as soon as the bounds decide, and fewer make an undecided verdict likelier")
+                             "as soon as the bounds decide, and fewer make an undecided verdict likelier; the "
+                             "first N of --validation-data")
+    parser.add_argument("--validation-data", type=Path, metavar="FILE",
+                        help="validate on your own requests: the first --validation-requests of FILE (JSONL, one "
+                             "request per line, as clef-local drift --data reads; labels ignored) instead of the "
+                             "packaged probe set; checked before anything is written")
     parser.add_argument("--reference-file", type=Path, metavar="FILE",
                         help="validate against the source's probabilities in FILE (clef-local drift --reference "
                              "SOURCE --save-reference FILE, on this machine or another) instead of running it")
@@ -357,8 +369,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "does not fit under it is streamed from disk")
     parser.add_argument("--max-length", type=int, metavar="N",
                         help="the context validation loads both models at (default: the model's, 65,536, or 16,384 "
-                             "where that does not fit); the probe requests are short, and a streamed pass is not "
-                             "chunked, so a short one lets a streamed reference fit a tight --max-memory")
+                             "where that does not fit); the packaged probes reach 4K tokens in the first 64 (16K "
+                             "after them), longer states are cut to fit, and a streamed pass is not chunked, so a "
+                             "short one lets a streamed reference fit a tight --max-memory")
     return parser
 
 
@@ -410,7 +423,8 @@ def main(argv: list[str] | None = None) -> int:
                                    calibration_requests=args.calibration_requests, log_summary=False,
                                    max_memory=args.max_memory, reference_file=args.reference_file,
                                    max_length=args.max_length, validation_requests=args.validation_requests,
-                                   report=args.report, quarantine=args.quarantine)
+                                   report=args.report, quarantine=args.quarantine,
+                                   validation_data=args.validation_data)
     except ClefError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exit_code(exc)
@@ -423,6 +437,9 @@ def _main_mixed(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
 
     if args.max_kl is None:
         parser.error("--format mixed needs --max-kl NATS (the mean KL budget, e.g. 0.002)")
+    if args.validation_data is not None:
+        parser.error("--validation-data applies to a single scheme; --format mixed validates on the packaged probe "
+                     "set")
     if given := [f for f, v in {"--group-size": args.group_size, "--int4-grid": args.int4_grid,
                                 "--int4-layout": args.int4_layout,
                                 "--calibrate": args.calibrate or None,

@@ -22,8 +22,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from clef_local.data.datasets import packaged_datasets_dir
-from clef_local.data.probes import probe_requests
 from clef_local.errors import ClefError, InsufficientMemoryError, one_line
 from clef_local.quant import registry
 
@@ -226,12 +224,14 @@ def _level_caption(result: Mapping[str, Any]) -> str:
             f"{last['level']:.2g}; overall error ≤ {sequential['alpha']:g} each way")
 
 
-def validation_requests(n: int = VALIDATION_REQUESTS, seed: int = 0) -> list[dict[str, Any]]:
-    """The probe set export validation runs on: ``n`` requests from the datasets shipped in the package."""
-    try:
-        return probe_requests(n, seed, root=packaged_datasets_dir())
-    except (FileNotFoundError, OSError, ValueError) as exc:
-        raise ValidationUnavailable(f"the packaged probe set cannot be read ({exc})") from exc
+def validation_requests(n: int = VALIDATION_REQUESTS, seed: int = 0, *, data: str | Path | None = None,
+                        vision: bool = False) -> list[dict[str, Any]]:
+    """The requests export validation runs on: ``n`` from the datasets shipped in the package (image requests among
+    them when ``vision``), or the first ``n`` of the JSONL file ``data``
+    (:func:`clef_local.export.probe_set.validation_set`)."""
+    from clef_local.export.probe_set import validation_set
+
+    return validation_set(n, seed, data=data, vision=vision)
 
 
 @dataclass(frozen=True)
@@ -250,8 +250,10 @@ class ValidationInputs:
 def check_validation(reference_dir: Path | Release, n: int = VALIDATION_REQUESTS, seed: int = 0, *,
                      scheme: str | None = None,
                      dtype: str | None = None, max_memory: str | None = None,
-                     reference_file: str | Path | None = None, max_length: int | None = None) -> ValidationInputs:
-    """Check, before an export writes anything, that its validation can run: the probe set reads; the reference
+                     reference_file: str | Path | None = None, max_length: int | None = None,
+                     data: str | Path | None = None) -> ValidationInputs:
+    """Check, before an export writes anything, that its validation can run: the probe set reads (``data``: the
+    user's JSONL requests instead, each checked; a release with a vision tower gets image probes too); the reference
     fits as the loader plans it (resident, else streamed from disk; logged), or ``reference_file`` holds its
     probabilities on (a prefix of) this probe set; and the ``scheme`` variant will fit too (planned from the
     source's headers), both at ``max_length`` tokens (None: the model's default). :class:`ValidationUnavailable`
@@ -260,8 +262,8 @@ def check_validation(reference_dir: Path | Release, n: int = VALIDATION_REQUESTS
     from clef_local.formats.release import Release, read_release
     from clef_local.planning.load_options import LoadOptions
 
-    requests = validation_requests(n, seed)
     release = reference_dir if isinstance(reference_dir, Release) else read_release(reference_dir)
+    requests = validation_requests(n, seed, data=data, vision=release.has_vision)
     reference_dir = release.path
     stored, planned = None, None
     if reference_file is not None:
@@ -270,7 +272,8 @@ def check_validation(reference_dir: Path | Release, n: int = VALIDATION_REQUESTS
         stored = files.read(reference_file)
         if len(stored.records) < len(requests):  # the sequential verdict may use a prefix; more it cannot use
             requests = requests[:len(stored.records)]
-        files.check_requests(stored, requests, f"the packaged probe set ({len(requests)} requests, seed {seed})")
+        files.check_requests(stored, requests, f"--validation-data {data} ({len(requests)} requests)" if data else
+                             f"the packaged probe set ({len(requests)} requests, seed {seed})")
         files.check_reference(stored, reference_dir)
         files.check_run(stored, dtype=dtype or stored.dtype, context=None)
         log.info("reference from %s: %s", reference_file, stored.describe())
@@ -304,7 +307,8 @@ def validate_export(reference_dir: Path | Release, variant_dir: Path, scheme: st
                     dtype: str | None = None, variant_name: str | Path | None = None, *,
                     thresholds: Mapping[str, float] | None = None, max_memory: str | None = None,
                     reference_file: str | Path | None = None, max_length: int | None = None,
-                    checked: ValidationInputs | None = None, cache: bool = True) -> dict[str, Any]:
+                    checked: ValidationInputs | None = None, cache: bool = True,
+                    data: str | Path | None = None) -> dict[str, Any]:
     """Validation as the export runs it, sequentially (docs/quantization.md#the-verdict-sequentially): the probe set
     in growing batches (:func:`clef_local.quality.sequential.schedule`), the bounds of each gated figure looked at
     after each batch against the scheme's limits, until they decide or the probe set is used up.
@@ -317,7 +321,8 @@ def validate_export(reference_dir: Path | Release, variant_dir: Path, scheme: st
     directory); ``thresholds`` replaces the scheme's :data:`THRESHOLDS` (a mixed variant's budget); ``max_memory``
     caps each load (streamed from disk when it does not fit); ``reference_file``: the reference's probabilities
     computed elsewhere instead of running it; ``max_length``: the context both models load at (None: the model's
-    default); ``checked``: what :func:`check_validation` found before the export began. ``cache``: the reference's
+    default); ``checked``: what :func:`check_validation` found before the export began; ``data``: the user's JSONL
+    requests instead of the packaged probe set. ``cache``: the reference's
     answers are read from and added to the user cache (:mod:`clef_local.export.reference_cache`), so the next
     variant of the same release does not run the reference again."""
     from clef_local.export.turns import Turns
@@ -326,7 +331,7 @@ def validate_export(reference_dir: Path | Release, variant_dir: Path, scheme: st
     started = time.perf_counter()
     limits = thresholds if thresholds is not None else THRESHOLDS[scheme]
     inputs = checked or check_validation(reference_dir, n, seed, dtype=dtype, max_memory=max_memory,
-                                         reference_file=reference_file, max_length=max_length)
+                                         reference_file=reference_file, max_length=max_length, data=data)
     requests, release = inputs.requests, inputs.release
     answers = _ReferenceAnswers.of(inputs, reference_file, dtype=dtype, cache=cache)
     plan = sequential.schedule(len(requests))

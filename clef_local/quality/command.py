@@ -77,9 +77,13 @@ class Requests:
     source: str
 
 
-def read_requests(args: argparse.Namespace, seed: int | None = None) -> Requests:
+def read_requests(args: argparse.Namespace, seed: int | None = None, *, validation: bool = False,
+                  vision: bool = False) -> Requests:
     """``--data`` (its first ``--limit``) or ``--limit`` requests of the built-in probe set (default
-    :data:`PROBE_SET`), drawn with ``seed`` (None: the set's default draw, not named in the source)."""
+    :data:`PROBE_SET`), drawn with ``seed`` (None: the set's default draw, not named in the source). ``validation``:
+    the built-in set is export validation's (:func:`~clef_local.data.probes.validation_probes` from the packaged
+    data, with image requests when ``vision``), so that a reference file saved on it validates an export; else
+    :func:`~clef_local.data.probes.probe_requests`."""
     if args.data:
         from clef_local.data.jsonl import read_jsonl
 
@@ -88,12 +92,16 @@ def read_requests(args: argparse.Namespace, seed: int | None = None) -> Requests
             raise ValueError(f"{args.data}: no requests")
         labels = [e.labels for e in examples]
         return Requests([e.request for e in examples], labels if any(labels) else None, str(args.data))
-    from clef_local.data.probes import probe_requests
+    from clef_local.data.probes import probe_requests, validation_probes
 
     n = args.limit or PROBE_SET
-    if seed is None:
-        return Requests(probe_requests(n), None, f"built-in probe set ({n} requests)")
-    return Requests(probe_requests(n, seed), None, f"built-in probe set ({n} requests, seed {seed})")
+    named = "" if seed is None else f", seed {seed}"
+    if validation:
+        from clef_local.data.datasets import packaged_datasets_dir
+
+        requests = validation_probes(n, seed or 0, vision=vision, root=packaged_datasets_dir())
+        return Requests(requests, None, f"built-in probe set ({n} requests{named}{', with images' * vision})")
+    return Requests(probe_requests(n, seed or 0), None, f"built-in probe set ({n} requests{named})")
 
 
 def input_error(exc: BaseException) -> int:

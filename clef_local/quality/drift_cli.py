@@ -1,6 +1,8 @@
 """``clef-local drift``: a variant's probabilities against its reference, as a gate (exit code) and a report.
 
-Without ``--data`` the built-in probe set is used. Every figure carries its interval (``--confidence``,
+Without ``--data`` the built-in probe set is used: export validation's (``clef_local.data.probes.validation_probes``,
+image requests included for a model with a vision tower), so that ``--save-reference`` serves ``quantize
+--reference-file``. Every figure carries its interval (``--confidence``,
 ``--resamples``, ``--seed``); with several ``--candidate``s the first table says which is closer and whether the
 difference is significant. The gate syntax (``flips<=0.02@upper95``), the metrics it takes and the exit codes (0 pass,
 1 a gate fails, 2 bad input): docs/quality.md#drift. A reference that does not fit in memory is streamed from disk
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import logging
 import sys
 from dataclasses import dataclass
@@ -112,6 +115,17 @@ def _run(path: str | Path, requests: list[dict[str, Any]], *, dtype: str | None,
         gc.collect()  # one model in memory at a time: the reference's probabilities are kept, not the model
 
 
+def _reads_images(args: argparse.Namespace) -> bool:
+    """Whether the built-in probe set takes image requests: as export validation's does, when the models have a
+    vision tower (run on the torch backend, the one that runs it), so that a ``--save-reference`` file made on it
+    validates an export (``quantize --reference-file``). A missing config is the load's to report."""
+    path = args.reference or next(iter(args.candidate), None)
+    if args.data or path is None or args.backend not in ("auto", "torch"):
+        return False
+    config = Path(path) / "config.json"
+    return config.is_file() and "vision_config" in json.loads(config.read_text(encoding="utf-8"))
+
+
 def _floor_dtype(dtype: str | None) -> str:
     return "bfloat16" if dtype == "float32" else "float32"
 
@@ -184,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
 
         common["ray"] = ray_settings(args)
         with airgap(not args.allow_network) as network:
-            read = command.read_requests(args)
+            read = command.read_requests(args, validation=True, vision=_reads_images(args))
             requests, labels, source = read.requests, read.labels, read.source
             stored = None
             if args.reference_file:  # checked before any model loads: a wrong file costs nothing

@@ -223,20 +223,24 @@ def test_export_with_validation_end_to_end(tiny_llama: Path, tmp_path: Path, cap
 
 
 def test_validation_requests_sets_the_probe_set_size(tiny_llama: Path, tmp_path: Path, capsys) -> None:
-    """--validation-requests N caps the probes both models run; 6 cannot show int8's 1% flip limit (undecided,
-    exit 3, the report kept beside --out and the line says what would decide it); below 1 it is refused before
-    anything is written."""
-    out = tmp_path / "int8"
-    assert quantize_main(["--model", str(tiny_llama), "--bits", "8", "--out", str(out),
-                          "--validation-requests", "6"]) == 3
-    err = capsys.readouterr().err
-    assert "validation undecided after 6 requests" in err and "--validation-requests" in err and not out.exists()
-    stored = json.loads((tmp_path / "int8.validation.json").read_text())
-    assert stored["requests"] == 6 and stored["questions"] == sum(len(r["questions"]) for r in validation_requests(6))
-    assert stored["verdict"] == "undecided" and stored["checks"]["flip_rate"]["state"] == "open"
-    assert {run["batches"] >= 1 for run in stored["runs"].values()} == {True}
-    assert quantize_main(["--model", str(tiny_llama), "--bits", "8", "--out", str(tmp_path / "none"),
-                          "--validation-requests", "0"]) == 2
-    assert capsys.readouterr().err.strip() == ("error: --validation-requests 0: validation needs at least 1 probe "
-                                               "request (default 1024 for int8; --no-validate skips it)")
-    assert not (tmp_path / "none").exists()
+    """--validation-requests N caps the probes both models run: 48 run, int4 g32 (its 5% flip limit can pass on
+    them); 6 could never show int8's 1% flip limit and are refused before anything is quantized, as is 0."""
+    out = tmp_path / "int4"
+    code = quantize_main(["--model", str(tiny_llama), "--bits", "4", "--group-size", "32", "--out", str(out),
+                          "--validation-requests", "48"])
+    stored = json.loads((out / "validation.json" if code == 0 else tmp_path / "int4.validation.json").read_text())
+    assert code == {"pass": 0, "fail": 1, "undecided": 3}[stored["verdict"]]
+    used = validation_requests(48)[:stored["requests"]]
+    assert stored["probe_set"] == 48 and stored["questions"] == sum(len(r["questions"]) for r in used)
+    assert stored["sequential"]["schedule"] == [16, 32, 48] and {run["batches"] >= 1 for run in stored["runs"].values()}
+    capsys.readouterr()
+    written: list = []
+    for n, message in (("6", "error: validation cannot run: 6 requests ("),
+                       ("0", "error: --validation-requests 0: validation needs at least 1 probe request (default "
+                             "1024 for int8; --no-validate skips it)")):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr("clef_local.export.quantize.quantize_shards", lambda *a, **k: written.append(a))
+            assert quantize_main(["--model", str(tiny_llama), "--bits", "8", "--out", str(tmp_path / "none"),
+                                  "--validation-requests", n]) == 2
+        assert capsys.readouterr().err.strip().startswith(message)
+    assert written == [] and not (tmp_path / "none").exists()

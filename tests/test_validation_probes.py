@@ -164,16 +164,24 @@ def test_a_bad_validation_data_file_is_refused_before_anything_is_written(tiny_l
 
 
 def test_validation_data_is_what_validation_runs(tiny_llama: Path, tmp_path: Path) -> None:
-    """Its first --validation-requests requests, in file order (all when fewer): validation.json counts them (five
-    cannot show int8's 1% flip limit: undecided, exit 3, the report kept beside --out)."""
-    own = [r for r in validation_probes(16) if kind(r) not in ("long", "choice_long")][:5]  # the user's, short
+    """Its first --validation-requests requests, in file order (all when fewer): validation.json counts them."""
+    own = [r for r in validation_probes(128) if kind(r) not in ("long", "choice_long")][:60]  # the user's, short
     data = _lines(tmp_path / "own.jsonl", own)
-    out = tmp_path / "int8"
-    assert quantize_main(["--model", str(tiny_llama), "--bits", "8", "--out", str(out),
-                          "--validation-data", str(data)]) == 3
-    stored = json.loads((tmp_path / "int8.validation.json").read_text())
-    assert stored["requests"] == len(own) and stored["questions"] == sum(len(r["questions"]) for r in own)
-    assert validation_requests(2, data=data) == own[:2] and validation_requests(64, data=data) == own
+    out = tmp_path / "int4"
+    code = quantize_main(["--model", str(tiny_llama), "--bits", "4", "--group-size", "32", "--out", str(out),
+                          "--validation-data", str(data)])
+    stored = _report(out, code)
+    assert stored["probe_set"] == len(own)
+    assert stored["questions"] == sum(len(r["questions"]) for r in own[:stored["requests"]])
+    assert validation_requests(2, data=data) == own[:2] and validation_requests(1000, data=data) == own
+
+
+def _report(out: Path, code: int) -> dict:
+    """validation.json of the export to ``out``: in the variant when it passed, else kept beside it."""
+    stored = json.loads((out / "validation.json" if code == 0 else out.with_name(out.name + ".validation.json"))
+                        .read_text())
+    assert code == {"pass": 0, "fail": 1, "undecided": 3}[stored["verdict"]]
+    return stored
 
 
 def test_a_drift_reference_file_of_a_vision_release_matches_its_validation(tiny_vision: Path, tmp_path: Path) -> None:
@@ -198,12 +206,11 @@ def test_a_vision_release_is_validated_on_image_probes_too(tiny_vision: Path, tm
     real = Turns.predict
     monkeypatch.setattr(Turns, "predict", lambda self, role, path, requests, **k: (
         seen.append(list(requests)), real(self, role, path, requests, **k))[1])
-    out = tmp_path / "int8"
-    # 8 probes cannot show int8's 1% flip limit: undecided (exit 3), the report beside --out
-    assert quantize_main(["--model", str(tiny_vision), "--bits", "8", "--out", str(out),
-                          "--validation-requests", "8"]) == 3
-    assert json.loads((tmp_path / "int8.validation.json").read_text())["requests"] == 8
-    assert len(seen) == 2 and all(any("images" in r for r in requests) for requests in seen)
+    out = tmp_path / "int4"
+    code = quantize_main(["--model", str(tiny_vision), "--bits", "4", "--group-size", "32", "--out", str(out),
+                          "--validation-requests", "48"])
+    assert _report(out, code)["probe_set"] == 48
+    assert len(seen) >= 2 and all(any("images" in r for r in requests) for requests in seen)
 
 
 def test_validation_data_is_refused_where_it_does_not_apply(tiny_llama: Path, tmp_path: Path, capsys) -> None:

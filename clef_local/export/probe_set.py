@@ -13,21 +13,19 @@ from clef_local.data.datasets import packaged_datasets_dir
 from clef_local.data.jsonl import DataFormatError, read_jsonl
 from clef_local.data.probes import validation_probes
 from clef_local.errors import ClefError, one_line
+from clef_local.export.validation_errors import ValidationUnavailable
 
 log = logging.getLogger(__name__)
 
 
 def _unavailable(reason: str) -> ClefError:
-    # imported here: validate imports this module's function inside validation_requests
-    from clef_local.export.validate import ValidationUnavailable
-
     return ValidationUnavailable(reason)
 
 
 def read_validation_data(path: str | Path, n: int) -> list[dict[str, Any]]:
     """The first ``n`` requests of the JSONL file ``path`` (all of them when it holds fewer, logged), each checked
     against the request schema now, so that a bad file is refused before an export writes anything;
-    :class:`~clef_local.export.validate.ValidationUnavailable` naming the file and the problem otherwise."""
+    :class:`~clef_local.export.validation_errors.ValidationUnavailable` naming the file and the problem otherwise."""
     from clef_local.runtime.schema import validate_request
 
     path = Path(path)
@@ -56,9 +54,9 @@ def validation_set(n: int, seed: int = 0, *, data: str | Path | None = None, vis
                    ) -> list[dict[str, Any]]:
     """The requests export validation runs: the first ``n`` of ``data`` (a JSONL file of requests, in file order; all
     of them when fewer) or, without ``data``, ``n`` packaged probes drawn with ``seed`` (image requests among them
-    when ``vision``: the model reads images). :class:`~clef_local.export.validate.ValidationUnavailable` (one line,
-    naming the file and the problem) when ``data`` cannot be read or holds an invalid request, or when the packaged
-    probe set cannot be read."""
+    when ``vision``: the model reads images). :class:`~clef_local.export.validation_errors.ValidationUnavailable`
+    (one line, naming the file and the problem) when ``data`` cannot be read or holds an invalid request, or when the
+    packaged probe set cannot be read."""
     if data is not None:
         return read_validation_data(data, n)
     try:

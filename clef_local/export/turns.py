@@ -19,6 +19,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+_COUNTERS = ("bytes_read", "group_loads", "read_seconds", "wait_seconds")  # running totals (backends.streaming)
+
 
 @dataclass
 class Usage:
@@ -32,6 +34,17 @@ class Usage:
     batches: int = 0
     seconds: float = 0.0
     streamed: dict[str, Any] | None = None
+
+    def add_streamed(self, now: Mapping[str, Any], before: Mapping[str, Any]) -> None:
+        """Add what a streamed model read since ``before`` (its counters are per load; a validation may load it once
+        per look): the counters summed, the rest (groups, layer bytes) as the model reports them."""
+        total = dict(self.streamed or {})
+        for key, value in now.items():
+            if key in _COUNTERS and isinstance(value, int | float):
+                total[key] = total.get(key, 0) + value - before.get(key, 0)
+            else:
+                total[key] = value
+        self.streamed = total
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"loads": self.loads, "load_seconds": round(self.load_seconds, 2),
@@ -62,6 +75,7 @@ class Turns:
     usage: dict[str, Usage] = field(default_factory=dict)
     _role: str | None = None
     _model: ClefModel | None = None
+    _seen: dict[str, Any] = field(default_factory=dict)  # the loaded model's streamed counters at its last batch
 
     def predict(self, role: str, path: Path | Release, requests: Sequence[Mapping[str, Any]], *,
                 dtype: str | None, truncate_state: bool = True) -> Batch:
@@ -75,6 +89,7 @@ class Turns:
             self._model = clef_local.load(path, dtype=dtype, max_memory=self.max_memory, offload="auto",
                                           max_length=self.max_length)
             self._role = role
+            self._seen = {}
             usage.loads += 1
             usage.load_seconds += time.perf_counter() - started
         model = self._model
@@ -89,9 +104,12 @@ class Turns:
         usage.seconds += sum(seconds)
         streamed = model.backend.describe().get("streamed")
         if streamed is not None:
-            usage.streamed = streamed
-            log.info("%s streamed from disk: %.2f GB read so far, %.1f s on %d probes", role,
-                     streamed["bytes_read"] / 1e9, sum(seconds), len(requests))
+            usage.add_streamed(streamed, self._seen)
+            self._seen = dict(streamed)
+            total = usage.streamed or {}
+            log.info("%s streamed from disk: %.2f GB read in %d pass%s, %.1f s per pass (%.1f s reading)", role,
+                     total.get("bytes_read", 0) / 1e9, usage.batches, "" if usage.batches == 1 else "es",
+                     usage.seconds / max(usage.batches, 1), total.get("read_seconds", 0.0))
         decision = model.backend.load_decision
         return Batch(predictions, decision.dtype if decision else str(dtype), model.max_length)
 

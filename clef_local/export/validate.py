@@ -22,7 +22,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from clef_local.errors import ClefError, InsufficientMemoryError, one_line
+from clef_local.errors import InsufficientMemoryError, one_line
+from clef_local.export.validation_errors import ValidationFailed as ValidationFailed
+from clef_local.export.validation_errors import ValidationRefused as ValidationRefused
+from clef_local.export.validation_errors import ValidationUnavailable as ValidationUnavailable
+from clef_local.export.validation_errors import ValidationUndecided as ValidationUndecided
 from clef_local.quant import registry
 
 if TYPE_CHECKING:
@@ -42,35 +46,6 @@ VALIDATION_REQUESTS = 256
 # each scheme's limits, from its row (clef_local.quant.registry)
 THRESHOLDS: dict[str, dict[str, float]] = {name: dict(row.validation) for name, row in registry.SCHEMES.items()}
 _EPS = 1e-12
-
-
-class ValidationRefused(ClefError):
-    """Validation ran and did not pass: the export is refused. ``result`` holds what ``validation.json`` holds
-    (written into the staging directory before this is raised; None when nothing was measured, e.g. the variant did
-    not load), which the export keeps beside ``--out`` (:mod:`clef_local.export.refusal`)."""
-
-    def __init__(self, message: str, result: dict[str, Any] | None = None) -> None:
-        super().__init__(message)
-        self.result = result
-
-
-class ValidationFailed(ValidationRefused):
-    """The variant's decisions moved more than the scheme's thresholds allow (or the variant did not load)."""
-
-
-class ValidationUndecided(ValidationRefused):
-    """The probe set was used up before validation reached a verdict either way: the export is refused. Neither a
-    pass nor a failure can be claimed at the stated error; the message says what would decide it."""
-
-
-class ValidationUnavailable(ClefError):
-    """Validation cannot run here (no probe set, not enough memory, the reference does not load): the export is
-    refused rather than written unvalidated; ``--no-validate`` is the explicit way to do that."""
-
-    def __init__(self, reason: str) -> None:
-        self.reason = reason
-        super().__init__(f"validation cannot run: {reason}; the variant was not written (pass --no-validate to write "
-                         f"it unvalidated: config.json and validation.json then say so)")
 
 
 @dataclass(frozen=True)
@@ -251,13 +226,14 @@ def check_validation(reference_dir: Path | Release, n: int = VALIDATION_REQUESTS
                      scheme: str | None = None,
                      dtype: str | None = None, max_memory: str | None = None,
                      reference_file: str | Path | None = None, max_length: int | None = None,
-                     data: str | Path | None = None) -> ValidationInputs:
+                     data: str | Path | None = None, limits: Mapping[str, float] | None = None) -> ValidationInputs:
     """Check, before an export writes anything, that its validation can run: the probe set reads (``data``: the
     user's JSONL requests instead, each checked; a release with a vision tower gets image probes too); the reference
     fits as the loader plans it (resident, else streamed from disk; logged), or ``reference_file`` holds its
     probabilities on (a prefix of) this probe set; and the ``scheme`` variant will fit too (planned from the
     source's headers), both at ``max_length`` tokens (None: the model's default). :class:`ValidationUnavailable`
-    naming why not. ``reference_dir``: the reference's directory, or its :class:`Release` already read."""
+    naming why not, as when the probes are too few for any outcome to pass ``limits`` (None: the ``scheme``'s).
+    ``reference_dir``: the reference's directory, or its :class:`Release` already read."""
     from clef_local.backends.loader import plan_backend
     from clef_local.formats.release import Release, read_release
     from clef_local.planning.load_options import LoadOptions
@@ -288,6 +264,14 @@ def check_validation(reference_dir: Path | Release, n: int = VALIDATION_REQUESTS
                 f"--save-reference FILE there, then --reference-file FILE here") from exc
         if planned.stream is not None:
             log.info("reference streamed from disk: %s", planned.stream.summary())
+    gated = limits if limits is not None else THRESHOLDS[scheme] if scheme is not None else None
+    if gated is not None:
+        from clef_local.quality import sequential
+
+        questions = sum(len(r.get("questions") or {}) for r in requests)
+        if reason := sequential.can_pass(sequential.schedule(len(requests)), questions, gated):
+            more = "more lines in --validation-data" if data else "--validation-requests N with a larger N"
+            raise ValidationUnavailable(f"{reason} ({more}, or --no-validate)")
     if scheme is not None:
         try:
             decision = plan_backend(release, LoadOptions(dtype=dtype or (stored.dtype if stored else None),
@@ -481,4 +465,5 @@ def _sequential_result(reference_dir: Path, variant_dir: Path, plan: Any, looks:
             "dtype": answers.dtype or "as stored", "metrics": {k: metrics[k] for k in METRICS},
             "thresholds": dict(limits), "checks": checks, "passed": passed, "failed": failed,
             "sequential": {**plan.to_json(), "schedule": list(plan.looks), "looks": [look.to_json() for look in looks]},
-            "reference_answers": answers.describe(), "seconds": round(time.perf_counter() - started, 2)}
+            "reference_answers": answers.describe(), "seconds": round(time.perf_counter() - started, 2),
+            **({"reference_file": str(answers.stored.path)} if answers.stored is not None else {})}

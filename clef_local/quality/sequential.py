@@ -128,6 +128,22 @@ def flip_bounds(flips: np.ndarray | float, questions: np.ndarray | float, upper_
     return np.where(n > 0, lower, 0.0), np.where(n > 0, upper, 1.0)
 
 
+def can_pass(schedule: Schedule, questions: int, limits: Mapping[str, float]) -> str | None:
+    """Why no outcome of ``questions`` questions could pass (None: a pass is possible): with no flip at all, the
+    flip rate's upper bound at any look is at best that of the last, over every question; when that is over the
+    limit the verdict can only be a failure or undecided, which an export should learn before it quantizes."""
+    if "flip_rate" not in limits:
+        return None
+    level = max(schedule.level(k) for k in range(len(schedule.looks)))
+    best = float(flip_bounds(0, questions, level, level)[1])
+    if best <= limits["flip_rate"]:
+        return None
+    needed = math.ceil(math.log(level) / math.log1p(-limits["flip_rate"]))
+    return (f"{schedule.looks[-1]} requests ({questions} questions) cannot show a flip rate ≤ "
+            f"{limits['flip_rate']:g}: with no flip at all its upper bound would be {best:.3g}; that takes at least "
+            f"~{needed} questions")
+
+
 @dataclass(frozen=True)
 class RequestMoments:
     """Sufficient statistics of a ratio mean over requests: per-request sums ``S_r`` (of KL) and counts ``m_r``
@@ -225,7 +241,7 @@ def mean_bounds(moments: RequestMoments, upper_level: float, lower_level: float
     return (np.where(ok, np.maximum(lower, 0.0), 0.0), np.where(ok, upper, np.inf), np.where(ok, se, np.inf))
 
 
-def verdict_of(bounds: Mapping[str, tuple[np.ndarray, np.ndarray]], limits: Mapping[str, float],
+def verdict_of(bounds: Mapping[str, tuple[np.ndarray | float, np.ndarray | float]], limits: Mapping[str, float],
                last: bool | np.ndarray = False) -> np.ndarray:
     """The verdict of (lower, upper) bounds per metric (arrays, one entry per run): ``fail`` where any lower bound
     is over its limit, else ``pass`` where every upper bound is within its limit, else ``continue`` (``undecided``

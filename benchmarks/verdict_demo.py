@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -75,12 +77,18 @@ def main() -> None:
     parser.add_argument("--model", type=Path, help="the source release (default: the demo model)")
     parser.add_argument("--schemes", nargs="+", default=list(ROWS), help=f"rows among {', '.join(ROWS)}")
     args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("clef_local.quality.sequential").setLevel(logging.INFO)  # one line per look
     from clef_local.demo.default import default_model_path
 
     model = args.model or default_model_path()
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["CLEF_LOCAL_REFERENCES"] = str(Path(tmp) / "references")
-        rows = [run(model, Path(tmp), label) for label in args.schemes]
+        rows = []
+        for label in args.schemes:
+            rows.append(run(model, Path(tmp), label))
+            print(f"{label}: {rows[-1].get('verdict')} after {rows[-1].get('requests')} requests, "
+                  f"{rows[-1]['seconds']:.0f} s", file=sys.stderr, flush=True)
     print("| variant | verdict | probes used | looks | questions | flips | flip rate [bounds] ≤ limit | "
           "mean KL [bounds] ≤ limit | reference | s |")
     print("|---|---|---:|---:|---:|---:|---|---|---|---:|")

@@ -36,7 +36,8 @@ def test_every_prefix_of_8_mixes_the_kinds_and_the_set_is_fixed_by_its_seed() ->
     probes = validation_probes(256)
     for start in range(0, 256, 8):
         kinds = [kind(r) for r in probes[start : start + 8]]
-        assert set(kinds) == KINDS, (start, kinds)  # every kind in each run of 8, in a seeded order
+        # every kind in each run of 8 but one of the two costly ones, which take turns, in a seeded order
+        assert set(kinds) == KINDS - ({"long"} if start % 16 else {"choice_long"}), (start, kinds)
     assert [kind(r) for r in probes[:8]] != [kind(r) for r in probes[8:16]]  # shuffled, not one fixed pattern
     assert probes == validation_probes(256, seed=0) and probes[:64] == validation_probes(64)  # prefixes are stable
     assert validation_probes(64, seed=1) != probes[:64] and len(validation_probes(13)) == 13
@@ -85,20 +86,23 @@ def test_long_states_reach_their_token_lengths(demo_tokens, tokens: int) -> None
 
 
 def test_the_first_64_cost_about_twice_the_short_set(demo_tokens) -> None:
-    """The budget the lead set: at most ~2x the short-only set's tokens in the first 64; 8K-16K states after them."""
+    """The budget: at most ~1.75x the short-only set's tokens in the first 64; the 8K and 16K states late."""
     request_tokens, count = demo_tokens
-    probes = validation_probes(128)
+    probes = validation_probes(256)
     first = sum(request_tokens(r) for r in probes[:64])
     short = sum(request_tokens(r) for r in probe_requests(64))
-    assert 1.5 * short <= first <= 2.1 * short, (first, short)
-    lengths = [count(r["state"]) for r in probes if kind(r) == "long"]  # one per block of 8, in order
-    assert all(0.9 * t <= n <= 1.1 * t for t, n in zip(LONG_FIRST, lengths[:8], strict=True)), lengths
-    assert max(lengths[:8]) < 4600 and max(lengths[8:]) > 14000  # the 16K state comes after the first 64
+    assert 1.2 * short <= first <= 1.75 * short, (first, short)
+    positions = [i for i, r in enumerate(probes) if kind(r) == "long"]  # one per 16 requests, in order
+    lengths = [count(probes[i]["state"]) for i in positions]
+    assert len(positions) == 16 and all(i // 16 == n for n, i in enumerate(positions)), positions
+    assert all(0.9 * t <= n <= 1.1 * t for t, n in zip(LONG_FIRST, lengths[:4], strict=True)), lengths
+    assert max(lengths[:4]) < 4600 and max(lengths[:11]) < 4600 and max(lengths) > 14000  # 16K only late
+    assert 0.9 * 8192 <= lengths[11] <= 1.1 * 8192
 
 
 def test_json_states_and_long_option_lists_run_through_decide(qwen_model) -> None:
     probes = [r for r in validation_probes(16) if kind(r) in ("json", "choice_long")]
-    assert len(probes) == 4
+    assert len(probes) == 3  # two JSON states, one long option list (the other block holds the long state)
     for request in probes:
         answers = qwen_model.decide(request)["answers"]
         assert set(answers) == set(request["questions"])
@@ -112,7 +116,7 @@ def test_json_states_and_long_option_lists_run_through_decide(qwen_model) -> Non
 def test_vision_probes_run_on_a_vision_release(vision_model) -> None:
     probes = [r for r in validation_probes(16, vision=True) if "images" in r]
     predictions = vision_model.predict(probes)
-    assert len(predictions) == 2
+    assert len(predictions) == 3  # one in the first 8, two in the next (its long-state slot is short there)
     for request, prediction in zip(probes, predictions, strict=True):
         assert len(prediction.probabilities) == len(request["questions"])
 

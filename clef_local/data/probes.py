@@ -55,15 +55,18 @@ def probe_requests(n: int = 64, seed: int = 0, root: Path | None = None, *, spli
     return requests
 
 
-# One block of validation_probes: every kind once (short choice twice), in a seeded order; the last slot alternates
-# noul / score between blocks, and is an image request when the model reads images.
+# One block of validation_probes: every kind once (short choice twice), in a seeded order; the two costly kinds take
+# turns, one per block: a long state in even blocks (its slot a short request in odd ones), a long option list in odd
+# blocks (a short choice in even ones); the last slot alternates noul / score between blocks, and is an image request
+# when the model reads images.
 BLOCK = ("choice", "choice", "choice_long", "noul", "score", "json", "long", "short")
-# The long state's target tokens in each block of the first 64 requests (mean 1.5K: the 64 cost 2x the short-only
-# set's tokens, 48K with the demo tokenizer against 24K), and in each block after them: one 8K and one 16K state per
-# 64 requests, which only a run of more than 64 requests pays for (16K tokens through a 4B backbone are ~130 TFLOP,
-# minutes on a laptop CPU).
-LONG_FIRST = (1024, 2048, 1024, 4096, 1024, 1024, 1024, 1024)
-LONG_LATER = (1024, 2048, 4096, 8192, 2048, 1024, 16384, 4096)
+# The long states' target tokens, one per 16 requests: a share that shows what a long context does to the verdict
+# without paying for it on every look — the questions, not the tokens, are what a bound needs, and a long state
+# holds no more questions than a short one. 1K–4K in the first 64 (the 64 then cost ~1.7x the short-only set's
+# tokens, long option lists included); the 8K and 16K states come late (about requests 180 and 245), where only a verdict that needs that many
+# probes (int8's 1% flip limit) pays for them (16K tokens through a 4B backbone are ~130 TFLOP, minutes on a CPU).
+LONG_FIRST = (1024, 2048, 1024, 4096)
+LONG_LATER = (1024, 2048, 1024, 4096, 1024, 2048, 1024, 8192, 1024, 2048, 1024, 16384)
 
 
 def validation_probes(n: int = 64, seed: int = 0, *, vision: bool = False, root: Path | None = None
@@ -72,10 +75,10 @@ def validation_probes(n: int = 64, seed: int = 0, *, vision: bool = False, root:
 
     Built in blocks of 8 requests in a seeded order: two short BANKING77 messages as a choice over 8–16 intents, one
     over 40–77 intents (a long option list), an NLU++ message with 4 noul questions, a message with an urgency score
-    and a noul, a JSON state (an account event, a disputed transaction or a list of events) with all three types, a
-    customer's conversation log of 1K–4K tokens in the first 64 requests (:data:`LONG_FIRST`; 1K–16K after them,
-    :data:`LONG_LATER`) asked about as a whole, and one more short noul or score request, or with ``vision`` an image
-    request (one or two small synthetic PNGs as data URIs, questions naming ``<image 1>``). A longer list begins
+    and a noul, a JSON state (an account event, a disputed transaction or a list of events) with all three types, in
+    every other block a customer's conversation log of 1K–4K tokens in the first 64 requests (:data:`LONG_FIRST`;
+    1K–16K after them, :data:`LONG_LATER`) asked about as a whole (else one more short request), and one more short
+    noul or score request, or with ``vision`` an image request (one or two small synthetic PNGs as data URIs, questions naming ``<image 1>``). A longer list begins
     with the shorter one (``validation_probes(64) == validation_probes(128)[:64]``). Drawn from BANKING77 test and
     NLU++ folds 16–19 (``root``: another datasets folder); FileNotFoundError when they cannot be found.
     """
@@ -94,11 +97,16 @@ def validation_probes(n: int = 64, seed: int = 0, *, vision: bool = False, root:
         kinds = list(BLOCK)
         pools.rng.shuffle(kinds)
         for kind in kinds:
-            if kind == "long":
-                lengths = LONG_FIRST if block < 8 else LONG_LATER
-                requests.append(probe_kinds.long_state_request(pools, lengths[block % 8]))
-            elif kind == "short":
-                requests.append(makers["vision" if vision else ("noul" if block % 2 else "score")]())
+            if kind == "long" and block % 2 == 0:
+                pair = block // 2
+                length = LONG_FIRST[pair] if pair < len(LONG_FIRST) else LONG_LATER[(pair - len(LONG_FIRST)) %
+                                                                                   len(LONG_LATER)]
+                requests.append(probe_kinds.long_state_request(pools, length))
+            elif kind == "choice_long" and block % 2 == 0:  # one expensive request per block: the long state
+                requests.append(makers["choice"]())
+            elif kind in ("short", "long"):  # a block's two short slots: one noul, one score
+                noul = bool(block % 2) != (kind == "long")
+                requests.append(makers["vision" if vision else ("noul" if noul else "score")]())
             else:
                 requests.append(makers[kind]())
     return requests[:n]

@@ -10,7 +10,7 @@ The weight is seeded Gaussian (× 0.02) in bf16. Each grid runs through ``quanti
 it needs nothing but torch). Default ``--before``: the parent of the commit that put int4's grids in CPU blocks.
 One warm-up call (its outputs are the ones compared, bit for bit), then the median of ``--repeats`` calls. Threads:
 every physical core (the one-shot rule, clef_local.planning.hardware.thread_plan) unless ``--threads``.
-Table in docs/benchmarks.md.
+Table in docs/benchmarks.md#int4-grid-speed.
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
     python benchmarks/verdict_demo.py                 # int8, fp8, int4 g32, int4 g64, nf4, broken int8
     python benchmarks/verdict_demo.py --schemes int4:32 broken
+    python benchmarks/verdict_demo.py --validation-requests 256        # int8 / fp8 capped as int4's
 
 Each row is ``clef_local.export.quantize.quantize_release`` with validation as the CLI runs it (default probe set and
 its scheme's most requests), into a temporary directory, with a private reference cache (``$CLEF_LOCAL_REFERENCES``,
@@ -44,7 +45,7 @@ def broken_int8() -> Any:
     return dataclasses.replace(row, quantize=quantize)
 
 
-def run(model: Path, work: Path, label: str) -> dict[str, Any]:
+def run(model: Path, work: Path, label: str, most: int | None) -> dict[str, Any]:
     from clef_local.export.quantize import quantize_release
     from clef_local.export.validate import ValidationRefused
     from clef_local.quant import registry
@@ -56,8 +57,8 @@ def run(model: Path, work: Path, label: str) -> dict[str, Any]:
         scheme = "int8"
     started = time.perf_counter()
     try:
-        result = quantize_release(model, work / label.replace(":", "-g"), scheme,
-                                  int(group) if group else None)["validation"]
+        result = quantize_release(model, work / label.replace(":", "-g"), scheme, int(group) if group else None,
+                                  validation_requests=most)["validation"]
     except ValidationRefused as exc:
         result = exc.result or {}
     finally:
@@ -76,6 +77,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, help="the source release (default: the demo model)")
     parser.add_argument("--schemes", nargs="+", default=list(ROWS), help=f"rows among {', '.join(ROWS)}")
+    parser.add_argument("--validation-requests", type=int, metavar="N",
+                        help="cap every row's probes at N (default: each scheme's most, int8/fp8 1024)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("clef_local.quality.sequential").setLevel(logging.INFO)  # one line per look
@@ -86,7 +89,7 @@ def main() -> None:
         os.environ["CLEF_LOCAL_REFERENCES"] = str(Path(tmp) / "references")
         rows = []
         for label in args.schemes:
-            rows.append(run(model, Path(tmp), label))
+            rows.append(run(model, Path(tmp), label, args.validation_requests))
             print(f"{label}: {rows[-1].get('verdict')} after {rows[-1].get('requests')} requests, "
                   f"{rows[-1]['seconds']:.0f} s", file=sys.stderr, flush=True)
     print("| variant | verdict | probes used | looks | questions | flips | flip rate [bounds] ≤ limit | "

@@ -63,8 +63,9 @@ BLOCK = ("choice", "choice", "choice_long", "noul", "score", "json", "long", "sh
 # The long states' target tokens, one per 16 requests: a share that shows what a long context does to the verdict
 # without paying for it on every look — the questions, not the tokens, are what a bound needs, and a long state
 # holds no more questions than a short one. 1K–4K in the first 64 (the 64 then cost ~1.7x the short-only set's
-# tokens, long option lists included); the 8K and 16K states come late (about requests 180 and 245), where only a verdict that needs that many
-# probes (int8's 1% flip limit) pays for them (16K tokens through a 4B backbone are ~130 TFLOP, minutes on a CPU).
+# tokens, long option lists included); the 8K and 16K states come late (about requests 180 and 245), where only a
+# verdict that needs that many probes (int8's 1% flip limit) pays for them (16K tokens through a 4B backbone are
+# ~130 TFLOP, minutes on a CPU).
 LONG_FIRST = (1024, 2048, 1024, 4096)
 LONG_LATER = (1024, 2048, 1024, 4096, 1024, 2048, 1024, 8192, 1024, 2048, 1024, 16384)
 
@@ -73,14 +74,15 @@ def validation_probes(n: int = 64, seed: int = 0, *, vision: bool = False, root:
                       ) -> list[dict[str, Any]]:
     """``n`` validation probe requests, the same for the same ``seed``, each prefix of 8 a mix of kinds.
 
-    Built in blocks of 8 requests in a seeded order: two short BANKING77 messages as a choice over 8–16 intents, one
-    over 40–77 intents (a long option list), an NLU++ message with 4 noul questions, a message with an urgency score
-    and a noul, a JSON state (an account event, a disputed transaction or a list of events) with all three types, in
-    every other block a customer's conversation log of 1K–4K tokens in the first 64 requests (:data:`LONG_FIRST`;
-    1K–16K after them, :data:`LONG_LATER`) asked about as a whole (else one more short request), and one more short
-    noul or score request, or with ``vision`` an image request (one or two small synthetic PNGs as data URIs, questions naming ``<image 1>``). A longer list begins
-    with the shorter one (``validation_probes(64) == validation_probes(128)[:64]``). Drawn from BANKING77 test and
-    NLU++ folds 16–19 (``root``: another datasets folder); FileNotFoundError when they cannot be found.
+    Built in blocks of 8 requests in a seeded order (:data:`BLOCK`): short BANKING77 messages as a choice over 8–16
+    intents, an NLU++ message with 4 noul questions, a message with an urgency score and a noul, a JSON state (an
+    account event, a disputed transaction or a list of events) with all three types, and one costly request taking
+    turns: in even blocks a customer's conversation log asked about as a whole (1K–4K tokens in the first 64 requests,
+    :data:`LONG_FIRST`; 1K–16K after them, :data:`LONG_LATER`), in odd ones a choice over 40–77 intents (a long
+    option list); with ``vision`` the short noul / score slots are image requests (one or two small synthetic PNGs as
+    data URIs, questions naming ``<image 1>``). A longer list begins with the shorter one
+    (``validation_probes(64) == validation_probes(128)[:64]``). Drawn from BANKING77 test and NLU++ folds 16–19
+    (``root``: another datasets folder); FileNotFoundError when they cannot be found.
     """
     if n < 0:
         raise ValueError(f"n must be >= 0, not {n}")

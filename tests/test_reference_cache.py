@@ -57,13 +57,16 @@ def test_the_second_variant_reuses_the_reference_answers(source: Path, tmp_path:
 def test_a_longer_validation_runs_only_the_probes_the_cache_lacks(source: Path, tmp_path: Path) -> None:
     short = validated(source, variant(source, tmp_path, "a"), 32)
     entry = ReferenceCache.open(source, release_digest(source), [], dtype="float32", context=0)
-    assert entry.covered() == 0  # another probe set: another entry
+    assert entry.covered() == 0  # another context: another entry
     # 64 probes: the first `short["requests"]` are the 32-probe set's first ones (the set is built as prefixes)
     longer = validated(source, variant(source, tmp_path, "b"), 64)
     answers = longer["reference_answers"]
-    if longer["requests"] > short["requests"]:
-        assert answers["live"] == longer["requests"] - answers["cached"]
-    assert len(cache_files()) == 2
+    assert answers["cached"] == min(short["requests"], longer["requests"])
+    assert answers["live"] == longer["requests"] - answers["cached"]
+    [kept] = cache_files()  # one file: the 32-probe set is the 64-probe set's prefix
+    assert json.loads(kept.read_text())["requests"]["count"] == max(short["requests"], longer["requests"])
+    again = validated(source, variant(source, tmp_path, "c"), 32)  # a shorter set is served by the longer file
+    assert again["reference_answers"]["live"] == 0 and "reference" not in again["runs"]
 
 
 def test_a_damaged_cache_file_is_named_and_recomputed(source: Path, tmp_path: Path,
@@ -94,7 +97,7 @@ def test_a_cache_made_with_another_head_is_not_used(source: Path, tmp_path: Path
     blob[-1] ^= 1  # one bit of the head's last weight
     head.write_bytes(bytes(blob))
     [kept] = cache_files()
-    context = int(kept.stem.split("-")[-1])
+    context = int(kept.stem.split("-")[2])
     assert ReferenceCache.open(source, digest, requests, dtype="float32", context=context).covered() == 16
     with caplog.at_level("WARNING", logger="clef_local.export.reference_cache"):
         entry = ReferenceCache.open(changed, digest, requests, dtype="float32", context=context)

@@ -2,13 +2,14 @@
 reference once per release: the next variant of the same release (another scheme, group, grid) reuses them, and a
 sequential validation that needs more probes than the last one adds only the missing ones.
 
-One file per (release, probe set, compute dtype, context), in the reference-file format
+One file per (release, compute dtype, context, first probe), in the reference-file format
 (:mod:`clef_local.quality.reference_file`, content digest included) under ``<user cache>/references/``. The file
-holds a *prefix* of the probe set: validation reads probes in order and stops when its verdict is decided. Before
-use it is checked as ``--reference-file`` is: the release's manifest digest, the requests' hash (of the prefix it
-covers), the dtype and context, and, per request, the token ids and questions the variant's run encodes. A cache
-file that fails a check is named in a warning and recomputed, never used; one that cannot be written is logged and
-the run goes on (it is a cache).
+holds a *prefix* of a probe set: validation reads probes in order and stops when its verdict is decided, and the
+probe sets of two schemes (256 probes for int4, 1024 for int8) are prefixes of one another, so they share it. Before
+use it is checked as ``--reference-file`` is: the release's manifest digest and head files, the dtype and context,
+each record's request digest against the probe it would answer, and, when used, each request's token ids and
+questions against the variant's run. A cache file that fails a check is named in a warning and recomputed, never
+used; one that cannot be written is logged and the run goes on (it is a cache).
 """
 
 from __future__ import annotations
@@ -61,30 +62,36 @@ class ReferenceCache:
     @classmethod
     def open(cls, release_dir: Path, release_digest: str, requests: Sequence[Mapping[str, Any]], *, dtype: str,
              context: int, truncate_state: bool = True, cache: Path | None = None) -> ReferenceCache:
-        """The cache entry for these keys, with the records of a valid cached file (none when there is none, or
-        when it fails a check: logged with the file's name)."""
-        probe_set = files.requests_digest(requests)[:16]
-        name = f"{release_digest[:16]}-{probe_set}-{dtype}-{context}{'' if truncate_state else '-full'}.json"
+        """The cache entry for these keys, with the records of a valid cached file that answer a prefix of
+        ``requests`` (none when there is none, or when it fails a check: logged with the file's name). The file is
+        found by the first request, so probe sets that are prefixes of one another (a scheme that may use 256
+        probes, another 1024) share it; each record names its request's digest, checked here."""
+        first = files.requests_digest(requests[:1])[:16]
+        name = f"{release_digest[:16]}-{dtype}-{context}{'' if truncate_state else '-full'}-{first}.json"
         entry = cls(cache_folder(cache) / name, release_dir, release_digest, requests, dtype, int(context),
                     truncate_state)
         if not entry.path.is_file():
             return entry
         try:
             stored = files.read(entry.path)
-            n = len(stored.records)
             if stored.reference.get("digest") != release_digest:
                 raise files.ReferenceFileError(f"{entry.path}: computed by another release")
             if files.check_candidate(stored, release_dir) is not None:  # the head changed under the same manifest
                 raise files.ReferenceFileError(f"{entry.path}: computed with another head than {release_dir}'s")
-            files.check_requests(stored, requests[:n], f"the first {n} probes")
             files.check_run(stored, dtype=dtype, context=context)
             if stored.truncate_state != truncate_state:
                 raise files.ReferenceFileError(f"{entry.path}: another truncate_state")
         except files.ReferenceFileError as exc:
             log.warning("ignoring the cached reference answers (%s); computing them again", exc)
             return entry
-        entry.records, entry.meta = list(stored.records), dict(stored.meta)
-        log.info("reference answers for %d of %d probes from the user cache (%s)", n, len(requests), entry.path)
+        records = []
+        for record, request in zip(stored.records, requests, strict=False):
+            if record.get("request_sha256") != _digest(request):
+                break  # another probe set from here on: the prefix before it is still this one's
+            records.append(record)
+        entry.records, entry.meta = records, dict(stored.meta)
+        log.info("reference answers for %d of %d probes from the user cache (%s)", len(records), len(requests),
+                 entry.path)
         return entry
 
     def covered(self) -> int:
@@ -106,7 +113,8 @@ class ReferenceCache:
         new = files.from_predictions(predictions, self.requests[start:start + len(predictions)],
                                      reference_dir=self.release_dir, dtype=self.dtype, context=self.context,
                                      truncate_state=self.truncate_state, meta=meta)
-        self.records.extend(new.records)
+        self.records.extend({**record, "request_sha256": _digest(request)} for record, request in
+                            zip(new.records, self.requests[start:start + len(predictions)], strict=True))
         self.meta = {**new.meta, "probe_set_sha256": files.requests_digest(self.requests)}
         whole = replace(new, records=self.records, meta=self.meta,
                         requests_sha256=files.requests_digest(self.requests[:len(self.records)]))
@@ -123,3 +131,7 @@ class ReferenceCache:
         identity = {"path": str(self.release_dir), "digest": self.release_digest}
         return files.ReferenceFile(identity, self.dtype, self.context, files.requests_digest(requests),
                                    self.truncate_state, records, self.meta, self.path)
+
+
+def _digest(request: Mapping[str, Any]) -> str:
+    return files.requests_digest([request])

@@ -302,7 +302,7 @@ def test_export_onnx_without_a_probe_set_is_refused_before_writing(tiny_llama: P
     def no_data(*args, **kwargs):
         raise FileNotFoundError("banking77/test.csv is missing")
 
-    monkeypatch.setattr("clef_local.export.probe_set.validation_probes", no_data)
+    monkeypatch.setattr("clef_local.data.probes.probe_requests", no_data)
     out = tmp_path / "onnx"
     assert onnx_export.main(["--model", str(tiny_llama), "--out", str(out), "--format", "fp32"]) == 2
     err = capsys.readouterr().err

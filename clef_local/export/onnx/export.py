@@ -112,9 +112,9 @@ def export_onnx(source: str | Path, out: str | Path, fmt: str | None = None, *, 
     release = read_release(source)
     fmt = _resolve_format(fmt, variant_scheme(release.config), source)
     if validate:  # no probe set: refused now, not after the export (ValidationUnavailable)
-        from clef_local.export.validate import validation_requests
+        from clef_local.export.onnx.validate import parity_requests
 
-        validation_requests(probes)
+        parity_requests(probes)
     with staged(source, out, force) as tmp:
         log.info("exporting %s → %s (%s) via %s", source, out, fmt, tmp)
         if fmt in NBITS_FORMATS and variant_scheme(release.config) is None:

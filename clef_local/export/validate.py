@@ -317,7 +317,7 @@ def validate_export(reference_dir: Path | Release, variant_dir: Path, scheme: st
     inputs = checked or check_validation(reference_dir, n, seed, dtype=dtype, max_memory=max_memory,
                                          reference_file=reference_file, max_length=max_length, data=data)
     requests, release = inputs.requests, inputs.release
-    answers = _ReferenceAnswers.of(inputs, reference_file, dtype=dtype, cache=cache)
+    answers = _ReferenceAnswers.of(inputs, dtype=dtype, cache=cache)
     plan = sequential.schedule(len(requests))
     turns = Turns(max_memory=max_memory, max_length=max_length)
     differences: Differences | None = None
@@ -347,8 +347,8 @@ def validate_export(reference_dir: Path | Release, variant_dir: Path, scheme: st
     if last.verdict == "fail":
         raise ValidationFailed(f"{scheme} variant fails validation: " + ", ".join(result["failed"]), result)
     if last.verdict != "pass":
-        raise ValidationUndecided(f"{scheme} variant: validation undecided after {last.requests} requests "
-                                  f"({', '.join(result['failed'])}); {sequential.what_would_decide(last)}", result)
+        raise ValidationUndecided(f"{scheme} variant: validation undecided ({', '.join(result['failed'])}); "
+                                  f"{sequential.what_would_decide(last)}", result)
     return result
 
 
@@ -363,8 +363,7 @@ class _ReferenceAnswers:
     live: int = 0  # probes the reference answered live in this validation
 
     @classmethod
-    def of(cls, inputs: ValidationInputs, reference_file: str | Path | None, *, dtype: str | None,
-           cache: bool) -> _ReferenceAnswers:
+    def of(cls, inputs: ValidationInputs, *, dtype: str | None, cache: bool) -> _ReferenceAnswers:
         if inputs.reference is not None:
             return cls(stored=inputs.reference, dtype=dtype or inputs.reference.dtype)
         if not cache or inputs.dtype is None or inputs.context is None:
@@ -409,7 +408,7 @@ class _ReferenceAnswers:
             live = [p.probabilities for p in ran.predictions]
             self.live += len(batch) - known
             if self.cache is not None and (ran.dtype, ran.context) == (self.cache.dtype, self.cache.context):
-                self.cache.add(start + known, ran.predictions, {"backend": "torch"})
+                self.cache.add(start + known, ran.predictions, {"made by": "quantize's validation"})
             elif self.cache is not None:
                 log.warning("the reference ran in %s at context %d, not the planned %s at %d: its answers are not "
                             "cached", ran.dtype, ran.context, self.cache.dtype, self.cache.context)

@@ -18,10 +18,6 @@ from clef_local.export.validation_errors import ValidationUnavailable
 log = logging.getLogger(__name__)
 
 
-def _unavailable(reason: str) -> ClefError:
-    return ValidationUnavailable(reason)
-
-
 def read_validation_data(path: str | Path, n: int) -> list[dict[str, Any]]:
     """The first ``n`` requests of the JSONL file ``path`` (all of them when it holds fewer, logged), each checked
     against the request schema now, so that a bad file is refused before an export writes anything;
@@ -32,17 +28,17 @@ def read_validation_data(path: str | Path, n: int) -> list[dict[str, Any]]:
     try:
         examples = read_jsonl(path, limit=n)
     except DataFormatError as exc:  # names the file and line already
-        raise _unavailable(f"--validation-data {one_line(exc)}") from exc
+        raise ValidationUnavailable(f"--validation-data {one_line(exc)}") from exc
     except (OSError, UnicodeDecodeError) as exc:
-        raise _unavailable(f"--validation-data {path} cannot be read ({one_line(exc)})") from exc
+        raise ValidationUnavailable(f"--validation-data {path} cannot be read ({one_line(exc)})") from exc
     if not examples:
-        raise _unavailable(f"--validation-data {path} holds no requests (one SystemOne request per line)")
+        raise ValidationUnavailable(f"--validation-data {path} holds no requests (one SystemOne request per line)")
     for number, example in enumerate(examples, start=1):
         try:
             validate_request(example.request)
         except ClefError as exc:
-            raise _unavailable(f"--validation-data {path}: request {number} ({example.id}) is not a valid request "
-                               f"({one_line(exc)})") from exc
+            raise ValidationUnavailable(f"--validation-data {path}: request {number} ({example.id}) is not a valid "
+                                        f"request ({one_line(exc)})") from exc
     if len(examples) < n:
         log.info("validation on all %d requests of %s (fewer than the %d asked for)", len(examples), path, n)
     else:
@@ -62,4 +58,4 @@ def validation_set(n: int, seed: int = 0, *, data: str | Path | None = None, vis
     try:
         return validation_probes(n, seed, vision=vision, root=packaged_datasets_dir())
     except (FileNotFoundError, OSError, ValueError) as exc:
-        raise _unavailable(f"the packaged probe set cannot be read ({exc})") from exc
+        raise ValidationUnavailable(f"the packaged probe set cannot be read ({exc})") from exc

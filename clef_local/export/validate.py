@@ -10,7 +10,6 @@ With a reference file (:mod:`clef_local.quality.reference_file`) the reference i
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import math
@@ -33,7 +32,6 @@ if TYPE_CHECKING:
     from clef_local.export.reference_cache import ReferenceCache
     from clef_local.export.turns import Turns
     from clef_local.formats.release import Release
-    from clef_local.model import Prediction
     from clef_local.quality.reference_file import ReferenceFile
 
 log = logging.getLogger(__name__)
@@ -92,51 +90,6 @@ def compare(reference: Sequence[Sequence[np.ndarray]], variant: Sequence[Sequenc
     return Differences.of(reference, variant).metrics()
 
 
-@dataclass(frozen=True)
-class ModelRun:
-    """One model's pass over the probe set: its predictions, compute dtype, context, and how it ran (seconds,
-    batches; bytes read, group loads and read seconds when streamed from disk), which validation.json records."""
-
-    predictions: list[Prediction]
-    dtype: str
-    context: int
-    summary: dict[str, Any]
-
-
-def _predictions(path: Path | Release, requests: Sequence[dict[str, Any]], dtype: str | None, batch_size: int,
-                 max_memory: str | None = None, truncate_state: bool = True, max_length: int | None = None,
-                 role: str = "model") -> ModelRun:
-    """``path``'s (a directory, or the release already read) predictions of ``requests`` (resident, or streamed
-    from disk when it does not fit), its compute dtype and context (``max_length``; None: the model's default); a
-    streamed run logs what it read per pass."""
-    import clef_local
-
-    started = time.perf_counter()
-    model = clef_local.load(path, dtype=dtype, max_memory=max_memory, offload="auto", max_length=max_length)
-    decision = model.backend.load_decision
-    try:
-        loaded = time.perf_counter() - started
-        batches: list[float] = []
-        predictions = model.predict(requests, truncate_state=truncate_state, batch_size=batch_size,
-                                    batch_seconds=batches)
-        summary: dict[str, Any] = {"load_seconds": round(loaded, 2), "batches": len(batches),
-                                   "seconds": round(sum(batches), 2)}
-        streamed = model.backend.describe().get("streamed")
-        if streamed is not None:
-            summary["streamed"] = streamed
-            log.info("%s streamed from disk: %.2f GB read in %d pass%s, %.1f s per pass (%.1f s reading)", role,
-                     streamed["bytes_read"] / 1e9, len(batches), "" if len(batches) == 1 else "es",
-                     sum(batches) / max(len(batches), 1), streamed["read_seconds"])
-        return ModelRun(predictions, decision.dtype if decision else str(dtype), model.max_length, summary)
-    finally:
-        del model
-        gc.collect()
-
-
-def _probabilities(run: ModelRun) -> list[list[np.ndarray]]:
-    return [p.probabilities for p in run.predictions]
-
-
 def _result(reference_dir: Path, variant_dir: Path, requests: Sequence[dict[str, Any]],
             ref: Sequence[Sequence[np.ndarray]], var: Sequence[Sequence[np.ndarray]],
             thresholds: Mapping[str, float], dtype: str | None, started: float) -> dict[str, Any]:
@@ -163,10 +116,17 @@ def validate_variant(reference_dir: str | Path, variant_dir: str | Path, request
     compare. ``thresholds`` maps metric names (:data:`METRICS`) to their maximum. Returns a dict with
     ``metrics``, ``thresholds``, ``checks`` ({metric: {value, threshold, ok}}), ``passed`` and ``failed`` (one
     "metric value > threshold" line per failing metric); exceptions of either load propagate."""
+    from clef_local.export.turns import Turns
+
     started = time.perf_counter()
-    ref = _probabilities(_predictions(Path(reference_dir), requests, dtype, batch_size, role="reference"))
-    var = _probabilities(_predictions(Path(variant_dir), requests, dtype, batch_size, role="variant"))
-    return _result(Path(reference_dir), Path(variant_dir), requests, ref, var, thresholds, dtype, started)
+    turns = Turns(batch_size=batch_size)
+    try:
+        ref = turns.predict("reference", Path(reference_dir), requests, dtype=dtype).predictions
+        var = turns.predict("variant", Path(variant_dir), requests, dtype=dtype).predictions
+    finally:
+        turns.close()
+    return _result(Path(reference_dir), Path(variant_dir), requests, [p.probabilities for p in ref],
+                   [p.probabilities for p in var], thresholds, dtype, started)
 
 
 def validation_table(result: Mapping[str, Any]) -> Any:

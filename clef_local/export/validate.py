@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from clef_local.export.reference_cache import ReferenceCache
     from clef_local.export.turns import Turns
     from clef_local.formats.release import Release
+    from clef_local.planning.choice import LoadDecision
     from clef_local.quality.reference_file import ReferenceFile
 
 log = logging.getLogger(__name__)
@@ -179,7 +180,27 @@ class ValidationInputs:
     release: Release  # the reference release, read once
     reference: ReferenceFile | None = None
     dtype: str | None = None
-    context: int | None = None
+    context: int | None = None  # the tokens a state is truncated to: the answers depend on it (the cache's key)
+    load_context: int | None = None  # the tokens both models load at: what the longest probe needs
+    left_out: int = 0  # probes asked for that did not fit this machine (validation_context)
+
+
+def _plan_reference(release: Release, context: int, *, dtype: str | None, max_memory: str | None) -> LoadDecision:
+    from clef_local.backends.loader import plan_backend
+    from clef_local.planning.load_options import LoadOptions
+
+    try:
+        return plan_backend(release, LoadOptions(dtype=dtype, max_memory=max_memory, offload="auto",
+                                                 max_length=context))
+    except InsufficientMemoryError as exc:
+        raise _does_not_fit(exc, release.path) from exc
+
+
+def _does_not_fit(exc: InsufficientMemoryError, reference_dir: Path) -> ValidationUnavailable:
+    return ValidationUnavailable(
+        f"the reference does not fit here, not even streamed from disk ({one_line(exc)}); or compare with its "
+        f"probabilities computed elsewhere: clef-local drift --reference {reference_dir} --save-reference FILE "
+        "there, then --reference-file FILE here")
 
 
 def check_validation(reference_dir: Path | Release, n: int = VALIDATION_REQUESTS, seed: int = 0, *,
@@ -195,13 +216,14 @@ def check_validation(reference_dir: Path | Release, n: int = VALIDATION_REQUESTS
     naming why not, as when the probes are too few for any outcome to pass ``limits`` (None: the ``scheme``'s).
     ``reference_dir``: the reference's directory, or its :class:`Release` already read."""
     from clef_local.backends.loader import plan_backend
+    from clef_local.export.validation_context import fit_probes
     from clef_local.formats.release import Release, read_release
     from clef_local.planning.load_options import LoadOptions
 
     release = reference_dir if isinstance(reference_dir, Release) else read_release(reference_dir)
     requests = validation_requests(n, seed, data=data, vision=release.has_vision)
     reference_dir = release.path
-    stored, planned = None, None
+    stored, planned, left_out = None, None, 0
     if reference_file is not None:
         from clef_local.quality import reference_file as files
 
@@ -213,17 +235,19 @@ def check_validation(reference_dir: Path | Release, n: int = VALIDATION_REQUESTS
         files.check_reference(stored, reference_dir)
         files.check_run(stored, dtype=dtype or stored.dtype, context=None)
         log.info("reference from %s: %s", reference_file, stored.describe())
-    else:
+    if max_length is not None:  # asked for: both models load at it (a longer state is truncated, as ever)
+        context = truncation = max_length
+        if stored is None:
+            planned = _plan_reference(release, max_length, dtype=dtype, max_memory=max_memory)
+    else:  # as long as the longest probe needs (validation_context), cut when even that does not fit
         try:
-            planned = plan_backend(release, LoadOptions(dtype=dtype, max_memory=max_memory, offload="auto",
-                                                        max_length=max_length))
+            fit = fit_probes(release, requests, dtype=dtype, max_memory=max_memory, plan_reference=stored is None)
         except InsufficientMemoryError as exc:
-            raise ValidationUnavailable(
-                f"the reference does not fit here, not even streamed from disk ({one_line(exc)}); or compare with "
-                f"its probabilities computed elsewhere: clef-local drift --reference {reference_dir} "
-                f"--save-reference FILE there, then --reference-file FILE here") from exc
-        if planned.stream is not None:
-            log.info("reference streamed from disk: %s", planned.stream.summary())
+            raise _does_not_fit(exc, reference_dir) from exc
+        requests, context, truncation = fit.requests, fit.context, fit.truncation
+        planned, left_out = fit.decision, fit.left_out
+    if planned is not None and planned.stream is not None:
+        log.info("reference streamed from disk: %s", planned.stream.summary())
     gated = limits if limits is not None else THRESHOLDS[scheme] if scheme is not None else None
     if gated is not None:
         from clef_local.quality import sequential
@@ -231,19 +255,21 @@ def check_validation(reference_dir: Path | Release, n: int = VALIDATION_REQUESTS
         questions = sum(len(r.get("questions") or {}) for r in requests)
         if reason := sequential.can_pass(sequential.schedule(len(requests)), questions, gated):
             more = "more lines in --validation-data" if data else "--validation-requests N with a larger N"
+            if left_out:
+                more = f"a higher --max-memory: {left_out} probes did not fit"
             raise ValidationUnavailable(f"{reason} ({more}, or --no-validate)")
     if scheme is not None:
         try:
             decision = plan_backend(release, LoadOptions(dtype=dtype or (stored.dtype if stored else None),
-                                                         max_memory=max_memory, offload="auto", max_length=max_length),
+                                                         max_memory=max_memory, offload="auto", max_length=context),
                                     fmt=scheme)
         except InsufficientMemoryError as exc:
             raise ValidationUnavailable(f"the {scheme} variant will not fit here, not even streamed from disk "
                                         f"({one_line(exc)})") from exc
         if decision.stream is not None:
             log.info("%s variant streamed from disk: %s", scheme, decision.stream.summary())
-    return ValidationInputs(requests, release, stored, planned.dtype if planned else None,
-                            planned.context if planned else None)
+    return ValidationInputs(requests, release, stored, planned.dtype if planned else None, truncation, context,
+                            left_out)
 
 
 def validate_export(reference_dir: Path | Release, variant_dir: Path, scheme: str, n: int = VALIDATION_REQUESTS,
@@ -279,7 +305,7 @@ def validate_export(reference_dir: Path | Release, variant_dir: Path, scheme: st
     requests, release = inputs.requests, inputs.release
     answers = _ReferenceAnswers.of(inputs, dtype=dtype, cache=cache)
     plan = sequential.schedule(len(requests))
-    turns = Turns(max_memory=max_memory, max_length=max_length)
+    turns = Turns(max_memory=max_memory, max_length=inputs.load_context or max_length)
     differences: Differences | None = None
     looks: list[sequential.Look] = []
     try:
@@ -303,6 +329,9 @@ def validate_export(reference_dir: Path | Release, variant_dir: Path, scheme: st
     result = _sequential_result(release.path, Path(variant_name or variant_dir), plan, looks, differences,
                                 limits, answers, started)
     result["runs"] = {role: usage.to_json() for role, usage in turns.usage.items()}
+    result["context"] = inputs.load_context
+    if inputs.left_out:  # validation_context cut the probe set to what fits this machine
+        result["probes_left_out"] = inputs.left_out
     (variant_dir / VALIDATION).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     if last.verdict == "fail":
         raise ValidationFailed(f"{scheme} variant fails validation: " + ", ".join(result["failed"]), result)
@@ -321,11 +350,12 @@ class _ReferenceAnswers:
     cache: ReferenceCache | None = None
     dtype: str | None = None  # the reference's compute dtype once known: the variant runs in it
     live: int = 0  # probes the reference answered live in this validation
+    context: int | None = None  # the tokens a state is truncated to (ValidationInputs.context)
 
     @classmethod
     def of(cls, inputs: ValidationInputs, *, dtype: str | None, cache: bool) -> _ReferenceAnswers:
         if inputs.reference is not None:
-            return cls(stored=inputs.reference, dtype=dtype or inputs.reference.dtype)
+            return cls(stored=inputs.reference, dtype=dtype or inputs.reference.dtype, context=inputs.context)
         if not cache or inputs.dtype is None or inputs.context is None:
             return cls()
         from clef_local.export.reference_cache import ReferenceCache
@@ -333,7 +363,7 @@ class _ReferenceAnswers:
 
         entry = ReferenceCache.open(inputs.release.path, release_digest(inputs.release.path), inputs.requests,
                                     dtype=inputs.dtype, context=inputs.context)
-        return cls(cache=entry, dtype=entry.dtype if entry.covered() else None)
+        return cls(cache=entry, dtype=entry.dtype if entry.covered() else None, context=inputs.context)
 
     def covered(self) -> int:
         if self.stored is not None:
@@ -367,11 +397,12 @@ class _ReferenceAnswers:
             self.dtype = self.dtype or ran.dtype
             live = [p.probabilities for p in ran.predictions]
             self.live += len(batch) - known
-            if self.cache is not None and (ran.dtype, ran.context) == (self.cache.dtype, self.cache.context):
+            # Turns loads at the longest probe's need, which truncates nothing below self.context (the key)
+            if self.cache is not None and ran.dtype == self.cache.dtype:
                 self.cache.add(start + known, ran.predictions, {"made by": "quantize's validation"})
             elif self.cache is not None:
-                log.warning("the reference ran in %s at context %d, not the planned %s at %d: its answers are not "
-                            "cached", ran.dtype, ran.context, self.cache.dtype, self.cache.context)
+                log.warning("the reference ran in %s, not the planned %s: its answers are not cached", ran.dtype,
+                            self.cache.dtype)
                 self.cache = None
         truncate = self.stored.truncate_state if self.stored is not None else True
         try:
@@ -382,7 +413,7 @@ class _ReferenceAnswers:
         known_part: list[list[np.ndarray]] = []
         if known:
             if self.stored is not None:
-                files.check_run(self.stored, dtype=variant.dtype, context=variant.context)
+                files.check_run(self.stored, dtype=variant.dtype, context=self.context)
                 part = replace(self.stored, records=self.stored.records[start:start + known])
                 known_part = [p.probabilities for p in files.predictions_for(part, variant.predictions[:known])]
             elif self.cache is not None:

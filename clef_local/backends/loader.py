@@ -52,6 +52,8 @@ def plan_backend(release: Release, options: LoadOptions = DEFAULT_OPTIONS, *, fm
     except ValueError as exc:
         raise ApiUsageError(str(exc)) from exc
     hardware = devices[0]
+    if backend == "llamacpp" or (release.is_gguf and fmt is None):  # a GGUF backbone runs on llama.cpp only
+        return _plan_gguf(release, options, devices)
     scheme = fmt or stored_format(release.config)
     split = len(devices) > 1
     if split and offload == "disk":
@@ -101,6 +103,15 @@ def plan_backend(release: Release, options: LoadOptions = DEFAULT_OPTIONS, *, fm
     return decision
 
 
+def _plan_gguf(release: Release, options: LoadOptions, devices: list[Hardware]) -> LoadDecision:
+    from clef_local.planning.gguf_plan import plan_gguf_load
+
+    if len(devices) > 1 or options.offload == "disk":
+        raise ApiUsageError("llama.cpp runs a GGUF on one device, resident (it maps the file): give one device and "
+                            "no --offload disk")
+    return plan_gguf_load(release, options, devices[0], installed=installed_backends())
+
+
 def build_backend(release: Release, options: LoadOptions = DEFAULT_OPTIONS) -> Backend:
     """The backend for ``release``: chosen by :func:`clef_local.planning.choice.plan_load` for this machine
     (``options.device``: ``auto``, ``cpu``, ``cuda[:N]``, ``mps``, or several for a pipeline split of the layers:
@@ -139,6 +150,8 @@ def build_backend(release: Release, options: LoadOptions = DEFAULT_OPTIONS) -> B
     placement: dict[str, Any] = {"split": decision.split} if decision.split else {}
     if decision.stream is not None:
         placement["stream"] = decision.stream
+    if decision.backend == "llamacpp":  # llama.cpp sizes its context (KV cache) when it is made
+        placement["context"] = decision.context
     runner: Backend = cls(release, device=decision.device,
                           dtype=decision.dtype if decision.backend != "onnx" or asked else None, **placement)
     runner.load_decision = decision

@@ -44,9 +44,14 @@ GGUF_VERSIONS = (2, 3)  # the versions llama.cpp reads (gguf.h: GGUF_VERSION 3; 
 # registry (clef_local.export.gguf.convert) has one entry per key.
 ARCHITECTURES: dict[str, str] = {"llama": "llama", "qwen3_5": "qwen35"}
 
-# Keys of gguf_config.json (written by clef_local.export.gguf): the export's --type, the tensor types the file
-# really holds (read back from it), the source release's identity.
-CONFIG_KEYS = ("format", "type", "architecture", "tensor_types", "output_tensor_type", "imatrix", "writer", "source")
+# Keys of gguf_config.json (written by clef_local.export.gguf.export): the export's --type and llama.cpp's file type,
+# the tensor types the file really holds (read back from it: {type: count}), which tensor holds the rows the joint
+# head reads (output.weight, or token_embd.weight when tied) and its type, whether an importance matrix was used,
+# the tokenizer's pre name, what wrote it (clef_local, gguf, llama_cpp_python versions), the source release
+# ({"path", "digest"}: clef_local.formats.manifest.files_digest of its files) and the validation result.
+CONFIG_KEYS = ("format", "type", "file_type", "architecture", "tensor_types", "tensor_count", "lm_head_tensor",
+               "output_tensor_type", "output_kept_at_source_precision", "imatrix", "pre_tokenizer", "vision",
+               "writer", "source", "validation")
 
 
 def gguf_path(directory: str | Path) -> Path:

@@ -178,10 +178,10 @@ def tensor_type(plan: TensorPlan, ftype: str, output_type: str | None) -> str:
 
 
 def write_gguf(release: Any, out: Path, ftype: str, *, output_type: str | None = None,
-               progress: Callable[[str], None] | None = None) -> Written:
+               progress: Callable[[int, int, str], None] | None = None) -> Written:
     """Write the text backbone of ``release`` (a :class:`clef_local.formats.release.Release` with safetensors
-    weights) to ``out`` as a GGUF of float type ``ftype`` (``F32``, ``F16``, ``BF16``); ``progress`` is called after
-    each tensor with its GGUF name."""
+    weights) to ``out`` as a GGUF of float type ``ftype`` (``F32``, ``F16``, ``BF16``); ``progress(done, total, name)``
+    is called after each tensor."""
     import gguf
 
     import clef_local
@@ -214,12 +214,12 @@ def write_gguf(release: Any, out: Path, ftype: str, *, output_type: str | None =
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     try:
-        for plan in plans:
+        for done, plan in enumerate(plans, 1):
             file, info = sources[plan.source]
             raw = read_arrays(file, lambda n, s=plan.source: n == s)[plan.source]
             writer.write_tensor_data(_Blocks(raw, info.dtype, types[plan.name], plan))  # type: ignore[arg-type]  (duck-typed: nbytes + tofile)
             if progress is not None:
-                progress(plan.name)
+                progress(done, len(plans), plan.name)
     finally:
         writer.close()
     return Written(converter.arch, types, vocab.pre, "token_embd.weight" if tied else "output.weight")

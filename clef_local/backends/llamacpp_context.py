@@ -31,9 +31,17 @@ KvType = Literal["f16", "f32"]
 # Tokens per llama_decode call (n_batch = n_ubatch): the context allocates n_vocab floats of logits per token of a
 # chunk besides the activations (embeddings mode still runs the LM head), 0.5 GB a chunk at Qwen3.5's 248K vocab
 DEFAULT_CHUNK = 512
-GPU_BUILD = {"cuda": 'CMAKE_ARGS="-DGGML_CUDA=on"', "mps": 'CMAKE_ARGS="-DGGML_METAL=on"',
-             "vulkan": 'CMAKE_ARGS="-DGGML_VULKAN=on"'}
-REBUILD = "pip install --force-reinstall --no-cache-dir llama-cpp-python==0.3.36"
+# llama.cpp's GPU backends are chosen when pip builds llama-cpp-python (an sdist): the CMake flag of each
+BUILD_FLAGS = {"Metal": "-DGGML_METAL=on", "CUDA": "-DGGML_CUDA=on", "Vulkan": "-DGGML_VULKAN=on",
+               "ROCm": "-DGGML_HIP=on"}
+_DEVICE_BUILDS = {"cuda": ("CUDA", "ROCm", "Vulkan"), "mps": ("Metal",), "gpu": ("CUDA", "Metal", "Vulkan", "ROCm")}
+
+
+def build_command(backend: str) -> str:
+    """The command that rebuilds llama-cpp-python with ``backend`` (a key of :data:`BUILD_FLAGS`)."""
+    return (f'CMAKE_ARGS="{BUILD_FLAGS[backend]}" pip install --force-reinstall --no-cache-dir '
+            "llama-cpp-python==0.3.36")
+
 
 _log_lock = threading.Lock()
 _log_state: dict[str, Any] = {}  # the installed callback (kept alive here) and the line being assembled
@@ -88,9 +96,9 @@ def gpu_layers_for(device: str, supports_gpu: bool) -> int:
     if kind not in ("cuda", "mps", "gpu"):
         raise LlamaCppError(f"the llamacpp backend runs on cpu, cuda[:N], mps or gpu, not {device!r}")
     if not supports_gpu:
-        flags = GPU_BUILD.get(kind, " or ".join(GPU_BUILD.values()))
+        builds = " or ".join(f"{name}: {build_command(name)}" for name in _DEVICE_BUILDS[kind][:2])
         raise LlamaCppError(f"this llama-cpp-python was built for the CPU only, so it cannot run on {device}; "
-                            f"rebuild it: {flags} {REBUILD} (or run on --device cpu)")
+                            f"rebuild it ({builds}) or run on --device cpu")
     return 1 << 30  # every layer (llama.cpp clamps to the model's)
 
 

@@ -133,7 +133,7 @@ class LlamaCppBackend:
                 "written_by": "clef-local export-gguf" if config else "another tool (no gguf/gguf_config.json)",
                 "tensor_types": self.table.type_counts, "lexical_rows": self.table.lexical_tensor,
                 "lexical_rows_type": self.table.tensors[self.table.lexical_tensor].type,
-                "kv_cache": self.kv_dtype, "context": self.context.n_ctx, "decode_chunk": self.context.n_batch,
+                "kv_cache": self.kv_dtype, "n_ctx": self.context.n_ctx, "decode_chunk": self.context.n_batch,
                 "flash_attention": "off" if self.kv_dtype == "float32" else "auto", "head_dtype": "float32",
                 "head_runtime": "numpy", "threads": self.thread_plan.intra_op}
 

@@ -62,8 +62,7 @@ class LlamaCppBackend:
     def __init__(self, release: Release, *, device: str = "cpu", dtype: str | None = None,
                  context: int | None = None, chunk: int | None = None) -> None:
         from clef_local.backends.llamacpp_context import LlamaCppContext
-        from clef_local.formats.gguf_release import check_gguf
-        from clef_local.formats.gguf_tensors import gguf_table
+        from clef_local.formats.gguf_tensors import checked_table
         from clef_local.planning.gguf_plan import chunk_for, kv_dtype
         from clef_local.runtime.encoding import default_max_length
 
@@ -72,8 +71,7 @@ class LlamaCppBackend:
                                 f"--model {release.path} --out DIR` and load DIR")
         self.release = release
         self.gguf = release.gguf
-        self.check = check_gguf(self.gguf, release)  # before llama.cpp parses a byte of it
-        self.table = gguf_table(self.gguf)
+        self.table = checked_table(self.gguf, release)  # check_gguf before llama.cpp parses a byte of it
         self.device = "cpu" if device in ("auto", "") else device
         self.kv_dtype = kv_dtype(dtype)
         if dtype not in (None, "auto", "float32", "float16"):

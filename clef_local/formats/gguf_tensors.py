@@ -14,11 +14,14 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from clef_local.errors import ReleaseError
+
+if TYPE_CHECKING:
+    from clef_local.formats.release import Release
 
 OUTPUT = "output.weight"  # llama.cpp's lm_head
 TOKEN_EMBD = "token_embd.weight"  # the input embedding, the lm_head too when tied (no output.weight)
@@ -121,3 +124,20 @@ def gguf_table(path: str | Path) -> GgufTable:
     path = Path(path).resolve()
     stat = path.stat()
     return _cached(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+_checked: set[tuple[str, int, int, str]] = set()
+
+
+def checked_table(path: str | Path, release: Release) -> GgufTable:
+    """:func:`~clef_local.formats.gguf_release.check_gguf` of ``path`` against ``release`` (once while the file is
+    unchanged: the planner and the backend both read it on a load), then its :class:`GgufTable`."""
+    from clef_local.formats.gguf_release import check_gguf
+
+    path = Path(path).resolve()
+    stat = path.stat()
+    key = (str(path), stat.st_size, stat.st_mtime_ns, str(Path(release.path).resolve()))
+    if key not in _checked:
+        check_gguf(path, release)
+        _checked.add(key)
+    return gguf_table(path)

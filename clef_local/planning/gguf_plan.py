@@ -4,9 +4,9 @@ arithmetic on the file's tensor table (:mod:`clef_local.formats.gguf_tensors`) a
 llama.cpp allocates everything when its context is made, so the plan counts, at the planned context: the GGUF's
 tensors as stored (memory-mapped, resident once read), the KV cache (F16, or F32 for exact runs) of the attention
 layers, the recurrent state of the linear-attention layers (F32, one sequence), the compute buffer of one decode
-chunk — dominated by its logits: embeddings mode still runs the LM head, ``chunk × vocab`` floats twice (the graph's
-and the output buffer) — and, without flash attention (the F32 mode), the chunk's attention scores over the context;
-then the joint schema head in numpy over the whole context, the runtime overhead and the margin.
+chunk — its logits (embeddings mode still runs the LM head: ``chunk × vocab`` floats twice, the graph's and the
+output buffer), its mask over the context and, without flash attention (the F32 mode), its attention scores over the
+context; then the joint schema head in numpy over the whole context, the runtime overhead and the margin.
 docs/hardware.md#llamacpp.
 """
 
@@ -76,15 +76,16 @@ class GgufFootprint:
 
 
 def gguf_footprint(release: Release, path: Path | None = None) -> GgufFootprint:
-    """The footprint of the release's GGUF (``path``, default ``release.gguf``) from its tensor table."""
-    from clef_local.formats.gguf_tensors import TOKEN_EMBD, gguf_table
+    """The footprint of the release's GGUF (``path``, default ``release.gguf``) from its tensor table, once the file
+    passed :func:`~clef_local.formats.gguf_release.check_gguf`."""
+    from clef_local.formats.gguf_tensors import TOKEN_EMBD, checked_table
     from clef_local.formats.head_config import head_tensor_shapes
 
     path = path or release.gguf
     if path is None:
         raise ApiUsageError(f"{release.path} has no gguf/model.gguf; write one with `clef-local export-gguf --model "
                             f"{release.path} --out DIR` and load DIR")
-    table = gguf_table(path)
+    table = checked_table(path, release)  # a bad file is named here, before anything else reads it
     roles = table.role_bytes()
     head = 4 * sum(_count(shape) for shape in head_tensor_shapes(release.head_config).values())
     vocab = table.tensors[TOKEN_EMBD].shape[0] if TOKEN_EMBD in table.tensors else int(
@@ -165,8 +166,11 @@ def gguf_plan(footprint: GgufFootprint, hardware: Hardware, *, context: int, kv:
     recurrent = linear_state_bytes(dims, 4)
     terms = dims.per_token(4)
     layer = max(terms["mlp"], terms["attention"], terms["linear"])
-    scores = 0 if kv == "float16" else chunk * n_ctx * dims.heads * 4  # no flash attention: KQ over the context
-    compute = chunk * (terms["carried"] + layer + 2 * 4 * footprint.vocab) + scores
+    # the chunk's mask over the context (F16 for flash attention, else F32) and, without flash attention (the F32
+    # mode), its attention scores over the context; the logits in the graph and again in the output buffer
+    mask = chunk * n_ctx * (2 if kv == "float16" else 4)
+    scores = 0 if kv == "float16" else chunk * n_ctx * dims.heads * 4
+    compute = chunk * (terms["carried"] + layer + 2 * 4 * footprint.vocab) + mask + scores
     # numpy's head: its weights, llama.cpp's states copied out [T, h] and the head's own per-token terms
     head = footprint.head + context * (4 * dims.hidden + terms["head"])
     weights = footprint.weights
@@ -201,9 +205,9 @@ def explain_gguf(p: GgufPlan) -> list[str]:
         f"KV cache ({p.kv_dtype}): {p.context:,} cells × {d.layers - d.linear_layers} attention layers × 2 × "
         f"{d.kv_heads}×{d.head_dim} = {g(p.kv_cache)}; recurrent state (F32, {d.linear_layers} linear layers, one "
         f"sequence) {g(p.recurrent)}",
-        f"compute: one {p.chunk}-token decode chunk, its logits over a {f.vocab:,} vocabulary counted twice"
-        + (", and its attention scores over the context (F32 runs have no flash attention)"
-           if p.kv_dtype == "float32" else "") + f": {g(p.compute)}",
+        f"compute: one {p.chunk}-token decode chunk, its logits over a {f.vocab:,} vocabulary counted twice, its "
+        "mask over the context" + (" and its attention scores over the context (F32 runs have no flash attention)"
+                                   if p.kv_dtype == "float32" else "") + f": {g(p.compute)}",
         f"head (numpy, float32) over the context: {g(p.head)}" + (" in host memory" if p.host_need else ""),
         f"overhead {g(p.overhead)} + margin {g(p.margin)}; need {g(p.need)} of {g(p.available)} on "
         f"{p.hardware.device} ({p.hardware.name}) → {'fits' if p.fits else 'does not fit'}",

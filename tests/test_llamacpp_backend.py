@@ -153,3 +153,10 @@ def test_the_plan_counts_what_llama_cpp_allocates(backbone: str, dtype: str | No
     assert planned.compute / 2**20 >= mib("compute buffer size")  # the decode chunk's buffers: never under-counted
     assert model.backend.load_decision.need_bytes == planned.need
     assert model.backend.load_decision.context == 4096
+
+
+def test_prefill_chunk_sets_the_decode_chunk(gguf: dict[str, Path]) -> None:
+    assert clef_local.load(gguf["llama"], max_length=1024, prefill_chunk=64).backend.context.n_batch == 64
+    whole = clef_local.load(gguf["llama"], max_length=1024, prefill_chunk=0).backend
+    assert whole.context.n_batch == whole.context.n_ctx == 1024
+    assert not whole.load_decision.split and whole.prefill.forced_chunk is None

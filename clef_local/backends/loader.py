@@ -150,12 +150,15 @@ def build_backend(release: Release, options: LoadOptions = DEFAULT_OPTIONS) -> B
     placement: dict[str, Any] = {"split": decision.split} if decision.split else {}
     if decision.stream is not None:
         placement["stream"] = decision.stream
-    if decision.backend == "llamacpp":  # llama.cpp sizes its context (KV cache) when it is made
+    forced_chunk = options.prefill_chunk
+    if decision.backend == "llamacpp":  # llama.cpp sizes its context (KV cache) and decode chunk when it is made
         placement["context"] = decision.context
+        placement["chunk"] = decision.context if forced_chunk == 0 else forced_chunk
+        forced_chunk = None  # its chunks are its own: the torch prefill budget does not cut them
     runner: Backend = cls(release, device=decision.device,
                           dtype=decision.dtype if decision.backend != "onnx" or asked else None, **placement)
     runner.load_decision = decision
-    runner.prefill = prefill_budget(decision, release.config, release.head_config.width, options.prefill_chunk)
+    runner.prefill = prefill_budget(decision, release.config, release.head_config.width, forced_chunk)
     return runner
 
 

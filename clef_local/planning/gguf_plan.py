@@ -269,9 +269,14 @@ def plan_gguf_load(release: Release, options: LoadOptions, hardware: Hardware, *
     context = options.max_length or default_max_length(release.max_position_embeddings)
     if not options.check_memory:
         return replace(decision, context=context)
-    p = gguf_plan(footprint, where, context=context, kv=kv, offloaded=offloaded)
+    # prefill_chunk: the tokens of each decode (0: the whole request in one), else chunk_for's
+    def chunk(tokens: int) -> int | None:
+        return tokens if options.prefill_chunk == 0 else options.prefill_chunk
+
+    p = gguf_plan(footprint, where, context=context, kv=kv, offloaded=offloaded, chunk=chunk(context))
     if not p.fits and options.max_length is None and context > REFERENCE_MAX_LENGTH:
-        shorter = gguf_plan(footprint, where, context=REFERENCE_MAX_LENGTH, kv=kv, offloaded=offloaded)
+        shorter = gguf_plan(footprint, where, context=REFERENCE_MAX_LENGTH, kv=kv, offloaded=offloaded,
+                            chunk=chunk(REFERENCE_MAX_LENGTH))
         if shorter.fits:
             log.warning(
                 "the GGUF on llama.cpp needs %.1f GiB at %s tokens, %.1f GiB free: planned at %s tokens instead "

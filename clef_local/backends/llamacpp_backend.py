@@ -23,6 +23,7 @@ from clef_local.errors import ApiUsageError
 from clef_local.formats.release import Release
 from clef_local.heads.numpy_head import load_head
 from clef_local.planning.hardware import thread_plan
+from clef_local.planning.llamacpp_build import llama_cpp_build
 from clef_local.runtime.state_cache import model_identity
 
 if TYPE_CHECKING:
@@ -33,19 +34,6 @@ if TYPE_CHECKING:
     from clef_local.runtime.state_cache import StateCache
 
 log = logging.getLogger(__name__)
-
-
-def llama_cpp_build() -> dict[str, Any]:
-    """The llama-cpp-python version, llama.cpp's CPU features (``llama_print_system_info``) and whether this build
-    offloads to a GPU (imports the binding)."""
-    import llama_cpp
-
-    from clef_local.backends.llamacpp_context import llama_cpp_module
-
-    lib = llama_cpp_module()
-    return {"llama_cpp_python": str(llama_cpp.__version__),
-            "system_info": lib.llama_print_system_info().decode("utf-8", "replace").strip(" |"),
-            "gpu_offload": bool(lib.llama_supports_gpu_offload())}
 
 
 class LlamaCppBackend:

@@ -22,6 +22,7 @@ import numpy as np
 
 from clef_local.errors import ClefError, MaxTokensExceededError, ReleaseError
 from clef_local.planning.hardware import ThreadPlan, thread_plan
+from clef_local.planning.llamacpp_build import build_command
 
 log = logging.getLogger(__name__)
 
@@ -31,17 +32,8 @@ KvType = Literal["f16", "f32"]
 # Tokens per llama_decode call (n_batch = n_ubatch): the context allocates n_vocab floats of logits per token of a
 # chunk besides the activations (embeddings mode still runs the LM head), 0.5 GB a chunk at Qwen3.5's 248K vocab
 DEFAULT_CHUNK = 512
-# llama.cpp's GPU backends are chosen when pip builds llama-cpp-python (an sdist): the CMake flag of each
-BUILD_FLAGS = {"Metal": "-DGGML_METAL=on", "CUDA": "-DGGML_CUDA=on", "Vulkan": "-DGGML_VULKAN=on",
-               "ROCm": "-DGGML_HIP=on"}
+# the GPU builds (planning.llamacpp_build.BUILD_FLAGS) a device needs, the likeliest first
 _DEVICE_BUILDS = {"cuda": ("CUDA", "ROCm", "Vulkan"), "mps": ("Metal",), "gpu": ("CUDA", "Metal", "Vulkan", "ROCm")}
-
-
-def build_command(backend: str) -> str:
-    """The command that rebuilds llama-cpp-python with ``backend`` (a key of :data:`BUILD_FLAGS`)."""
-    return (f'CMAKE_ARGS="{BUILD_FLAGS[backend]}" pip install --force-reinstall --no-cache-dir '
-            "llama-cpp-python==0.3.36")
-
 
 _log_lock = threading.Lock()
 _log_state: dict[str, Any] = {}  # the installed callback (kept alive here) and the line being assembled

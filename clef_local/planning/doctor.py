@@ -81,7 +81,7 @@ def _detail(distribution: str) -> str:
 
             return "providers: " + ", ".join(onnxruntime.get_available_providers())
         if distribution == "llama-cpp-python":
-            from clef_local.backends.llamacpp_backend import llama_cpp_build
+            from clef_local.planning.llamacpp_build import llama_cpp_build
 
             build = llama_cpp_build()
             return f"GPU offload {'yes' if build['gpu_offload'] else 'no (a CPU build)'}"
@@ -138,7 +138,7 @@ def _videos(parts: list[Component], probe: bool) -> str:
 def llama_cpp_report(probe: bool = True) -> dict[str, Any]:
     """llama.cpp's build here: the binding's version, llama.cpp's CPU features (``llama_print_system_info``), whether
     it offloads to a GPU, and the command that rebuilds it for each GPU backend (docs/hardware.md#llamacpp)."""
-    from clef_local.backends.llamacpp_context import BUILD_FLAGS, build_command
+    from clef_local.planning.llamacpp_build import BUILD_FLAGS, build_command, llama_cpp_build
 
     builds = {name: build_command(name) for name in BUILD_FLAGS}
     version = _version("llama-cpp-python")
@@ -147,8 +147,6 @@ def llama_cpp_report(probe: bool = True) -> dict[str, Any]:
                 "builds": builds}
     if not probe:
         return {"installed": True, "version": version, "builds": builds}
-    from clef_local.backends.llamacpp_backend import llama_cpp_build
-
     try:
         build = llama_cpp_build()
     except (OSError, RuntimeError) as exc:  # the shared library does not load (a build for another CPU or GPU)

@@ -235,9 +235,9 @@ def render_gguf(p: GgufPlan, *, show_explain: bool) -> str:
 
 def gpu_offload() -> bool:
     """Whether this llama-cpp-python build offloads to a GPU (imports the binding)."""
-    from clef_local.backends.llamacpp_context import llama_cpp_module
+    from clef_local.planning.llamacpp_build import llama_cpp_build
 
-    return bool(llama_cpp_module().llama_supports_gpu_offload())
+    return bool(llama_cpp_build()["gpu_offload"])
 
 
 def plan_gguf_load(release: Release, options: LoadOptions, hardware: Hardware, *,

@@ -70,6 +70,9 @@ def test_float_export_and_force(tiny_qwen: Path, tmp_path: Path) -> None:
     assert json.loads((out / GGUF_CONFIG_PATH).read_text())["type"] == "F16"
     with pytest.raises(ExportError, match="already a GGUF release"):
         gguf_export.export_gguf(out, tmp_path / "again", "F32", validate=False)
+    with pytest.raises(ExportError, match="--imatrix weighs a quantizer's rounding; --type F16 is not quantized"):
+        gguf_export.export_gguf(tiny_qwen, tmp_path / "imatrix", "F16", validate=False, imatrix=True)
+    _nothing_at(tmp_path / "imatrix")
 
 
 def test_validation_is_refused_not_faked(tiny_qwen: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

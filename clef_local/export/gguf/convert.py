@@ -37,12 +37,14 @@ _BLOCK_BYTES = 64 << 20  # rows converted at a time for an untransformed tensor
 class TensorPlan:
     """One GGUF tensor: its safetensors ``source``, its GGUF ``name``, its numpy-order ``shape`` as written (GGUF
     stores the dimensions reversed) and the ``transform`` applied to the float32 source (None: the values as they
-    are, converted in row blocks)."""
+    are, converted in row blocks); ``columns``: how the transform reorders the input columns of a weight, applied to
+    a per-column vector (the importance matrix, :mod:`.imatrix`; None: columns kept in place)."""
 
     source: str
     name: str
     shape: tuple[int, ...]
     transform: Callable[[np.ndarray], np.ndarray] | None = None
+    columns: Callable[[np.ndarray], np.ndarray] | None = None
 
 
 @dataclass(frozen=True)
@@ -165,6 +167,7 @@ class Written:
     tensor_types: dict[str, str]
     pre_tokenizer: str
     lm_head_tensor: str
+    plans: list[TensorPlan]
 
 
 def tensor_type(plan: TensorPlan, ftype: str, output_type: str | None) -> str:
@@ -222,5 +225,5 @@ def write_gguf(release: Any, out: Path, ftype: str, *, output_type: str | None =
                 progress(done, len(plans), plan.name)
     finally:
         writer.close()
-    return Written(converter.arch, types, vocab.pre, "token_embd.weight" if tied else "output.weight")
+    return Written(converter.arch, types, vocab.pre, "token_embd.weight" if tied else "output.weight", plans)
 

@@ -109,12 +109,13 @@ def _bar(enabled: bool, desc: str) -> Callable[[int, int, str], None]:
 
 def export_gguf(source: str | Path, out: str | Path, qtype: str = DEFAULT_TYPE, *, force: bool = False,
                 validate: bool = True, probes: int = 64, quantize_output: bool = False, threads: int | None = None,
-                progress: bool = False) -> dict[str, Any]:
+                imatrix: bool = False, imatrix_requests: int = 64, progress: bool = False) -> dict[str, Any]:
     """Write the GGUF release of ``source`` to ``out``; return a summary (the gguf_config.json written, seconds).
 
     ``quantize_output``: let llama.cpp choose the output rows' type (Q6_K / Q8_0) instead of keeping the source
     precision the joint head reads exactly. ``threads``: llama.cpp's quantizer threads (default: the project's rule,
-    :func:`clef_local.planning.hardware.thread_plan`)."""
+    :func:`clef_local.planning.hardware.thread_plan`). ``imatrix``: weigh the quantizer's rounding by an importance
+    matrix of ``imatrix_requests`` calibration requests (:mod:`.imatrix`)."""
     import clef_local
     from clef_local.export.gguf import validate as gguf_validate
     from clef_local.export.gguf.convert import write_gguf
@@ -134,6 +135,9 @@ def export_gguf(source: str | Path, out: str | Path, qtype: str = DEFAULT_TYPE, 
     converter = converter_for(release.config)
     precision = _source_precision(release)
     output_type = None if quantize_output or qtype == "F32" else precision
+    if imatrix and qtype not in QUANT_TYPES:
+        raise ExportError(f"--imatrix weighs a quantizer's rounding; --type {qtype} is not quantized (use one of "
+                          f"{', '.join(QUANT_TYPES)})")
     if validate:
         gguf_validate.require_validation(probes)
     if qtype in QUANT_TYPES:
@@ -144,6 +148,7 @@ def export_gguf(source: str | Path, out: str | Path, qtype: str = DEFAULT_TYPE, 
         copied = _copy_small_files(source, tmp)
         (tmp / GGUF_DIR).mkdir()
         target = tmp / GGUF_DIR / GGUF_FILE
+        matrix = None
         if qtype in FLOAT_TYPES:
             written = write_gguf(release, target, qtype, output_type=output_type,
                                  progress=_bar(progress, f"convert {qtype}"))
@@ -154,13 +159,19 @@ def export_gguf(source: str | Path, out: str | Path, qtype: str = DEFAULT_TYPE, 
             staged_float = tmp / GGUF_DIR / FLOAT_STAGE
             written = write_gguf(release, staged_float, precision, output_type=output_type,
                                  progress=_bar(progress, f"convert {precision}"))
+            if imatrix:
+                from clef_local.export.gguf.imatrix import importance_matrix
+
+                matrix = importance_matrix(release, written.plans, requests=imatrix_requests,
+                                           include_output=output_type is None)
             n_threads = thread_plan(threads=threads, role="command").intra_op
             log.info("quantizing to %s with llama.cpp (%d threads)", qtype, n_threads)
             quantize_gguf(staged_float, target, qtype, output_type=output_type, threads=n_threads,
-                          progress=_bar(progress, f"quantize {qtype}"))
+                          progress=_bar(progress, f"quantize {qtype}"), imatrix=matrix)
             staged_float.unlink()
         source_files = file_entries(source)
         config = _gguf_config(target, qtype, written, output_type, source, files_digest(source_files))
+        config["imatrix"] = matrix.describe() if matrix is not None else False
         write_json(tmp / GGUF_DIR / GGUF_CONFIG, config)
         validation: dict[str, Any] = {"skipped": "--no-validate"}
         if validate:
@@ -219,6 +230,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quantize-output", action="store_true",
                         help="let llama.cpp quantize the output rows too (default: kept at the source precision, "
                              "so the joint head's lexical rows are exact)")
+    parser.add_argument("--imatrix", action="store_true",
+                        help="weigh the quantizer's rounding by an importance matrix of calibration requests (the "
+                             "decision probes' shapes, from the training splits) run through the torch backbone")
+    parser.add_argument("--imatrix-requests", type=int, default=64, metavar="N",
+                        help="calibration requests for --imatrix (default 64)")
     parser.add_argument("--threads", type=int, help="quantizer threads (default: every physical core)")
     parser.add_argument("--force", action="store_true", help="replace an existing --out (once the new one is done)")
     parser.add_argument("--probes", type=int, default=64, help="validation probe requests (default 64)")
@@ -241,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         summary = export_gguf(args.model, args.out, args.type, force=args.force, validate=not args.no_validate,
                               probes=args.probes, quantize_output=args.quantize_output, threads=args.threads,
+                              imatrix=args.imatrix, imatrix_requests=args.imatrix_requests,
                               progress=not args.no_progress)
     except ClefError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -8,14 +8,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from clef_local.cli import main as cli_main
 from clef_local.export.gguf import export as gguf_export
 from clef_local.export.staging import ExportError
-from clef_local.formats.gguf_release import GGUF_CONFIG_PATH, GGUF_PATH, check_gguf
+from clef_local.formats.gguf_release import GGUF_CONFIG_PATH, GGUF_PATH, VISION_PATH, check_gguf
 from clef_local.formats.manifest import MANIFEST, list_files, read_manifest, verify
 from clef_local.formats.release import read_release
+from clef_local.formats.safetensors import read_arrays
 
 
 def _nothing_at(out: Path) -> None:
@@ -26,9 +28,14 @@ def _nothing_at(out: Path) -> None:
 def _check_layout(source: Path, out: Path) -> dict:
     names = set(list_files(out))
     copied = {n for n in list_files(source) if not n.startswith("model") and n != MANIFEST}
-    assert names == copied | {GGUF_PATH, GGUF_CONFIG_PATH}
+    vision = read_release(source).has_vision
+    assert names == copied | {GGUF_PATH, GGUF_CONFIG_PATH} | ({VISION_PATH} if vision else set())
     for name in copied:  # byte for byte: the joint head and its config among them
         assert (out / name).read_bytes() == (source / name).read_bytes(), name
+    if vision:  # the vision tower stays on torch: its tensors as stored
+        kept = read_arrays(out / VISION_PATH)
+        stored = read_arrays(source / "model.safetensors", lambda n: n.startswith("model.visual."))
+        assert set(kept) == set(stored) and all(np.array_equal(kept[n], stored[n]) for n in stored)
     assert verify(out) == []
     config = json.loads((out / GGUF_CONFIG_PATH).read_text())
     assert read_manifest(out)["gguf"]["tensor_types"] == config["tensor_types"]
@@ -62,6 +69,7 @@ def test_float_export_and_force(tiny_qwen: Path, tmp_path: Path) -> None:
     summary = gguf_export.export_gguf(tiny_qwen, out, "BF16", validate=False)
     config = _check_layout(tiny_qwen, out)
     assert config["architecture"] == "qwen35" and config["writer"]["llama_cpp_python"] is None
+    assert config["vision"]["file"] == VISION_PATH and config["vision"]["tensors"] > 0
     assert config["output_tensor_type"] == "BF16" and set(config["tensor_types"]) == {"BF16", "F32"}
     assert summary["gguf_bytes"] == (out / GGUF_PATH).stat().st_size
     with pytest.raises(ExportError, match="exists; pass --force"):

@@ -59,6 +59,8 @@ class Converter:
     parameters: Callable[[Any, dict[str, Any]], None]
     # LlamaModel.set_vocab writes tokenizer_config.json's add_prefix_space as tokenizer.ggml.add_space_prefix
     space_prefix: bool = False
+    # source tensors that stay on torch beside the GGUF (a vision tower), copied byte for byte
+    torch_prefixes: tuple[str, ...] = ()
 
 
 def registry() -> dict[str, Converter]:

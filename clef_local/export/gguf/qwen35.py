@@ -174,4 +174,4 @@ def parameters(writer: Any, hparams: dict[str, Any]) -> None:
     writer.add_rope_dimension_count(int(head_dim * factor))
 
 
-CONVERTER = Converter("qwen3_5", "qwen35", plan, parameters)
+CONVERTER = Converter("qwen3_5", "qwen35", plan, parameters, torch_prefixes=("model.visual.",))

@@ -56,14 +56,6 @@ class _Log:
             self.progress(int(match.group(1)), int(match.group(2)), match.group(3).decode("utf-8", "replace"))
 
 
-def llama_cpp_version() -> str:
-    """The llama-cpp-python version and the llama.cpp it bundles (``llama_print_system_info`` is not a version:
-    llama.cpp's build number is not exposed by the binding)."""
-    import llama_cpp
-
-    return str(llama_cpp.__version__)
-
-
 def quantize_gguf(source: Path, out: Path, qtype: str, *, output_type: str | None, threads: int,
                   progress: Callable[[int, int, str], None] | None = None, imatrix: ImportanceMatrix | None = None
                   ) -> None:

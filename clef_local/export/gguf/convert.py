@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from clef_local.errors import ReleaseError
-from clef_local.formats.safetensors import TensorInfo, bf16_to_float32, read_arrays, read_header
+from clef_local.formats.safetensors import Header, TensorInfo, bf16_to_float32, read_arrays, read_header
 
 log = logging.getLogger(__name__)
 
@@ -93,12 +93,13 @@ def layer_pattern(prefix: str, body: str) -> re.Pattern[str]:
 # -- reading -----------------------------------------------------------------------------------------------------
 
 
-def source_tensors(weight_files: tuple[Path, ...]) -> dict[str, tuple[Path, TensorInfo]]:
-    """Every tensor of the release's safetensors (headers checked): name -> (file, info)."""
-    found: dict[str, tuple[Path, TensorInfo]] = {}
+def source_tensors(weight_files: tuple[Path, ...]) -> dict[str, tuple[Header, TensorInfo]]:
+    """Every tensor of the release's safetensors (headers checked once): name -> (its file's header, info)."""
+    found: dict[str, tuple[Header, TensorInfo]] = {}
     for file in weight_files:
-        for name, info in read_header(file).tensors.items():
-            found[name] = (file, info)
+        header = read_header(file)
+        for name, info in header.tensors.items():
+            found[name] = (header, info)
     return found
 
 
@@ -220,8 +221,8 @@ def write_gguf(release: Any, out: Path, ftype: str, *, output_type: str | None =
     writer.write_ti_data_to_file()
     try:
         for done, plan in enumerate(plans, 1):
-            file, info = sources[plan.source]
-            raw = read_arrays(file, lambda n, s=plan.source: n == s)[plan.source]
+            header, info = sources[plan.source]
+            raw = read_arrays(header.path, lambda n, s=plan.source: n == s, header=header)[plan.source]
             writer.write_tensor_data(_Blocks(raw, info.dtype, types[plan.name], plan))  # type: ignore[arg-type]  (duck-typed: nbytes + tofile)
             if progress is not None:
                 progress(done, len(plans), plan.name)

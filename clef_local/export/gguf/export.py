@@ -112,8 +112,8 @@ def _copy_torch_tensors(release: Any, path: Path) -> dict[str, Any] | None:
     stored = [Stored(name, info.dtype, info.shape, fill=None) for name, (_, info) in kept.items()]  # type: ignore[arg-type]
     with path.open("wb") as out:
         out.write(safetensors_header(stored))
-        for name, (file, _) in kept.items():
-            out.write(read_arrays(file, lambda n, s=name: n == s)[name].tobytes())
+        for name, (header, _) in kept.items():
+            out.write(read_arrays(header.path, lambda n, s=name: n == s, header=header)[name].tobytes())
     return {"file": path.relative_to(path.parent.parent).as_posix(), "tensors": len(kept),
             "bytes": path.stat().st_size}
 

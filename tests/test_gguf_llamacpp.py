@@ -78,3 +78,32 @@ def test_quantize_error_is_one_line(tmp_path: Path) -> None:
     with pytest.raises(ExportError, match=r"llama.cpp could not quantize bad.gguf to Q8_0: ") as info:
         quantize_gguf(bad, tmp_path / "out.gguf", "Q8_0", output_type=None, threads=1)
     assert "\n" not in str(info.value)
+
+
+def test_importance_matrix_reaches_the_quantizer(tiny_qwen: Path, tmp_path: Path) -> None:
+    from clef_local.export.gguf.imatrix import importance_matrix
+    from clef_local.export.gguf.qwen35 import reorder_v_heads
+
+    release = read_release(tiny_qwen)
+    bf16 = tmp_path / "qwen-BF16.gguf"
+    written = write_gguf(release, bf16, "BF16", output_type="BF16")
+    matrix = importance_matrix(release, written.plans, requests=2)
+    quantized = {n for n, t in written.tensor_types.items() if t == "BF16" and n not in ("output.weight",
+                                                                                          "token_embd.weight")}
+    assert set(matrix.values) == quantized  # every matrix llama.cpp quantizes and multiplies, nothing else
+    for name, values in matrix.values.items():
+        shape = next(p.shape for p in written.plans if p.name == name)
+        assert values.shape == (shape[1],) and values.dtype == np.float32 and (values > 0).all(), name
+    # ssm_out's columns are value heads, reordered like the weight: the means follow the same permutation
+    out_proj = next(p for p in written.plans if p.name == "blk.0.ssm_out.weight")
+    assert out_proj.transform is not None and out_proj.columns is not None
+    index = np.arange(out_proj.shape[1], dtype=np.float32)
+    moved = out_proj.transform(np.tile(index, (out_proj.shape[0], 1)))[0]
+    assert not np.array_equal(moved, index) and np.array_equal(out_proj.columns(index), moved)
+    assert np.array_equal(moved, reorder_v_heads(index, 0, 2, 2, 16))
+    plain_out = tmp_path / "plain.gguf"
+    weighted = tmp_path / "imatrix.gguf"
+    quantize_gguf(bf16, plain_out, "Q4_K_M", output_type="BF16", threads=1)
+    quantize_gguf(bf16, weighted, "Q4_K_M", output_type="BF16", threads=1, imatrix=matrix)
+    assert tensor_types(plain_out)["tensors"] == tensor_types(weighted)["tensors"]
+    assert plain_out.read_bytes() != weighted.read_bytes()  # the weights' rounding changed, not their types

@@ -6,6 +6,7 @@ BF16 beside it)::
     config.json, tokenizer*.json, vocab.json, merges.txt, chat_template.jinja, processor configs, LICENSE, NOTICE
     joint_head.safetensors + joint_head_config.json      byte for byte from the source release
     gguf/model.gguf                                      the text backbone (llama.cpp's ``llama`` / ``qwen35``)
+    gguf/vision.safetensors                              a vision tower's tensors byte for byte (Qwen3.5), for torch
     gguf/gguf_config.json                                what wrote it (:func:`read_gguf_config`)
     clef_local_manifest.json                             every file above with its size and SHA-256
 
@@ -36,6 +37,10 @@ GGUF_FILE = "model.gguf"
 GGUF_CONFIG = "gguf_config.json"
 GGUF_PATH = f"{GGUF_DIR}/{GGUF_FILE}"  # relative to the release directory, as the manifest names it
 GGUF_CONFIG_PATH = f"{GGUF_DIR}/{GGUF_CONFIG}"
+# The vision tower stays on torch beside the GGUF text model (llama.cpp's multimodal projector is not matched to the
+# reference): its tensors, with the source's names, dtypes and bytes, in one safetensors file.
+VISION_FILE = "vision.safetensors"
+VISION_PATH = f"{GGUF_DIR}/{VISION_FILE}"
 GGUF_CONFIG_FORMAT = 1
 GGUF_MAGIC = b"GGUF"
 GGUF_VERSIONS = (2, 3)  # the versions llama.cpp reads (gguf.h: GGUF_VERSION 3; 2 still loads)

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from clef_local.errors import ReleaseError
-from clef_local.formats.safetensors import TensorInfo, bf16_to_float32, read_arrays, read_header
+from clef_local.formats.safetensors import Header, TensorInfo, bf16_to_float32, read_arrays, read_header
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +37,14 @@ _BLOCK_BYTES = 64 << 20  # rows converted at a time for an untransformed tensor
 class TensorPlan:
     """One GGUF tensor: its safetensors ``source``, its GGUF ``name``, its numpy-order ``shape`` as written (GGUF
     stores the dimensions reversed) and the ``transform`` applied to the float32 source (None: the values as they
-    are, converted in row blocks)."""
+    are, converted in row blocks); ``columns``: how the transform reorders the input columns of a weight, applied to
+    a per-column vector (the importance matrix, :mod:`.imatrix`; None: columns kept in place)."""
 
     source: str
     name: str
     shape: tuple[int, ...]
     transform: Callable[[np.ndarray], np.ndarray] | None = None
+    columns: Callable[[np.ndarray], np.ndarray] | None = None
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,8 @@ class Converter:
     parameters: Callable[[Any, dict[str, Any]], None]
     # LlamaModel.set_vocab writes tokenizer_config.json's add_prefix_space as tokenizer.ggml.add_space_prefix
     space_prefix: bool = False
+    # source tensors that stay on torch beside the GGUF (a vision tower), copied byte for byte
+    torch_prefixes: tuple[str, ...] = ()
 
 
 def registry() -> dict[str, Converter]:
@@ -89,12 +93,13 @@ def layer_pattern(prefix: str, body: str) -> re.Pattern[str]:
 # -- reading -----------------------------------------------------------------------------------------------------
 
 
-def source_tensors(weight_files: tuple[Path, ...]) -> dict[str, tuple[Path, TensorInfo]]:
-    """Every tensor of the release's safetensors (headers checked): name -> (file, info)."""
-    found: dict[str, tuple[Path, TensorInfo]] = {}
+def source_tensors(weight_files: tuple[Path, ...]) -> dict[str, tuple[Header, TensorInfo]]:
+    """Every tensor of the release's safetensors (headers checked once): name -> (its file's header, info)."""
+    found: dict[str, tuple[Header, TensorInfo]] = {}
     for file in weight_files:
-        for name, info in read_header(file).tensors.items():
-            found[name] = (file, info)
+        header = read_header(file)
+        for name, info in header.tensors.items():
+            found[name] = (header, info)
     return found
 
 
@@ -165,6 +170,7 @@ class Written:
     tensor_types: dict[str, str]
     pre_tokenizer: str
     lm_head_tensor: str
+    plans: list[TensorPlan]
 
 
 def tensor_type(plan: TensorPlan, ftype: str, output_type: str | None) -> str:
@@ -215,12 +221,12 @@ def write_gguf(release: Any, out: Path, ftype: str, *, output_type: str | None =
     writer.write_ti_data_to_file()
     try:
         for done, plan in enumerate(plans, 1):
-            file, info = sources[plan.source]
-            raw = read_arrays(file, lambda n, s=plan.source: n == s)[plan.source]
+            header, info = sources[plan.source]
+            raw = read_arrays(header.path, lambda n, s=plan.source: n == s, header=header)[plan.source]
             writer.write_tensor_data(_Blocks(raw, info.dtype, types[plan.name], plan))  # type: ignore[arg-type]  (duck-typed: nbytes + tofile)
             if progress is not None:
                 progress(done, len(plans), plan.name)
     finally:
         writer.close()
-    return Written(converter.arch, types, vocab.pre, "token_embd.weight" if tied else "output.weight")
+    return Written(converter.arch, types, vocab.pre, "token_embd.weight" if tied else "output.weight", plans)
 

@@ -24,7 +24,14 @@ from clef_local.errors import ClefError
 from clef_local.export.gguf.convert import FLOAT_TYPES, converter_for, source_tensors
 from clef_local.export.gguf.quantize import QUANT_TYPES
 from clef_local.export.staging import ExportError, resolve_out, staged
-from clef_local.formats.gguf_release import GGUF_CONFIG, GGUF_CONFIG_FORMAT, GGUF_DIR, GGUF_FILE, is_backbone_weight
+from clef_local.formats.gguf_release import (
+    GGUF_CONFIG,
+    GGUF_CONFIG_FORMAT,
+    GGUF_DIR,
+    GGUF_FILE,
+    VISION_PATH,
+    is_backbone_weight,
+)
 from clef_local.formats.manifest import MANIFEST, check_files, file_entries, files_digest, list_files, write_manifest
 from clef_local.units import format_size
 
@@ -49,14 +56,17 @@ def _source_precision(release: Any) -> str:
 def estimate_bytes(release: Any, qtype: str) -> dict[str, int]:
     """An upper bound of the bytes the export holds at once, from the safetensors headers: the float GGUF
     (``float``: the text tensors at the source precision, F32 for F32 types), the quantized file (``final``) and the
-    copied files (``other``)."""
-    shapes = {name: info.shape for name, (_, info) in source_tensors(release.weight_files).items()}
-    plans = converter_for(release.config).plan({**release.config, **release.text_config}, shapes)
+    copied files and tensors (``other``)."""
+    sources = source_tensors(release.weight_files)
+    converter = converter_for(release.config)
+    plans = converter.plan({**release.config, **release.text_config}, {n: i.shape for n, (_, i) in sources.items()})
     width = 4 if qtype == "F32" or _source_precision(release) == "F32" else 2
     floats = sum(math.prod(p.shape) * width for p in plans)
     output = sum(math.prod(p.shape) * width for p in plans if p.name == "output.weight")
     final = floats if qtype in FLOAT_TYPES else int(QUANT_RATIO * floats) + output
     other = sum((release.path / n).stat().st_size for n in list_files(release.path) if not is_backbone_weight(n))
+    other += sum(i.nbytes for n, (_, i) in sources.items() if converter.torch_prefixes
+                 and n.startswith(converter.torch_prefixes))  # the vision tower, copied
     return {"float": floats if qtype not in FLOAT_TYPES else 0, "final": final, "other": other,
             "total": (floats if qtype not in FLOAT_TYPES else 0) + final + other + SLACK_BYTES}
 
@@ -89,6 +99,25 @@ def _copy_small_files(source: Path, tmp: Path) -> list[str]:
     return copied
 
 
+def _copy_torch_tensors(release: Any, path: Path) -> dict[str, Any] | None:
+    """The tensors the converter leaves on torch (a vision tower) into one safetensors file at ``path``, their bytes
+    as stored; None when the release has none."""
+    from clef_local.formats.safetensors import read_arrays
+    from clef_local.synthetic import Stored, safetensors_header
+
+    prefixes = converter_for(release.config).torch_prefixes
+    kept = {n: v for n, v in source_tensors(release.weight_files).items() if prefixes and n.startswith(prefixes)}
+    if not kept:
+        return None
+    stored = [Stored(name, info.dtype, info.shape, fill=None) for name, (_, info) in kept.items()]  # type: ignore[arg-type]
+    with path.open("wb") as out:
+        out.write(safetensors_header(stored))
+        for name, (header, _) in kept.items():
+            out.write(read_arrays(header.path, lambda n, s=name: n == s, header=header)[name].tobytes())
+    return {"file": path.relative_to(path.parent.parent).as_posix(), "tensors": len(kept),
+            "bytes": path.stat().st_size}
+
+
 def _bar(enabled: bool, desc: str) -> Callable[[int, int, str], None]:
     """A tqdm bar over tensors, fed ``(done, total, name)``."""
     from tqdm.auto import tqdm
@@ -109,12 +138,13 @@ def _bar(enabled: bool, desc: str) -> Callable[[int, int, str], None]:
 
 def export_gguf(source: str | Path, out: str | Path, qtype: str = DEFAULT_TYPE, *, force: bool = False,
                 validate: bool = True, probes: int = 64, quantize_output: bool = False, threads: int | None = None,
-                progress: bool = False) -> dict[str, Any]:
+                imatrix: bool = False, imatrix_requests: int = 64, progress: bool = False) -> dict[str, Any]:
     """Write the GGUF release of ``source`` to ``out``; return a summary (the gguf_config.json written, seconds).
 
     ``quantize_output``: let llama.cpp choose the output rows' type (Q6_K / Q8_0) instead of keeping the source
     precision the joint head reads exactly. ``threads``: llama.cpp's quantizer threads (default: the project's rule,
-    :func:`clef_local.planning.hardware.thread_plan`)."""
+    :func:`clef_local.planning.hardware.thread_plan`). ``imatrix``: weigh the quantizer's rounding by an importance
+    matrix of ``imatrix_requests`` calibration requests (:mod:`.imatrix`)."""
     import clef_local
     from clef_local.export.gguf import validate as gguf_validate
     from clef_local.export.gguf.convert import write_gguf
@@ -134,6 +164,9 @@ def export_gguf(source: str | Path, out: str | Path, qtype: str = DEFAULT_TYPE, 
     converter = converter_for(release.config)
     precision = _source_precision(release)
     output_type = None if quantize_output or qtype == "F32" else precision
+    if imatrix and qtype not in QUANT_TYPES:
+        raise ExportError(f"--imatrix weighs a quantizer's rounding; --type {qtype} is not quantized (use one of "
+                          f"{', '.join(QUANT_TYPES)})")
     if validate:
         gguf_validate.require_validation(probes)
     if qtype in QUANT_TYPES:
@@ -144,6 +177,7 @@ def export_gguf(source: str | Path, out: str | Path, qtype: str = DEFAULT_TYPE, 
         copied = _copy_small_files(source, tmp)
         (tmp / GGUF_DIR).mkdir()
         target = tmp / GGUF_DIR / GGUF_FILE
+        matrix = None
         if qtype in FLOAT_TYPES:
             written = write_gguf(release, target, qtype, output_type=output_type,
                                  progress=_bar(progress, f"convert {qtype}"))
@@ -154,13 +188,21 @@ def export_gguf(source: str | Path, out: str | Path, qtype: str = DEFAULT_TYPE, 
             staged_float = tmp / GGUF_DIR / FLOAT_STAGE
             written = write_gguf(release, staged_float, precision, output_type=output_type,
                                  progress=_bar(progress, f"convert {precision}"))
+            if imatrix:
+                from clef_local.export.gguf.imatrix import importance_matrix
+
+                matrix = importance_matrix(release, written.plans, requests=imatrix_requests,
+                                           include_output=output_type is None)
             n_threads = thread_plan(threads=threads, role="command").intra_op
             log.info("quantizing to %s with llama.cpp (%d threads)", qtype, n_threads)
             quantize_gguf(staged_float, target, qtype, output_type=output_type, threads=n_threads,
-                          progress=_bar(progress, f"quantize {qtype}"))
+                          progress=_bar(progress, f"quantize {qtype}"), imatrix=matrix)
             staged_float.unlink()
+        vision = _copy_torch_tensors(release, tmp / VISION_PATH)
         source_files = file_entries(source)
         config = _gguf_config(target, qtype, written, output_type, source, files_digest(source_files))
+        config["vision"] = vision or "none: the release has no vision tower"
+        config["imatrix"] = matrix.describe() if matrix is not None else False
         write_json(tmp / GGUF_DIR / GGUF_CONFIG, config)
         validation: dict[str, Any] = {"skipped": "--no-validate"}
         if validate:
@@ -199,7 +241,7 @@ def _gguf_config(target: Path, qtype: str, written: Any, output_type: str | None
         "tensor_types": held["counts"], "tensor_count": len(held["tensors"]),
         "lm_head_tensor": written.lm_head_tensor, "output_tensor_type": held["tensors"][written.lm_head_tensor],
         "output_kept_at_source_precision": output_type is not None, "imatrix": False,
-        "pre_tokenizer": written.pre_tokenizer, "vision": "not converted: images run on torch beside the GGUF",
+        "pre_tokenizer": written.pre_tokenizer, "vision": None,
         "writer": {"clef_local": clef_local.__version__, "gguf": installed("gguf"),
                    "llama_cpp_python": installed("llama_cpp_python") if qtype in QUANT_TYPES else None},
         "source": {"path": str(source), "digest": digest},
@@ -219,6 +261,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quantize-output", action="store_true",
                         help="let llama.cpp quantize the output rows too (default: kept at the source precision, "
                              "so the joint head's lexical rows are exact)")
+    parser.add_argument("--imatrix", action="store_true",
+                        help="weigh the quantizer's rounding by an importance matrix of calibration requests (the "
+                             "decision probes' shapes, from the training splits) run through the torch backbone")
+    parser.add_argument("--imatrix-requests", type=int, default=64, metavar="N",
+                        help="calibration requests for --imatrix (default 64)")
     parser.add_argument("--threads", type=int, help="quantizer threads (default: every physical core)")
     parser.add_argument("--force", action="store_true", help="replace an existing --out (once the new one is done)")
     parser.add_argument("--probes", type=int, default=64, help="validation probe requests (default 64)")
@@ -241,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         summary = export_gguf(args.model, args.out, args.type, force=args.force, validate=not args.no_validate,
                               probes=args.probes, quantize_output=args.quantize_output, threads=args.threads,
+                              imatrix=args.imatrix, imatrix_requests=args.imatrix_requests,
                               progress=not args.no_progress)
     except ClefError as exc:
         print(f"error: {exc}", file=sys.stderr)

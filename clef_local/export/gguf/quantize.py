@@ -6,7 +6,8 @@ multiple of 256 values, so on a 576-wide model (the demo) most tensors fall back
 different mix than at Clef's sizes; :func:`tensor_types` says what was really written. ``output.weight`` (or the tied
 ``token_embd.weight``) — the rows the joint head reads as lexical rows — keeps the source precision by default
 (``output_tensor_type``). None of these types needs an importance matrix in llama.cpp (``tensor_requires_imatrix``:
-only IQ1_*, IQ2_*, IQ3_XXS and Q2_K in a Q2_K_S file do); IQ4_XS without one is what llama-quantize writes too.
+only IQ1_*, IQ2_*, IQ3_XXS and Q2_K in a Q2_K_S file do); IQ4_XS without one is what llama-quantize writes too, and
+``--imatrix`` (:mod:`.imatrix`) passes one in memory.
 """
 
 from __future__ import annotations
@@ -17,9 +18,12 @@ import re
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from clef_local.export.staging import ExportError
+
+if TYPE_CHECKING:
+    from clef_local.export.gguf.imatrix import ImportanceMatrix
 
 log = logging.getLogger(__name__)
 
@@ -52,20 +56,13 @@ class _Log:
             self.progress(int(match.group(1)), int(match.group(2)), match.group(3).decode("utf-8", "replace"))
 
 
-def llama_cpp_version() -> str:
-    """The llama-cpp-python version and the llama.cpp it bundles (``llama_print_system_info`` is not a version:
-    llama.cpp's build number is not exposed by the binding)."""
-    import llama_cpp
-
-    return str(llama_cpp.__version__)
-
-
 def quantize_gguf(source: Path, out: Path, qtype: str, *, output_type: str | None, threads: int,
-                  progress: Callable[[int, int, str], None] | None = None) -> None:
+                  progress: Callable[[int, int, str], None] | None = None, imatrix: ImportanceMatrix | None = None
+                  ) -> None:
     """Quantize the float GGUF ``source`` to ``out`` as ``qtype`` (a key of :data:`QUANT_TYPES`) with llama.cpp's
     ``llama_model_quantize`` on ``threads`` threads; ``output_type`` (``BF16``, ``F16``, ``F32``; None: llama.cpp's
-    rule, Q6_K / Q8_0) is the type of the output rows. A failure is an :class:`ExportError` with llama.cpp's
-    own error line."""
+    rule, Q6_K / Q8_0) is the type of the output rows; ``imatrix`` weighs each column's rounding error
+    (:mod:`.imatrix`). A failure is an :class:`ExportError` with llama.cpp's own error line."""
     import llama_cpp
     from gguf import GGMLQuantizationType
 
@@ -78,6 +75,11 @@ def quantize_gguf(source: Path, out: Path, qtype: str, *, output_type: str | Non
     if output_type is not None:
         # ggml_type values: gguf-py's enum mirrors ggml.h (the binding lacks GGML_TYPE_BF16)
         params.output_tensor_type = int(GGMLQuantizationType[output_type])
+    keep: list[Any] = []
+    if imatrix is not None:
+        array, keep = imatrix.c_array()
+        keep.append(array)
+        params.imatrix = ctypes.cast(array, type(params.imatrix))
     sink = _Log(progress)
     llama_cpp.llama_backend_init()
     llama_cpp.llama_log_set(sink.callback, ctypes.c_void_p())
@@ -85,6 +87,7 @@ def quantize_gguf(source: Path, out: Path, qtype: str, *, output_type: str | Non
         status = llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(), ctypes.byref(params))
     finally:
         llama_cpp.llama_log_set(ctypes.cast(None, llama_cpp.llama_log_callback), ctypes.c_void_p())
+    del keep  # the quantizer copied the importance matrix
     if status != 0:
         why = sink.errors[-1] if sink.errors else f"llama_model_quantize returned {status}"
         raise ExportError(f"llama.cpp could not quantize {source.name} to {qtype}: {why}")

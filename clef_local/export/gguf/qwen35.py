@@ -105,24 +105,36 @@ def _transform(part: str, hparams: dict[str, Any]) -> Callable[[np.ndarray], np.
     return transforms.get(part)
 
 
+def _columns(part: str, hparams: dict[str, Any]) -> Callable[[np.ndarray], np.ndarray] | None:
+    """The input-column reorder of ``out_proj`` (its columns are value heads), for per-column vectors."""
+    if part != "linear_attn.out_proj.weight":
+        return None
+    n_k, n_v = int(hparams["linear_num_key_heads"]), int(hparams["linear_num_value_heads"])
+    if n_k == n_v:
+        return None
+    v_dim = int(hparams["linear_value_head_dim"])
+    return lambda values: reorder_v_heads(values, 0, n_k, n_v // n_k, v_dim)
+
+
 def plan(hparams: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> list[TensorPlan]:
     tied = bool(hparams.get("tie_word_embeddings"))
     plans = []
     for name, shape in shapes.items():
         if name.startswith(SKIPPED_PREFIXES) or (tied and name == "lm_head.weight"):
             continue
-        transform = None
+        transform = columns = None
         if name in GLOBAL_NAMES:
             out = GLOBAL_NAMES[name]
             transform = _plus_one if out == "output_norm.weight" else None
         elif (match := LAYER.fullmatch(name)) and match.group(2) in LAYER_NAMES:
             out = f"blk.{match.group(1)}.{LAYER_NAMES[match.group(2)]}"
             transform = _transform(match.group(2), hparams)
+            columns = _columns(match.group(2), hparams)
         else:
             raise ReleaseError(f"backbone tensor {name!r} has no GGUF name in the qwen3_5 converter; this release is "
                                f"not a dense Qwen3.5 (convert it with llama.cpp's convert_hf_to_gguf.py)")
         written = tuple(d for d in shape if d != 1) if out.endswith("ssm_conv1d.weight") else tuple(shape)
-        plans.append(TensorPlan(name, out, written, transform))
+        plans.append(TensorPlan(name, out, written, transform, columns))
     return plans
 
 
@@ -162,4 +174,4 @@ def parameters(writer: Any, hparams: dict[str, Any]) -> None:
     writer.add_rope_dimension_count(int(head_dim * factor))
 
 
-CONVERTER = Converter("qwen3_5", "qwen35", plan, parameters)
+CONVERTER = Converter("qwen3_5", "qwen35", plan, parameters, torch_prefixes=("model.visual.",))

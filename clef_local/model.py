@@ -122,8 +122,11 @@ def _media_support(release: Release, backend: Backend, tokenizer: ReleaseTokeniz
                                   "text and JSON states only; send the request without images or videos")
     processor = MediaProcessor(release.path, release.config, tokenizer, limits)  # loads on first use
     if not backend.accepts_media:
-        return MediaSupport(processor, f"the {backend.name} backend does not run the vision tower; load the model "
-                                       "with --backend torch (backend=\"torch\") to send images or videos")
+        # a GGUF release holds no vision tower and no safetensors backbone for torch: its source release has both
+        how = ("load its source release (safetensors) with --backend torch (backend=\"torch\")" if release.is_gguf
+               else "load the model with --backend torch (backend=\"torch\")")
+        return MediaSupport(processor, f"the {backend.name} backend does not run the vision tower; {how} to send "
+                                       "images or videos")
     return MediaSupport(processor)
 
 
@@ -326,7 +329,8 @@ def load(path: str | Path | Release, *, device: str = "auto", dtype: str | None 
     """Load a Clef release (or variant) directory, or a :class:`~clef_local.formats.release.Release` already read
     (its identity was checked when it was read: it is not read again).
 
-    ``backend`` is ``"auto"``, ``"torch"``, ``"mlx"`` or ``"onnx"`` and ``device`` ``"auto"``, ``"cpu"``, ``"cuda"``
+    ``backend`` is ``"auto"``, ``"torch"``, ``"mlx"``, ``"onnx"`` or ``"llamacpp"`` (a GGUF release, which ``auto``
+    runs on llama.cpp, the only backend that can) and ``device`` ``"auto"``, ``"cpu"``, ``"cuda"``
     (``"cuda:N"``), ``"mps"``, or several (``"cuda:0,cuda:1"``: the decoder layers split over them, torch only);
     :mod:`clef_local.planning.choice` decides what ``"auto"`` means on this machine. ``max_memory`` caps devices
     (``{"cuda:0": "24GiB"}``, ``"cuda:0=24GiB"``, or ``"24GiB"`` for every device): a model that does not fit under

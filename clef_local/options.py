@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-BACKENDS = ("auto", "torch", "mlx", "onnx")
+BACKENDS = ("auto", "torch", "mlx", "onnx", "llamacpp")
 CONFIDENCES = ("jev", "reference")
 
 DTYPE_HELP = ("backbone compute dtype (default auto: the loader's choice for this machine — bfloat16 on GPUs with bf16 "

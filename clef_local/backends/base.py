@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 class Backend(Protocol):
     """A loaded backbone + head on one device, and what it can do."""
 
-    name: str  # "torch", "mlx" or "onnx"
+    name: str  # "torch", "mlx", "onnx" or "llamacpp"
     release: Release
     device: Any  # the framework's own device object; str() names it ("cpu", "cuda:0", ...)
     load_decision: LoadDecision | None  # what the loader chose and why (set by build_backend)

@@ -52,6 +52,8 @@ def plan_backend(release: Release, options: LoadOptions = DEFAULT_OPTIONS, *, fm
     except ValueError as exc:
         raise ApiUsageError(str(exc)) from exc
     hardware = devices[0]
+    if backend == "llamacpp" or (release.is_gguf and fmt is None):  # a GGUF backbone runs on llama.cpp only
+        return _plan_gguf(release, options, devices)
     scheme = fmt or stored_format(release.config)
     split = len(devices) > 1
     if split and offload == "disk":
@@ -101,6 +103,15 @@ def plan_backend(release: Release, options: LoadOptions = DEFAULT_OPTIONS, *, fm
     return decision
 
 
+def _plan_gguf(release: Release, options: LoadOptions, devices: list[Hardware]) -> LoadDecision:
+    from clef_local.planning.gguf_plan import plan_gguf_load
+
+    if len(devices) > 1 or options.offload == "disk":
+        raise ApiUsageError("llama.cpp runs a GGUF on one device, resident (it maps the file): give one device and "
+                            "no --offload disk")
+    return plan_gguf_load(release, options, devices[0], installed=installed_backends())
+
+
 def build_backend(release: Release, options: LoadOptions = DEFAULT_OPTIONS) -> Backend:
     """The backend for ``release``: chosen by :func:`clef_local.planning.choice.plan_load` for this machine
     (``options.device``: ``auto``, ``cpu``, ``cuda[:N]``, ``mps``, or several for a pipeline split of the layers:
@@ -139,10 +150,15 @@ def build_backend(release: Release, options: LoadOptions = DEFAULT_OPTIONS) -> B
     placement: dict[str, Any] = {"split": decision.split} if decision.split else {}
     if decision.stream is not None:
         placement["stream"] = decision.stream
+    forced_chunk = options.prefill_chunk
+    if decision.backend == "llamacpp":  # llama.cpp sizes its context (KV cache) and decode chunk when it is made
+        placement["context"] = decision.context
+        placement["chunk"] = decision.context if forced_chunk == 0 else forced_chunk
+        forced_chunk = None  # its chunks are its own: the torch prefill budget does not cut them
     runner: Backend = cls(release, device=decision.device,
                           dtype=decision.dtype if decision.backend != "onnx" or asked else None, **placement)
     runner.load_decision = decision
-    runner.prefill = prefill_budget(decision, release.config, release.head_config.width, options.prefill_chunk)
+    runner.prefill = prefill_budget(decision, release.config, release.head_config.width, forced_chunk)
     return runner
 
 

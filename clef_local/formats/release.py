@@ -116,12 +116,16 @@ def head_config_beside(config_path: Path) -> Path | None:
 
 @dataclass(frozen=True)
 class Release:
-    """A release directory, read but not loaded: configs and the list of weight files."""
+    """A release directory, read but not loaded: configs and the list of weight files.
+
+    ``gguf`` is the directory's ``gguf/model.gguf`` when it has one (:mod:`clef_local.formats.gguf_release`); a GGUF
+    release has no safetensors backbone, and its ``weight_files`` is that one file."""
 
     path: Path
     config: dict[str, Any]
     head_config: HeadConfig
     weight_files: tuple[Path, ...]
+    gguf: Path | None = None
 
     @property
     def architecture(self) -> str:
@@ -151,6 +155,11 @@ class Release:
         """The stored dtype name (``bfloat16`` for real releases)."""
         return str(self.text_config.get("dtype") or self.config.get("torch_dtype") or self.config.get("dtype")
                    or "float32")
+
+    @property
+    def is_gguf(self) -> bool:
+        """True for a GGUF release: its backbone is ``gguf/model.gguf`` only (no safetensors to load with torch)."""
+        return self.gguf is not None and self.weight_files == (self.gguf,)
 
     @property
     def has_vision(self) -> bool:
@@ -185,7 +194,8 @@ def find_weight_files(path: Path) -> tuple[Path, ...]:
         return files
     if (path / SINGLE_WEIGHTS).is_file():
         return (path / SINGLE_WEIGHTS,)
-    raise ReleaseError(f"{path}: no backbone weights ({SINGLE_WEIGHTS} or {WEIGHTS_INDEX} with its shards)")
+    raise ReleaseError(f"{path}: no backbone weights ({SINGLE_WEIGHTS} or {WEIGHTS_INDEX} with its shards, or "
+                       f"gguf/model.gguf)")
 
 
 def _check_manifest(path: Path) -> None:
@@ -215,7 +225,12 @@ def read_release(path: str | Path) -> Release:
     head_config = read_head_config(path / HEAD_CONFIG)
     if not (path / HEAD_WEIGHTS).is_file():
         raise ReleaseError(f"{path / HEAD_WEIGHTS} is missing")
-    release = Release(path=path, config=config, head_config=head_config, weight_files=find_weight_files(path))
+    from clef_local.formats.gguf_release import find_gguf
+
+    gguf = find_gguf(path)
+    safetensors = (path / WEIGHTS_INDEX).is_file() or (path / SINGLE_WEIGHTS).is_file()
+    weight_files = find_weight_files(path) if safetensors or gguf is None else (gguf,)
+    release = Release(path=path, config=config, head_config=head_config, weight_files=weight_files, gguf=gguf)
     if head_config.hidden_size != release.hidden_size:
         raise ReleaseError(
             f"{path / HEAD_CONFIG}: hidden_size {head_config.hidden_size} does not match the backbone's "

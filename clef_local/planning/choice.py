@@ -32,9 +32,11 @@ BACKENDS: dict[str, tuple[str, str]] = {
     "torch": ("clef_local.backends.torch_backend", "TorchBackend"),
     "mlx": ("clef_local.backends.mlx_backend", "MLXBackend"),
     "onnx": ("clef_local.backends.onnx_backend", "OnnxBackend"),
+    "llamacpp": ("clef_local.backends.llamacpp_backend", "LlamaCppBackend"),
 }
 PACKAGES = {"torch": ("torch", "pip install torch"), "mlx": ("mlx", "pip install 'clef-local[mlx]'"),
-            "onnx": ("onnxruntime", "pip install 'clef-local[onnx]'")}
+            "onnx": ("onnxruntime", "pip install 'clef-local[onnx]'"),
+            "llamacpp": ("llama_cpp", "pip install 'clef-local[gguf]'")}
 DENSE = "dense"
 PER_LAYER = "per_layer"  # a mixed-precision variant: its layers' schemes choose (clef_local.backends.quantized)
 DEQUANTIZE = registry.DEQUANTIZE  # clef_local.backends.quantized.DEQUANTIZE: W rebuilt per call, never cached
@@ -158,6 +160,9 @@ def choose(hardware: Hardware, scheme: str, *, backend: str = "auto", dtype: Any
     if backend not in ("auto", *BACKENDS):
         raise ApiUsageError(f"unknown backend {backend!r}; choose one of auto, {', '.join(BACKENDS)}")
     usable = [name for name, why in installed.items() if why is None]
+    if backend == "llamacpp":  # planned apart, from the GGUF's tensor table (clef_local.planning.gguf_plan)
+        raise ApiUsageError("backend 'llamacpp' runs a GGUF backbone (gguf/model.gguf) on one device: write one with "
+                            "`clef-local export-gguf` and load that directory; it does not split or stream")
     if backend != "auto":
         if installed.get(backend) is not None:
             raise ApiUsageError(f"backend {backend!r} is not available here: {installed[backend]}; available: "

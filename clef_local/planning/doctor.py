@@ -46,6 +46,7 @@ COMPONENTS = (
     ("onnxruntime", "onnxruntime", "ONNX Runtime backend (CPU)", "onnx"),
     ("onnxruntime-gpu", "onnxruntime", "ONNX Runtime with CUDA providers", None),
     ("onnx", "onnx", "ONNX export (clef-local export-onnx)", "onnx"),
+    ("llama-cpp-python", "llama_cpp", "llama.cpp backend and GGUF quantizer (export-gguf, --backend llamacpp)", "gguf"),
     ("gradio", "gradio", "desktop UI (clef-local ui)", "ui"),
     ("fastapi", "fastapi", "HTTP server (clef-local serve)", "serve"),
     ("uvicorn", "uvicorn", "HTTP server (clef-local serve)", "serve"),
@@ -79,6 +80,11 @@ def _detail(distribution: str) -> str:
             import onnxruntime
 
             return "providers: " + ", ".join(onnxruntime.get_available_providers())
+        if distribution == "llama-cpp-python":
+            from clef_local.planning.llamacpp_build import llama_cpp_build
+
+            build = llama_cpp_build()
+            return f"GPU offload {'yes' if build['gpu_offload'] else 'no (a CPU build)'}"
         if distribution == "mlx":
             import mlx.core as mx
 
@@ -129,6 +135,26 @@ def _videos(parts: list[Component], probe: bool) -> str:
     return f"refused: {reason}" if reason else "accepted"
 
 
+def llama_cpp_report(probe: bool = True) -> dict[str, Any]:
+    """llama.cpp's build here: the binding's version, llama.cpp's CPU features (``llama_print_system_info``), whether
+    it offloads to a GPU, and the command that rebuilds it for each GPU backend (docs/hardware.md#llamacpp)."""
+    from clef_local.planning.llamacpp_build import BUILD_FLAGS, build_command, llama_cpp_build
+
+    builds = {name: build_command(name) for name in BUILD_FLAGS}
+    version = _version("llama-cpp-python")
+    if version is None or importlib.util.find_spec("llama_cpp") is None:
+        return {"installed": False, "install": "pip install 'clef-local[gguf]' (builds llama.cpp for this CPU)",
+                "builds": builds}
+    if not probe:
+        return {"installed": True, "version": version, "builds": builds}
+    try:
+        build = llama_cpp_build()
+    except (OSError, RuntimeError) as exc:  # the shared library does not load (a build for another CPU or GPU)
+        return {"installed": True, "version": version, "error": f"fails to load: {exc}", "builds": builds}
+    return {"installed": True, "version": version, "cpu_features": build["system_info"],
+            "gpu_offload": build["gpu_offload"], "builds": builds}
+
+
 def report(probe: bool = True) -> dict[str, Any]:
     """Hardware, components, the backends the loader can use, what ``auto`` would pick here, the inference threads
     of each role (:func:`~clef_local.planning.hardware.thread_plan`: one-shot commands and the server) and the
@@ -153,7 +179,7 @@ def report(probe: bool = True) -> dict[str, Any]:
             "components": [asdict(c) | {"install": c.install} for c in parts], "media": media, "auto": auto,
             "threads": {role: thread_plan(workers=1, role=role).to_json() for role in ROLES},
             "network": network_isolation(),
-            "state_cache": state_cache_support()}
+            "state_cache": state_cache_support(), "llama_cpp": llama_cpp_report(probe)}
 
 
 def state_cache_support() -> dict[str, str]:
@@ -163,6 +189,7 @@ def state_cache_support() -> dict[str, str]:
     why_not = {
         "mlx": "torch only: the MLX backend runs every state in full (mlx-lm's prompt caches are not wired to it)",
         "onnx": "torch only: the ONNX export has no past key/value inputs, so ONNX Runtime runs every state in full",
+        "llamacpp": "torch only: the llama.cpp backend clears its context's memory and runs every state in full",
     }
     return {name: "yes" if name in STATE_CACHE_BACKENDS else why_not.get(name, "torch only")
             for name in BACKENDS}
@@ -183,10 +210,10 @@ def render(info: dict[str, Any]) -> str:
     lines += [f"  note: {n}" for n in hw["notes"]]
     lines += ["", "backends"]
     for name, state in info["backends"].items():
-        lines.append(f"  {name:<6} {'available' if state['available'] else 'not available: ' + state['why_not']}")
+        lines.append(f"  {name:<8} {'available' if state['available'] else 'not available: ' + state['why_not']}")
     lines += ["", "state cache (a second schema on the same state runs only its own tokens)"]
     for name, support in info["state_cache"].items():
-        lines.append(f"  {name:<6} {support}")
+        lines.append(f"  {name:<8} {support}")
     lines += ["", "components"]
     for c in info["components"]:
         state = f"installed {c['version']}" + (f" ({c['detail']})" if c["detail"] else "") if c["installed"] \
@@ -198,6 +225,8 @@ def render(info: dict[str, Any]) -> str:
         text = choice.get("error") or (f"{choice['backend']} on {choice['device']}, {choice['dtype']}, kernel "
                                        f"{choice['kernel']}")
         lines.append(f"  {scheme:<5} {text}")
+    lines.append("  gguf  llamacpp, the only backend that runs a GGUF release (clef-local export-gguf)")
+    lines += ["", *render_llama_cpp(info["llama_cpp"])]
     lines += ["", "threads (torch's intra-op threads, ONNX Runtime sessions)",
               f"  one-shot commands (decide, quantize, eval, drift, calibrate, batch, ...): "
               f"{info['threads']['command']['summary']}",
@@ -213,6 +242,24 @@ def render(info: dict[str, Any]) -> str:
     lines.append("  serve: off (guard): its clients are outside any namespace, so it keeps the host's network and "
                  "refuses non-loopback traffic in-process")
     return "\n".join(lines)
+
+
+def render_llama_cpp(llama: dict[str, Any]) -> list[str]:
+    """The llama.cpp lines of the report: its build, CPU features, GPU offload, how to build it for a GPU."""
+    lines = ["llama.cpp (GGUF: --backend llamacpp, clef-local export-gguf)"]
+    if not llama["installed"]:
+        lines.append(f"  not installed: {llama['install']}")
+    elif "error" in llama:
+        lines.append(f"  llama-cpp-python {llama['version']} {llama['error']}")
+    elif "cpu_features" not in llama:
+        lines.append(f"  llama-cpp-python {llama['version']} (not probed: run doctor without --no-probe)")
+    else:
+        lines += [f"  llama-cpp-python {llama['version']}; GPU offload: "
+                  + ("yes" if llama["gpu_offload"] else "no (a CPU build)"),
+                  f"  {llama['cpu_features']}"]
+    lines.append("  build it for a GPU (pip compiles llama.cpp, minutes):")
+    lines += [f"    {name + ':':<8} {command}" for name, command in llama["builds"].items()]
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -279,7 +279,10 @@ def main(argv: list[str] | None = None) -> int:
                 from clef_local.demo.default import default_model_path
 
                 args.model = default_model_path()
-            footprint = footprint_from_release(args.model, formats, args.group_size)
+            release = read_release(args.model)
+            if release.is_gguf:
+                return _main_gguf(args, release, devices)
+            footprint = footprint_from_release(release, formats, args.group_size)
     except (ClefError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -321,6 +324,26 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(render(footprint, plans, show_explain=args.explain, images=images, streamed=streamed))
     return 0 if best is not None else 1
+
+
+def _main_gguf(args: argparse.Namespace, release: Release, devices: list[Hardware]) -> int:
+    """``plan`` of a GGUF release: llama.cpp's memory on one device (a GPU assumed to run a GPU build of it)."""
+    from clef_local.planning.gguf_plan import gguf_footprint, gguf_plan, kv_dtype, render_gguf
+
+    if len(devices) > 1:
+        print("error: llama.cpp runs a GGUF on one device; plan one --device", file=sys.stderr)
+        return 2
+    hardware = devices[0]
+    context = args.context or default_max_length(release.max_position_embeddings)
+    p = gguf_plan(gguf_footprint(release), hardware, context=context, kv=kv_dtype(args.dtype),
+                  offloaded=hardware.kind != "cpu")
+    if args.json:
+        print(json.dumps({"model": release.path.name, "architecture": p.footprint.architecture,
+                          "hardware": hardware.to_json(), "gguf": p.footprint.to_json(),
+                          "plans": [p.to_json()], "best": "gguf" if p.fits else None}, indent=2, default=str))
+    else:
+        print(render_gguf(p, show_explain=args.explain))
+    return 0 if p.fits else 1
 
 
 def _read_rate(args: argparse.Namespace) -> ReadRate:

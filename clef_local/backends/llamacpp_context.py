@@ -1,0 +1,248 @@
+"""A GGUF backbone's per-token hidden states through llama.cpp's low-level C API (llama-cpp-python's ctypes binding).
+
+One model, one context of our own: embeddings on, pooling none (every token's state after the final RMSNorm, what the
+joint schema head reads), one sequence, ``n_ctx`` the planned context, a request decoded in chunks of ``n_batch``
+tokens up to the whole context (``Llama.embed`` cuts a long request at ``n_batch`` without a word), the memory cleared
+before every request. Not ``Llama(embedding=True)``: it asks for 256 sequences, so a hybrid model such as Qwen3.5
+would hold 256 recurrent states. The binding's API changes between releases: the ``gguf`` extra pins it.
+llama.cpp's log lines go to Python logging (:data:`LOG_NAME`; its load chatter at DEBUG), not to stderr.
+docs/hardware.md#llamacpp.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from clef_local.errors import ClefError, MaxTokensExceededError, ReleaseError
+from clef_local.planning.hardware import ThreadPlan, thread_plan
+from clef_local.planning.llamacpp_build import build_command
+
+log = logging.getLogger(__name__)
+
+LOG_NAME = "clef_local.llamacpp"  # llama.cpp's own log lines, apart from this module's
+KV_TYPES = ("f16", "f32")  # the KV cache's element type: f32 for exact comparisons, f16 (llama.cpp's default) else
+KvType = Literal["f16", "f32"]
+# Tokens per llama_decode call (n_batch = n_ubatch): the context allocates n_vocab floats of logits per token of a
+# chunk besides the activations (embeddings mode still runs the LM head), 0.5 GB a chunk at Qwen3.5's 248K vocab
+DEFAULT_CHUNK = 512
+# the GPU builds (planning.llamacpp_build.BUILD_FLAGS) a device needs, the likeliest first
+_DEVICE_BUILDS = {"cuda": ("CUDA", "ROCm", "Vulkan"), "mps": ("Metal",), "gpu": ("CUDA", "Metal", "Vulkan", "ROCm")}
+
+_log_lock = threading.Lock()
+_log_state: dict[str, Any] = {}  # the installed callback (kept alive here) and the line being assembled
+# enum ggml_log_level: NONE 0, DEBUG 1, INFO 2, WARN 3, ERROR 4, CONT 5; INFO is the loader's metadata dump and
+# buffer sizes, hundreds of lines per load: DEBUG here
+_GGML_LEVELS = {1: logging.DEBUG, 2: logging.DEBUG, 3: logging.WARNING, 4: logging.ERROR}
+# warnings every load of ours triggers on purpose: pooling none on a generative model, a context below the trained one
+_EXPECTED = ("llama_init_from_model: model default pooling_type", "llama_context: n_ctx_seq (")
+
+
+class LlamaCppError(ClefError):
+    """llama.cpp refused a model, a context or a decode; the message names the file and the fix."""
+
+    status_code = 500
+    error_type = "backend_error"
+
+
+def _forward_log(level: int, text: bytes | None, _user_data: Any) -> None:
+    """llama.cpp's log callback: whole lines to :data:`LOG_NAME` (it sends pieces: ``CONT`` continues a line)."""
+    piece = (text or b"").decode("utf-8", "replace")
+    if level != 5:  # GGML_LOG_LEVEL_CONT keeps the level of the line it continues
+        _log_state["level"] = _GGML_LEVELS.get(level, logging.DEBUG)
+    line = _log_state.get("line", "") + piece
+    *whole, rest = line.split("\n")
+    _log_state["line"] = rest
+    logger = logging.getLogger(LOG_NAME)
+    level = _log_state.get("level", logging.DEBUG)
+    for item in whole:
+        if item.strip():
+            logger.log(logging.DEBUG if item.startswith(_EXPECTED) else level, "%s", item.rstrip())
+
+
+def llama_cpp_module() -> Any:
+    """The ``llama_cpp`` binding, its log routed to Python logging and its backend initialised (once per process)."""
+    import llama_cpp
+
+    with _log_lock:
+        if "callback" not in _log_state:
+            _log_state["callback"] = llama_cpp.llama_log_callback(_forward_log)  # referenced: C calls it later
+            llama_cpp.llama_backend_init()
+        # set on every use: the binding's own logger, or another caller (export-gguf's quantizer), may have set theirs
+        llama_cpp.llama_log_set(_log_state["callback"], ctypes.c_void_p(0))
+    return llama_cpp
+
+
+def gpu_layers_for(device: str, supports_gpu: bool) -> int:
+    """How many layers to offload for ``device``: 0 on ``cpu``, all on ``cuda[:N]``/``mps``/``gpu`` when this
+    llama.cpp build offloads; otherwise a :class:`LlamaCppError` naming the build flag."""
+    kind = device.partition(":")[0]
+    if kind in ("cpu", "auto", ""):
+        return 0
+    if kind not in ("cuda", "mps", "gpu"):
+        raise LlamaCppError(f"the llamacpp backend runs on cpu, cuda[:N], mps or gpu, not {device!r}")
+    if not supports_gpu:
+        builds = " or ".join(f"{name}: {build_command(name)}" for name in _DEVICE_BUILDS[kind][:2])
+        raise LlamaCppError(f"this llama-cpp-python was built for the CPU only, so it cannot run on {device}; "
+                            f"rebuild it ({builds}) or run on --device cpu")
+    return 1 << 30  # every layer (llama.cpp clamps to the model's)
+
+
+class LlamaCppContext:
+    """A GGUF backbone loaded by llama.cpp with a context for per-token hidden states.
+
+    ``context``: tokens the longest request may have (``n_ctx``); ``chunk``: tokens per decode (at most
+    ``context``); ``kv_type``: ``"f32"`` for exact comparisons with torch float32 (flash attention off too: on a
+    CPU it rounds the softmax's inputs to F16), ``"f16"`` (llama.cpp's default, ~4e-2 off on SmolLM2) otherwise;
+    ``threads``: the :func:`~clef_local.planning.hardware.thread_plan` of one inference thread unless given;
+    ``device``: ``cpu`` or a GPU (:func:`gpu_layers_for`). Not thread-safe: one request at a time (the backend's
+    callers serialise). :meth:`close` frees the context and the model.
+    """
+
+    def __init__(self, model_path: str | Path, *, context: int, chunk: int = DEFAULT_CHUNK, kv_type: KvType = "f16",
+                 threads: ThreadPlan | None = None, device: str = "cpu") -> None:
+        if kv_type not in KV_TYPES:
+            raise ValueError(f"kv_type must be one of {', '.join(KV_TYPES)}, not {kv_type!r}")
+        if context < 1 or chunk < 1:
+            raise ValueError(f"context and chunk must be positive, got {context} and {chunk}")
+        self._model = self._ctx = self._batch = None
+        lib = llama_cpp_module()
+        self._lib = lib
+        self.path = Path(model_path)
+        self.kv_type: KvType = kv_type
+        self.thread_plan = threads or thread_plan(workers=1)
+        self.device = device
+
+        params = lib.llama_model_default_params()
+        params.n_gpu_layers = gpu_layers_for(device, bool(lib.llama_supports_gpu_offload()))
+        if device.startswith("cuda:"):
+            params.main_gpu = int(device.partition(":")[2] or 0)
+        params.use_mmap = True
+        self._model = lib.llama_model_load_from_file(str(self.path).encode(), params)
+        if not self._model:
+            raise ReleaseError(f"{self.path}: llama.cpp cannot load this GGUF (its log at DEBUG under {LOG_NAME} "
+                               "says why); check the file with `clef-local verify` or export it again")
+        try:
+            self._open_context(context, min(chunk, context))
+        except BaseException:
+            self.close()
+            raise
+        self.hidden_size = int(lib.llama_model_n_embd_out(self._model))
+        log.debug("llama.cpp context: n_ctx %d, n_batch %d, %s KV cache, %s", self.n_ctx, self.n_batch, kv_type,
+                  self.thread_plan.describe())
+
+    def _open_context(self, context: int, chunk: int) -> None:
+        lib = self._lib
+        params = lib.llama_context_default_params()
+        params.n_ctx = context
+        params.n_batch = params.n_ubatch = chunk  # one ubatch per decode: the chunk is the whole unit of work
+        params.n_seq_max = 1
+        params.n_threads = params.n_threads_batch = self.thread_plan.intra_op
+        params.embeddings = True
+        params.pooling_type = lib.LLAMA_POOLING_TYPE_NONE
+        params.type_k = params.type_v = lib.GGML_TYPE_F32 if self.kv_type == "f32" else lib.GGML_TYPE_F16
+        if self.kv_type == "f32":
+            params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        params.no_perf = True
+        self._ctx = lib.llama_init_from_model(self._model, params)
+        if not self._ctx:
+            raise LlamaCppError(f"{self.path}: llama.cpp could not make a context of {context:,} tokens "
+                                f"({self.kv_type} KV cache; its log at DEBUG under {LOG_NAME} says why): ask for a "
+                                "shorter max_length or free memory")
+        self.n_ctx = int(lib.llama_n_ctx(self._ctx))
+        self.n_batch = int(lib.llama_n_batch(self._ctx))
+        self._batch = lib.llama_batch_init(self.n_batch, 0, 1)
+        for i in range(self.n_batch):  # one sequence, every token an output: set once, reused by every chunk
+            self._batch.n_seq_id[i] = 1
+            self._batch.seq_id[i][0] = 0
+            self._batch.logits[i] = 1
+
+    @property
+    def closed(self) -> bool:
+        return self._model is None
+
+    def hidden_states(self, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Every token's hidden state after the final norm, ``[T, hidden]`` float32, for one request's
+        ``token_ids``, decoded in chunks of :attr:`n_batch` from an empty memory. A request longer than the context
+        is a :class:`~clef_local.errors.MaxTokensExceededError` (413), never cut."""
+        if self._ctx is None:
+            raise LlamaCppError(f"{self.path}: this llama.cpp context is closed")
+        ids = np.ascontiguousarray(token_ids, dtype=np.int32)
+        total = len(ids)
+        if total == 0:
+            raise ValueError("hidden_states needs at least one token")
+        if total > self.n_ctx:
+            raise MaxTokensExceededError(
+                f"the request has {total:,} tokens; this llama.cpp context holds {self.n_ctx:,}: send a shorter "
+                "state or load the model with a longer max_length", input_tokens=total, max_tokens=self.n_ctx)
+        lib, batch = self._lib, self._batch
+        out = np.empty((total, self.hidden_size), dtype=np.float32)
+        lib.llama_memory_clear(lib.llama_get_memory(self._ctx), True)  # no state of the previous request remains
+        for start in range(0, total, self.n_batch):
+            n = min(self.n_batch, total - start)
+            ctypes.memmove(batch.token, ids[start:].ctypes.data, n * 4)
+            positions = np.arange(start, start + n, dtype=np.int32)
+            ctypes.memmove(batch.pos, positions.ctypes.data, n * 4)
+            batch.n_tokens = n
+            status = lib.llama_decode(self._ctx, batch)
+            if status != 0:
+                lib.llama_memory_clear(lib.llama_get_memory(self._ctx), True)
+                raise LlamaCppError(f"{self.path}: llama_decode returned {status} at tokens {start:,}-{start + n:,} "
+                                    f"of {total:,} (1: no KV slot, 2: aborted, <0: error; its log at DEBUG under "
+                                    f"{LOG_NAME})")
+            pointer = lib.llama_get_embeddings(self._ctx)
+            if not pointer:
+                raise LlamaCppError(f"{self.path}: llama.cpp returned no embeddings (pooling must be none)")
+            out[start:start + n] = np.ctypeslib.as_array(pointer, shape=(n * self.hidden_size,)).reshape(n, -1)
+        return out
+
+    def metadata(self, key: str) -> str | None:
+        """A GGUF metadata value as llama.cpp read it (``general.architecture``, ...), or None."""
+        if self._model is None:
+            return None
+        buf = ctypes.create_string_buffer(512)
+        size = self._lib.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", "replace") if size >= 0 else None
+
+    def describe(self) -> dict[str, Any]:
+        """What llama.cpp loaded: its description, size, parameters, the context's sizes and the KV cache type."""
+        lib, model = self._lib, self._model
+        if model is None:
+            return {"closed": True}
+        buf = ctypes.create_string_buffer(256)
+        lib.llama_model_desc(model, buf, len(buf))
+        return {"model": buf.value.decode("utf-8", "replace"), "architecture": self.metadata("general.architecture"),
+                "model_bytes": int(lib.llama_model_size(model)), "parameters": int(lib.llama_model_n_params(model)),
+                "recurrent_state": bool(lib.llama_model_is_recurrent(model) or lib.llama_model_is_hybrid(model)),
+                "n_ctx": self.n_ctx, "n_batch": self.n_batch, "kv_cache": self.kv_type,
+                "threads": self.thread_plan.intra_op, "gpu_offload": self.device != "cpu"}
+
+    def close(self) -> None:
+        """Free the batch, the context and the model (idempotent)."""
+        lib = getattr(self, "_lib", None)
+        if lib is None:
+            return
+        if self._batch is not None:
+            lib.llama_batch_free(self._batch)
+            self._batch = None
+        if self._ctx is not None:
+            lib.llama_free(self._ctx)
+            self._ctx = None
+        if self._model is not None:
+            lib.llama_model_free(self._model)
+            self._model = None
+
+    def __enter__(self) -> LlamaCppContext:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()

@@ -1,0 +1,105 @@
+"""GGUF quantization by llama.cpp's own quantizer (``llama_model_quantize`` through llama-cpp-python), and the tensor
+types a GGUF really holds, read back from the file.
+
+The quantizer picks each tensor's type by its own rules (``src/llama-quant.cpp``): a K-quant needs rows that are a
+multiple of 256 values, so on a 576-wide model (the demo) most tensors fall back to Q5_0 / Q8_0 and "Q4_K_M" is a
+different mix than at Clef's sizes; :func:`tensor_types` says what was really written. ``output.weight`` (or the tied
+``token_embd.weight``) — the rows the joint head reads as lexical rows — keeps the source precision by default
+(``output_tensor_type``). None of these types needs an importance matrix in llama.cpp (``tensor_requires_imatrix``:
+only IQ1_*, IQ2_*, IQ3_XXS and Q2_K in a Q2_K_S file do); IQ4_XS without one is what llama-quantize writes too, and
+``--imatrix`` (:mod:`.imatrix`) passes one in memory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import re
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from clef_local.export.staging import ExportError
+
+if TYPE_CHECKING:
+    from clef_local.export.gguf.imatrix import ImportanceMatrix
+
+log = logging.getLogger(__name__)
+
+# --type -> llama.h's llama_ftype suffix (LLAMA_FTYPE_MOSTLY_*), for the types llama.cpp's quantizer writes
+QUANT_TYPES = {"Q8_0": "Q8_0", "Q6_K": "Q6_K", "Q5_K_M": "Q5_K_M", "Q4_K_M": "Q4_K_M", "IQ4_XS": "IQ4_XS"}
+# "[  12/ 272]  blk.0.attn_q.weight - ..." : one line per tensor in llama.cpp's quantize log
+_TENSOR_LINE = re.compile(rb"^\[\s*(\d+)/\s*(\d+)\]\s+(\S+)")
+GGML_LOG_LEVEL_ERROR = 4  # ggml.h enum ggml_log_level (the binding does not export it)
+
+
+class _Log:
+    """llama.cpp's log while it quantizes: tensor lines drive ``progress``, error lines are kept for the message,
+    everything goes to this module's logger at DEBUG."""
+
+    def __init__(self, progress: Callable[[int, int, str], None] | None) -> None:
+        import llama_cpp
+
+        self.progress = progress
+        self.errors: list[str] = []
+        self.callback = llama_cpp.llama_log_callback(self._on_log)  # kept referenced while C may call it
+
+    def _on_log(self, level: int, text: bytes, _data: Any) -> None:
+        line = (text or b"").rstrip()
+        if not line:
+            return
+        log.debug("llama.cpp: %s", line.decode("utf-8", "replace"))
+        if level == GGML_LOG_LEVEL_ERROR:
+            self.errors.append(line.decode("utf-8", "replace").strip())
+        if self.progress is not None and (match := _TENSOR_LINE.match(line)):
+            self.progress(int(match.group(1)), int(match.group(2)), match.group(3).decode("utf-8", "replace"))
+
+
+def quantize_gguf(source: Path, out: Path, qtype: str, *, output_type: str | None, threads: int,
+                  progress: Callable[[int, int, str], None] | None = None, imatrix: ImportanceMatrix | None = None
+                  ) -> None:
+    """Quantize the float GGUF ``source`` to ``out`` as ``qtype`` (a key of :data:`QUANT_TYPES`) with llama.cpp's
+    ``llama_model_quantize`` on ``threads`` threads; ``output_type`` (``BF16``, ``F16``, ``F32``; None: llama.cpp's
+    rule, Q6_K / Q8_0) is the type of the output rows; ``imatrix`` weighs each column's rounding error
+    (:mod:`.imatrix`). A failure is an :class:`ExportError` with llama.cpp's own error line."""
+    import llama_cpp
+    from gguf import GGMLQuantizationType
+
+    if qtype not in QUANT_TYPES:
+        raise ExportError(f"--type {qtype!r} is not one llama.cpp's quantizer writes here; use one of "
+                          f"{', '.join(QUANT_TYPES)}")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.nthread = threads
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{QUANT_TYPES[qtype]}")
+    if output_type is not None:
+        # ggml_type values: gguf-py's enum mirrors ggml.h (the binding lacks GGML_TYPE_BF16)
+        params.output_tensor_type = int(GGMLQuantizationType[output_type])
+    keep: list[Any] = []
+    if imatrix is not None:
+        array, keep = imatrix.c_array()
+        keep.append(array)
+        params.imatrix = ctypes.cast(array, type(params.imatrix))
+    sink = _Log(progress)
+    llama_cpp.llama_backend_init()
+    llama_cpp.llama_log_set(sink.callback, ctypes.c_void_p())
+    try:
+        status = llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(), ctypes.byref(params))
+    finally:
+        llama_cpp.llama_log_set(ctypes.cast(None, llama_cpp.llama_log_callback), ctypes.c_void_p())
+    del keep  # the quantizer copied the importance matrix
+    if status != 0:
+        why = sink.errors[-1] if sink.errors else f"llama_model_quantize returned {status}"
+        raise ExportError(f"llama.cpp could not quantize {source.name} to {qtype}: {why}")
+
+
+def tensor_types(path: Path) -> dict[str, Any]:
+    """What a GGUF really holds, read back with gguf-py: ``{"counts": {type: n}, "tensors": {name: type},
+    "file_type": general.file_type}``."""
+    from gguf import GGUFReader, LlamaFileType
+
+    reader = GGUFReader(path)
+    tensors = {t.name: t.tensor_type.name for t in reader.tensors}
+    field = reader.get_field("general.file_type")
+    file_type = LlamaFileType(field.contents()).name if field is not None else None
+    return {"counts": dict(sorted(Counter(tensors.values()).items())), "tensors": tensors, "file_type": file_type}

@@ -1,0 +1,196 @@
+"""The GGUF release layout (``clef-local export-gguf``, issue 48) and the check a GGUF passes before llama.cpp reads it.
+
+A GGUF release is a Clef release without its safetensors backbone (a desk user wants the 5 GB GGUF, not 18 GB of
+BF16 beside it)::
+
+    config.json, tokenizer*.json, vocab.json, merges.txt, chat_template.jinja, processor configs, LICENSE, NOTICE
+    joint_head.safetensors + joint_head_config.json      byte for byte from the source release
+    gguf/model.gguf                                      the text backbone (llama.cpp's ``llama`` / ``qwen35``)
+    gguf/vision.safetensors                              a vision tower's tensors byte for byte (Qwen3.5), for torch
+    gguf/gguf_config.json                                what wrote it (:func:`read_gguf_config`)
+    clef_local_manifest.json                             every file above with its size and SHA-256
+
+:func:`clef_local.formats.release.read_release` opens it (``Release.gguf`` is the GGUF; its ``weight_files`` is that
+one file). A GGUF written by llama.cpp's own ``convert_hf_to_gguf.py`` may be placed at ``gguf/model.gguf`` beside a
+release's small files: it has no ``gguf_config.json`` and, without a manifest, only the structural checks run.
+
+llama.cpp's C++ parser meets a malformed file with a crash or an unhelpful message, so :func:`check_gguf` reads the
+file first with gguf-py's pure-Python reader (a memory map: no tensor data is read).
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from clef_local.errors import ReleaseError
+
+if TYPE_CHECKING:
+    from clef_local.formats.release import Release
+
+log = logging.getLogger(__name__)
+
+GGUF_DIR = "gguf"
+GGUF_FILE = "model.gguf"
+GGUF_CONFIG = "gguf_config.json"
+GGUF_PATH = f"{GGUF_DIR}/{GGUF_FILE}"  # relative to the release directory, as the manifest names it
+GGUF_CONFIG_PATH = f"{GGUF_DIR}/{GGUF_CONFIG}"
+# The vision tower stays on torch beside the GGUF text model (llama.cpp's multimodal projector is not matched to the
+# reference): its tensors, with the source's names, dtypes and bytes, in one safetensors file.
+VISION_FILE = "vision.safetensors"
+VISION_PATH = f"{GGUF_DIR}/{VISION_FILE}"
+GGUF_CONFIG_FORMAT = 1
+GGUF_MAGIC = b"GGUF"
+GGUF_VERSIONS = (2, 3)  # the versions llama.cpp reads (gguf.h: GGUF_VERSION 3; 2 still loads)
+
+# The release backbone (:func:`backbone_of`) -> the ``general.architecture`` llama.cpp knows it as. The converter
+# registry (clef_local.export.gguf.convert) has one entry per key.
+ARCHITECTURES: dict[str, str] = {"llama": "llama", "qwen3_5": "qwen35"}
+
+# Keys of gguf_config.json (written by clef_local.export.gguf.export): the export's --type and llama.cpp's file type,
+# the tensor types the file really holds (read back from it: {type: count}), which tensor holds the rows the joint
+# head reads (output.weight, or token_embd.weight when tied) and its type, whether an importance matrix was used,
+# the tokenizer's pre name, what wrote it (clef_local, gguf, llama_cpp_python versions), the source release
+# ({"path", "digest"}: clef_local.formats.manifest.files_digest of its files) and the validation result.
+CONFIG_KEYS = ("format", "type", "file_type", "architecture", "tensor_types", "tensor_count", "lm_head_tensor",
+               "output_tensor_type", "output_kept_at_source_precision", "imatrix", "pre_tokenizer", "vision",
+               "writer", "source", "validation")
+
+
+def gguf_path(directory: str | Path) -> Path:
+    """Where a GGUF release keeps its backbone: ``DIR/gguf/model.gguf`` (it may not exist)."""
+    return Path(directory) / GGUF_DIR / GGUF_FILE
+
+
+def find_gguf(directory: str | Path) -> Path | None:
+    """``DIR/gguf/model.gguf`` when it is a file, else None."""
+    path = gguf_path(directory)
+    return path if path.is_file() else None
+
+
+def is_backbone_weight(name: str) -> bool:
+    """True for a release file that a GGUF release leaves out: the safetensors backbone (``model.safetensors``,
+    ``model-0000N-of-0000M.safetensors``, ``model.safetensors.index.json``). The head's file is kept."""
+    base = name.rsplit("/", 1)[-1]
+    return "/" not in name and base.startswith("model") and (base.endswith(".safetensors")
+                                                            or base == "model.safetensors.index.json")
+
+
+def backbone_of(config: dict[str, Any]) -> str:
+    """The backbone key of a release ``config.json`` (a key of :data:`ARCHITECTURES`): ``qwen3_5`` for Clef,
+    Clef-flash and the tiny Qwen3.5 releases, ``llama`` for the demo model and the tiny llama releases."""
+    from clef_local.formats.release import QWEN3_5
+
+    archs = config.get("architectures") or []
+    model_type = config.get("model_type")
+    if QWEN3_5 in archs or model_type == "qwen3_5":
+        return "qwen3_5"
+    if "LlamaForCausalLM" in archs or model_type == "llama":
+        return "llama"
+    raise ReleaseError(f"config.json: architecture {archs[0] if archs else model_type!r} has no GGUF converter; "
+                       f"clef-local writes and reads GGUF for {', '.join(ARCHITECTURES)} backbones")
+
+
+def read_gguf_config(directory: str | Path) -> dict[str, Any] | None:
+    """``gguf/gguf_config.json`` of a GGUF release (what wrote the GGUF: ``type``, ``tensor_types``, ``writer``,
+    ``source``; :data:`CONFIG_KEYS`), or None when the directory has none (a GGUF from llama.cpp's converter)."""
+    from clef_local.formats.release import read_json
+
+    path = Path(directory) / GGUF_DIR / GGUF_CONFIG
+    if not path.is_file():
+        return None
+    config = read_json(path)
+    if config.get("format") != GGUF_CONFIG_FORMAT or not isinstance(config.get("tensor_types"), dict):
+        raise ReleaseError(f"{path}: not a clef-local gguf_config.json (format {GGUF_CONFIG_FORMAT} with "
+                           f"tensor_types); re-export with clef-local export-gguf")
+    return config
+
+
+def _check_listed(path: Path, directory: Path, *, hashed: bool) -> None:
+    """The GGUF against the release manifest: listed, the recorded size, and (``hashed``) the recorded SHA-256."""
+    from clef_local.formats.manifest import MANIFEST, read_manifest, sha256
+
+    manifest = read_manifest(directory)
+    if manifest is None:
+        log.info("%s has no %s: %s is checked for structure only", directory, MANIFEST, path.name)
+        return
+    name = path.relative_to(directory).as_posix()
+    entry = manifest["files"].get(name)
+    if entry is None:
+        raise ReleaseError(f"{path}: not listed in {directory / MANIFEST}; re-export with clef-local export-gguf, or "
+                           f"remove the manifest to load a GGUF from another tool")
+    size = path.stat().st_size
+    if size != entry["size"]:
+        raise ReleaseError(f"{path}: {size} bytes, {MANIFEST} records {entry['size']} (truncated or replaced); "
+                           f"copy or re-export the file")
+    if hashed and "sha256" in entry and sha256(path) != entry["sha256"]:
+        raise ReleaseError(f"{path}: SHA-256 differs from {MANIFEST}; copy or re-export the file")
+
+
+def _check_header(path: Path) -> None:
+    """The magic and the version, read from the first 8 bytes (before gguf-py parses anything)."""
+    with path.open("rb") as f:
+        head = f.read(8)
+    if len(head) < 8 or head[:4] != GGUF_MAGIC:
+        raise ReleaseError(f"{path}: not a GGUF file (starts with {head[:4]!r}, not {GGUF_MAGIC!r}); export one "
+                           f"with clef-local export-gguf")
+    version = struct.unpack("<I", head[4:])[0]
+    if version not in GGUF_VERSIONS:
+        raise ReleaseError(f"{path}: GGUF version {version}, llama.cpp reads {' or '.join(map(str, GGUF_VERSIONS))}"
+                           f"; re-export it with clef-local export-gguf")
+
+
+def _field(reader: Any, key: str) -> Any:
+    field = reader.get_field(key)
+    return None if field is None else field.contents()
+
+
+def check_gguf(path: str | Path, release: Release, *, hashed: bool = False) -> dict[str, Any]:
+    """Check a GGUF against its release before llama.cpp reads it; return ``{"architecture", "tensors", "bytes"}``.
+
+    On every load (cheap: the header, the metadata and the tensor table, through gguf-py's memory-mapped reader):
+    the file is listed in the release manifest with its recorded size (when the directory has a manifest), the
+    GGUF magic and version, ``general.architecture`` is the one the release's backbone maps to
+    (:data:`ARCHITECTURES`), ``<arch>.embedding_length`` is the backbone's ``hidden_size`` and the head's, and every
+    tensor's data lies within the file (a truncated file). With ``hashed`` (at export, and ``clef-local verify``)
+    also the SHA-256 the manifest records: minutes for a large file, so not on every load.
+
+    Each failure is one :class:`ReleaseError` naming the file and the fix.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ReleaseError(f"{path} is missing; export it with clef-local export-gguf")
+    if release.path in path.parents:
+        _check_listed(path, release.path, hashed=hashed)
+    _check_header(path)
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+    except (ValueError, IndexError, KeyError, OSError, UnicodeDecodeError) as exc:
+        # a cut or garbled metadata section / tensor table: gguf-py reads past the end of the map
+        raise ReleaseError(f"{path}: not a complete GGUF file (gguf-py: {exc}); the file is truncated or damaged, "
+                           f"copy or re-export it") from exc
+    arch = _field(reader, "general.architecture")
+    expected = ARCHITECTURES[backbone_of(release.config)]
+    if arch != expected:
+        raise ReleaseError(f"{path}: general.architecture is {arch!r}, but the release at {release.path} has a "
+                           f"{backbone_of(release.config)} backbone ({expected!r}); use the GGUF exported from this "
+                           f"release")
+    width = _field(reader, f"{arch}.embedding_length")
+    if width != release.hidden_size:
+        raise ReleaseError(f"{path}: {arch}.embedding_length is {width}, the release's config.json has hidden_size "
+                           f"{release.hidden_size}; use the GGUF exported from this release")
+    if release.head_config.hidden_size != width:
+        raise ReleaseError(f"{release.path / 'joint_head_config.json'}: the head reads hidden_size "
+                           f"{release.head_config.hidden_size}, {path.name} computes {width}; use the head of the "
+                           f"release the GGUF was exported from")
+    size = path.stat().st_size
+    for tensor in reader.tensors:
+        end = int(tensor.data_offset) + int(tensor.n_bytes)
+        if end > size:
+            raise ReleaseError(f"{path}: tensor {tensor.name!r} ends at byte {end}, the file has {size} (truncated); "
+                               f"copy or re-export it")
+    return {"architecture": arch, "tensors": len(reader.tensors), "bytes": size}

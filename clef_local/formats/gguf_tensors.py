@@ -1,0 +1,234 @@
+"""A GGUF file's metadata and tensor table, and the rows of one tensor: what the planner counts (bytes per role, the
+tensor types the file really holds) and the output-embedding rows the joint schema head reads.
+
+The header is read here rather than with gguf-py's ``GGUFReader``: that reader builds a numpy view per element of
+every metadata array, 8 s for the demo model's 49K-token vocabulary and merges on a busy 2-core machine and about
+five times that at Qwen3.5's 248K vocabulary, on every load. Here string arrays are skipped by their lengths and
+numeric arrays by their size (GGUF v2/v3, little-endian; gguf-py's enums and block sizes name the types). Only the
+rows asked for are read from a tensor (a memory map) and dequantized by gguf-py (:meth:`GgufTable.rows`). A file
+that does not parse is a one-line :class:`~clef_local.errors.ReleaseError`; the checks against a release are
+:func:`clef_local.formats.gguf_release.check_gguf`'s (:func:`checked_table` runs them first).
+"""
+
+from __future__ import annotations
+
+import functools
+import mmap
+import re
+import struct
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from clef_local.errors import ReleaseError
+
+if TYPE_CHECKING:
+    from clef_local.formats.release import Release
+
+OUTPUT = "output.weight"  # llama.cpp's lm_head
+TOKEN_EMBD = "token_embd.weight"  # the input embedding, the lm_head too when tied (no output.weight)
+_BLOCK = re.compile(r"^blk\.(\d+)\.")
+# GGUFValueType -> struct format of one scalar (STRING 8 and ARRAY 9 are read apart)
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+@dataclass(frozen=True)
+class GgufTensor:
+    """One tensor of the table: its GGML type name (``Q4_K``, ``F32``, ...), numpy-order shape, stored bytes and
+    where its data starts in the file."""
+
+    name: str
+    type: str
+    shape: tuple[int, ...]
+    bytes: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class ArrayInfo:
+    """A metadata array, not read: its element type and length."""
+
+    type: int
+    length: int
+
+
+class _Cursor:
+    def __init__(self, buffer: Any, path: Path) -> None:
+        self.buffer, self.pos, self.path = buffer, 0, path
+
+    def take(self, fmt: str) -> Any:
+        size = struct.calcsize(fmt)
+        if self.pos + size > len(self.buffer):
+            raise ReleaseError(f"{self.path}: the GGUF header ends early at byte {self.pos} (truncated); copy or "
+                               "re-export the file")
+        (value,) = struct.unpack_from(fmt, self.buffer, self.pos)
+        self.pos += size
+        return value
+
+    def string(self) -> str:
+        length = self.take("<Q")
+        end = self.pos + length
+        if end > len(self.buffer):
+            raise ReleaseError(f"{self.path}: a GGUF string runs past the end of the file (truncated)")
+        text = bytes(self.buffer[self.pos:end]).decode("utf-8", "replace")
+        self.pos = end
+        return text
+
+    def skip_string(self) -> None:
+        length = self.take("<Q")  # read before adding: take() moves pos past the length itself
+        self.pos += length
+
+    def value(self, kind: int) -> Any:
+        if kind == _STRING:
+            return self.string()
+        if kind == _ARRAY:
+            item, length = self.take("<I"), self.take("<Q")
+            if item == _STRING:
+                for _ in range(length):
+                    self.skip_string()
+            elif item in _SCALARS:
+                self.pos += struct.calcsize(_SCALARS[item]) * length
+            else:
+                raise ReleaseError(f"{self.path}: GGUF array of value type {item} (not a GGUF type)")
+            return ArrayInfo(item, length)
+        if kind not in _SCALARS:
+            raise ReleaseError(f"{self.path}: GGUF value type {kind} (not a GGUF type)")
+        return self.take(_SCALARS[kind])
+
+
+class GgufTable:
+    """A GGUF's metadata (arrays as :class:`ArrayInfo`: type and length, not their items) and its tensor table."""
+
+    def __init__(self, path: Path) -> None:
+        from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType
+
+        self.path = path
+        with path.open("rb") as f:
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        cursor = _Cursor(self._map, path)
+        if cursor.take("<I") != 0x46554747:  # b"GGUF" little-endian
+            raise ReleaseError(f"{path}: not a GGUF file; export one with clef-local export-gguf")
+        self.version = cursor.take("<I")
+        tensor_count, kv_count = cursor.take("<Q"), cursor.take("<Q")
+        self.metadata: dict[str, Any] = {}
+        for _ in range(kv_count):
+            key = cursor.string()
+            self.metadata[key] = cursor.value(cursor.take("<I"))
+        infos = []
+        for _ in range(tensor_count):
+            name = cursor.string()
+            dims = [cursor.take("<Q") for _ in range(cursor.take("<I"))]
+            infos.append((name, dims, cursor.take("<I"), cursor.take("<Q")))
+        alignment = int(self.metadata.get("general.alignment", GGUF_DEFAULT_ALIGNMENT))
+        start = -(-cursor.pos // alignment) * alignment
+        self.tensors: dict[str, GgufTensor] = {}
+        for name, dims, kind, offset in infos:
+            try:
+                qtype = GGMLQuantizationType(kind)
+            except ValueError as exc:
+                raise ReleaseError(f"{path}: tensor {name!r} has GGML type {kind}, which gguf-py does not know; "
+                                   "update the gguf package or re-export the file") from exc
+            block, size = GGML_QUANT_SIZES[qtype]
+            shape = tuple(int(d) for d in reversed(dims))
+            self.tensors[name] = GgufTensor(name, qtype.name, shape, int(np.prod(shape)) * size // block,
+                                            start + offset)
+        self.architecture = str(self.metadata.get("general.architecture"))
+
+    def field(self, key: str) -> Any:
+        """A metadata value (an array as :class:`ArrayInfo`), None when absent."""
+        return self.metadata.get(key)
+
+    @property
+    def file_type(self) -> str | None:
+        """``general.file_type`` by name (``MOSTLY_Q4_K_M``, ``ALL_F32``, ...), or None."""
+        from gguf import LlamaFileType
+
+        value = self.field("general.file_type")
+        try:
+            return None if value is None else LlamaFileType(int(value)).name
+        except ValueError:
+            return str(value)
+
+    @property
+    def type_counts(self) -> dict[str, int]:
+        """How many tensors of each GGML type the file holds."""
+        return dict(sorted(Counter(t.type for t in self.tensors.values()).items()))
+
+    @property
+    def lexical_tensor(self) -> str:
+        """The tensor whose rows are the head's lexical rows: ``output.weight``, else the tied ``token_embd``."""
+        for name in (OUTPUT, TOKEN_EMBD):
+            if name in self.tensors:
+                return name
+        raise ReleaseError(f"{self.path}: has neither {OUTPUT} nor {TOKEN_EMBD}; it is not a text backbone")
+
+    def rows(self, name: str, ids: np.ndarray) -> np.ndarray:
+        """Rows ``ids`` of tensor ``name`` as float32 ``[len(ids), columns]``; only their bytes are read."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        tensor = self.tensors[name]
+        ids = np.asarray(ids, dtype=np.int64)
+        count = tensor.shape[0]
+        if ids.size and (ids.min() < 0 or ids.max() >= count):
+            raise ReleaseError(f"{self.path}: token id {int(ids.max())} is outside {name}'s {count} rows: the GGUF's "
+                               "vocabulary does not match the release's tokenizer")
+        if tensor.offset + tensor.bytes > len(self._map):
+            raise ReleaseError(f"{self.path}: tensor {name!r} runs past the end of the file (truncated)")
+        row_bytes = tensor.bytes // count
+        table = np.frombuffer(self._map, dtype=np.uint8, count=tensor.bytes, offset=tensor.offset)
+        raw = table.reshape(count, row_bytes)[ids]
+        qtype = GGMLQuantizationType[tensor.type]
+        if qtype == GGMLQuantizationType.F32:
+            return raw.view(np.float32).reshape(len(ids), -1).copy()
+        return np.asarray(dequantize(raw, qtype), dtype=np.float32).reshape(len(ids), -1)
+
+    def role_bytes(self) -> dict[str, Any]:
+        """Stored bytes by role: ``embed_tokens``, ``lm_head`` (0 when tied), ``layers`` (per ``blk.N``) and
+        ``other`` (the final norm, ...)."""
+        layers: dict[int, int] = {}
+        other = 0
+        for tensor in self.tensors.values():
+            if tensor.name in (OUTPUT, TOKEN_EMBD):
+                continue
+            if match := _BLOCK.match(tensor.name):
+                layers[int(match.group(1))] = layers.get(int(match.group(1)), 0) + tensor.bytes
+            else:
+                other += tensor.bytes
+        return {"embed_tokens": self.tensors[TOKEN_EMBD].bytes if TOKEN_EMBD in self.tensors else 0,
+                "lm_head": self.tensors[OUTPUT].bytes if OUTPUT in self.tensors else 0,
+                "layers": tuple(layers.get(i, 0) for i in range(max(layers) + 1)) if layers else (),
+                "other": other}
+
+
+@functools.lru_cache(maxsize=4)
+def _cached(path: str, size: int, mtime_ns: int) -> GgufTable:
+    return GgufTable(Path(path))
+
+
+def gguf_table(path: str | Path) -> GgufTable:
+    """The :class:`GgufTable` of ``path``, read once while the file is unchanged (size and modification time)."""
+    path = Path(path).resolve()
+    stat = path.stat()
+    return _cached(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+_checked: set[tuple[str, int, int, str]] = set()
+
+
+def checked_table(path: str | Path, release: Release) -> GgufTable:
+    """:func:`~clef_local.formats.gguf_release.check_gguf` of ``path`` against ``release`` (once while the file is
+    unchanged: the planner and the backend both read it on a load), then its :class:`GgufTable`."""
+    from clef_local.formats.gguf_release import check_gguf
+
+    path = Path(path).resolve()
+    stat = path.stat()
+    key = (str(path), stat.st_size, stat.st_mtime_ns, str(Path(release.path).resolve()))
+    if key not in _checked:
+        check_gguf(path, release)
+        _checked.add(key)
+    return gguf_table(path)

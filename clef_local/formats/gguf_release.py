@@ -15,7 +15,8 @@ one file). A GGUF written by llama.cpp's own ``convert_hf_to_gguf.py`` may be pl
 release's small files: it has no ``gguf_config.json`` and, without a manifest, only the structural checks run.
 
 llama.cpp's C++ parser meets a malformed file with a crash or an unhelpful message, so :func:`check_gguf` reads the
-file first with gguf-py's pure-Python reader (a memory map: no tensor data is read).
+file first in pure Python over a memory map (:mod:`clef_local.formats.gguf_scan`: gguf-py's layout and type sizes,
+without gguf-py's ``GGUFReader``, which takes seconds on a large vocabulary; no tensor data is read).
 """
 
 from __future__ import annotations
@@ -142,15 +143,11 @@ def _check_header(path: Path) -> None:
                            f"; re-export it with clef-local export-gguf")
 
 
-def _field(reader: Any, key: str) -> Any:
-    field = reader.get_field(key)
-    return None if field is None else field.contents()
-
-
 def check_gguf(path: str | Path, release: Release, *, hashed: bool = False) -> dict[str, Any]:
     """Check a GGUF against its release before llama.cpp reads it; return ``{"architecture", "tensors", "bytes"}``.
 
-    On every load (cheap: the header, the metadata and the tensor table, through gguf-py's memory-mapped reader):
+    On every load (cheap: the header, the metadata and the tensor table, read over a memory map by
+    :func:`clef_local.formats.gguf_scan.scan`, arrays stepped over):
     the file is listed in the release manifest with its recorded size (when the directory has a manifest), the
     GGUF magic and version, ``general.architecture`` is the one the release's backbone maps to
     (:data:`ARCHITECTURES`), ``<arch>.embedding_length`` is the backbone's ``hidden_size`` and the head's, and every
@@ -165,21 +162,20 @@ def check_gguf(path: str | Path, release: Release, *, hashed: bool = False) -> d
     if release.path in path.parents:
         _check_listed(path, release.path, hashed=hashed)
     _check_header(path)
-    from gguf import GGUFReader
+    from clef_local.formats.gguf_scan import GGUFFormatError, scan
 
     try:
-        reader = GGUFReader(path)
-    except (ValueError, IndexError, KeyError, OSError, UnicodeDecodeError) as exc:
-        # a cut or garbled metadata section / tensor table: gguf-py reads past the end of the map
-        raise ReleaseError(f"{path}: not a complete GGUF file (gguf-py: {exc}); the file is truncated or damaged, "
-                           f"copy or re-export it") from exc
-    arch = _field(reader, "general.architecture")
+        found = scan(path)
+    except (GGUFFormatError, OSError) as exc:
+        raise ReleaseError(f"{path}: not a complete GGUF file ({exc}); the file is truncated or damaged, copy or "
+                           f"re-export it") from exc
+    arch = found.metadata.get("general.architecture")
     expected = ARCHITECTURES[backbone_of(release.config)]
     if arch != expected:
         raise ReleaseError(f"{path}: general.architecture is {arch!r}, but the release at {release.path} has a "
                            f"{backbone_of(release.config)} backbone ({expected!r}); use the GGUF exported from this "
                            f"release")
-    width = _field(reader, f"{arch}.embedding_length")
+    width = found.metadata.get(f"{arch}.embedding_length")
     if width != release.hidden_size:
         raise ReleaseError(f"{path}: {arch}.embedding_length is {width}, the release's config.json has hidden_size "
                            f"{release.hidden_size}; use the GGUF exported from this release")
@@ -187,10 +183,8 @@ def check_gguf(path: str | Path, release: Release, *, hashed: bool = False) -> d
         raise ReleaseError(f"{release.path / 'joint_head_config.json'}: the head reads hidden_size "
                            f"{release.head_config.hidden_size}, {path.name} computes {width}; use the head of the "
                            f"release the GGUF was exported from")
-    size = path.stat().st_size
-    for tensor in reader.tensors:
-        end = int(tensor.data_offset) + int(tensor.n_bytes)
-        if end > size:
-            raise ReleaseError(f"{path}: tensor {tensor.name!r} ends at byte {end}, the file has {size} (truncated); "
-                               f"copy or re-export it")
-    return {"architecture": arch, "tensors": len(reader.tensors), "bytes": size}
+    for tensor in found.tensors:
+        if tensor.offset + tensor.nbytes > found.size:
+            raise ReleaseError(f"{path}: tensor {tensor.name!r} ends at byte {tensor.offset + tensor.nbytes}, the "
+                               f"file has {found.size} (truncated); copy or re-export it")
+    return {"architecture": arch, "tensors": len(found.tensors), "bytes": found.size}

@@ -24,19 +24,16 @@ from __future__ import annotations
 import logging
 import struct
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from clef_local.errors import ReleaseError
-
-if TYPE_CHECKING:
-    from clef_local.formats.release import Release
+from clef_local.formats.release import GGUF_WEIGHTS, QWEN3_5, Release, read_json
 
 log = logging.getLogger(__name__)
 
-GGUF_DIR = "gguf"
-GGUF_FILE = "model.gguf"
+GGUF_PATH = GGUF_WEIGHTS  # gguf/model.gguf, relative to the release directory, as the manifest names it
+GGUF_DIR, GGUF_FILE = GGUF_PATH.split("/")  # read_release finds the file by the same constant
 GGUF_CONFIG = "gguf_config.json"
-GGUF_PATH = f"{GGUF_DIR}/{GGUF_FILE}"  # relative to the release directory, as the manifest names it
 GGUF_CONFIG_PATH = f"{GGUF_DIR}/{GGUF_CONFIG}"
 # The vision tower stays on torch beside the GGUF text model (llama.cpp's multimodal projector is not matched to the
 # reference): its tensors, with the source's names, dtypes and bytes, in one safetensors file.
@@ -82,8 +79,6 @@ def is_backbone_weight(name: str) -> bool:
 def backbone_of(config: dict[str, Any]) -> str:
     """The backbone key of a release ``config.json`` (a key of :data:`ARCHITECTURES`): ``qwen3_5`` for Clef,
     Clef-flash and the tiny Qwen3.5 releases, ``llama`` for the demo model and the tiny llama releases."""
-    from clef_local.formats.release import QWEN3_5
-
     archs = config.get("architectures") or []
     model_type = config.get("model_type")
     if QWEN3_5 in archs or model_type == "qwen3_5":
@@ -97,8 +92,6 @@ def backbone_of(config: dict[str, Any]) -> str:
 def read_gguf_config(directory: str | Path) -> dict[str, Any] | None:
     """``gguf/gguf_config.json`` of a GGUF release (what wrote the GGUF: ``type``, ``tensor_types``, ``writer``,
     ``source``; :data:`CONFIG_KEYS`), or None when the directory has none (a GGUF from llama.cpp's converter)."""
-    from clef_local.formats.release import read_json
-
     path = Path(directory) / GGUF_DIR / GGUF_CONFIG
     if not path.is_file():
         return None

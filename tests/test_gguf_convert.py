@@ -197,3 +197,16 @@ def test_unknown_tensor_is_refused(tiny_llama: Path, tmp_path: Path) -> None:
     config = json.loads((tiny_llama / "config.json").read_text())
     with pytest.raises(ReleaseError, match=r"'model.layers.0.self_attn.rotary_extra.weight' has no GGUF name"):
         plan(config, {"model.layers.0.self_attn.rotary_extra.weight": (4,)})
+
+
+def test_row_blocks_write_the_same_bytes(converted: dict[str, Path], tiny_qwen: Path, tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A large tensor is written in row blocks (never whole in memory): with blocks of a few rows the bytes are
+    those of one block, for a copy at the source precision (BF16) and for a conversion (F16)."""
+    from clef_local.export.gguf import convert
+
+    monkeypatch.setattr(convert, "_BLOCK_BYTES", 300)  # 1-2 rows of 64 values a block
+    for ftype in ("BF16", "F16"):
+        out = tmp_path / f"blocks-{ftype}.gguf"
+        write_gguf(read_release(tiny_qwen), out, ftype, output_type="BF16")
+        assert out.read_bytes() == converted[f"qwen-{ftype}"].read_bytes()

@@ -66,11 +66,37 @@ def test_truncated_gguf(copy: Path) -> None:
     with pytest.raises(ReleaseError) as exc:  # the manifest's size, on every load
         read_release(copy)
     assert f"{path}: {int(len(data) * 0.7)} bytes, {MANIFEST} records {len(data)}" in _one_line(exc)
-    (copy / MANIFEST).unlink()  # no manifest: gguf-py's reader finds the data cut short
+    (copy / MANIFEST).unlink()  # no manifest: the tensor table says where the data must end
     release = read_release(copy)
-    with pytest.raises(ReleaseError, match="not a complete GGUF file") as exc:
+    with pytest.raises(ReleaseError, match=r"ends at byte \d+, the file has \d+ \(truncated\)") as exc:
         check_gguf(path, release)
-    assert _one_line(exc).startswith(f"{path}: ") and "truncated" in str(exc.value)
+    assert _one_line(exc).startswith(f"{path}: tensor ")
+    path.write_bytes(data[:1000])  # cut inside the metadata
+    with pytest.raises(ReleaseError, match=r"not a complete GGUF file \(.+ past the end\); the file is truncated"
+                       ) as exc:
+        check_gguf(path, release)
+    assert _one_line(exc).startswith(f"{path}: ")
+
+
+def test_scan_reads_what_gguf_py_reads(gguf_release: Path) -> None:
+    from gguf import GGUFReader
+
+    from clef_local.formats.gguf_scan import scan
+
+    path = gguf_release / GGUF_PATH
+    found, reader = scan(path), GGUFReader(path)
+    assert [(t.name, t.type, t.shape, t.offset, t.nbytes) for t in found.tensors] == [
+        (t.name, t.tensor_type.name, tuple(int(d) for d in t.shape), int(t.data_offset), int(t.n_bytes))
+        for t in reader.tensors]
+    assert found.data_start == reader.data_offset and found.size == path.stat().st_size
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        value = field.contents()
+        if key in found.skipped:
+            assert found.skipped[key] == len(value), key
+        else:
+            assert found.metadata[key] == (pytest.approx(value) if isinstance(value, float) else value), key
 
 
 def test_gguf_of_another_architecture(copy: Path, tiny_llama: Path) -> None:

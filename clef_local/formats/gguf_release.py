@@ -15,7 +15,8 @@ one file). A GGUF written by llama.cpp's own ``convert_hf_to_gguf.py`` may be pl
 release's small files: it has no ``gguf_config.json`` and, without a manifest, only the structural checks run.
 
 llama.cpp's C++ parser meets a malformed file with a crash or an unhelpful message, so :func:`check_gguf` reads the
-file first with gguf-py's pure-Python reader (a memory map: no tensor data is read).
+file first in pure Python over a memory map (:mod:`clef_local.formats.gguf_scan`: gguf-py's layout and type sizes,
+without gguf-py's ``GGUFReader``, which takes seconds on a large vocabulary; no tensor data is read).
 """
 
 from __future__ import annotations
@@ -23,19 +24,16 @@ from __future__ import annotations
 import logging
 import struct
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from clef_local.errors import ReleaseError
-
-if TYPE_CHECKING:
-    from clef_local.formats.release import Release
+from clef_local.formats.release import GGUF_WEIGHTS, QWEN3_5, Release, read_json
 
 log = logging.getLogger(__name__)
 
-GGUF_DIR = "gguf"
-GGUF_FILE = "model.gguf"
+GGUF_PATH = GGUF_WEIGHTS  # gguf/model.gguf, relative to the release directory, as the manifest names it
+GGUF_DIR, GGUF_FILE = GGUF_PATH.split("/")  # read_release finds the file by the same constant
 GGUF_CONFIG = "gguf_config.json"
-GGUF_PATH = f"{GGUF_DIR}/{GGUF_FILE}"  # relative to the release directory, as the manifest names it
 GGUF_CONFIG_PATH = f"{GGUF_DIR}/{GGUF_CONFIG}"
 # The vision tower stays on torch beside the GGUF text model (llama.cpp's multimodal projector is not matched to the
 # reference): its tensors, with the source's names, dtypes and bytes, in one safetensors file.
@@ -81,8 +79,6 @@ def is_backbone_weight(name: str) -> bool:
 def backbone_of(config: dict[str, Any]) -> str:
     """The backbone key of a release ``config.json`` (a key of :data:`ARCHITECTURES`): ``qwen3_5`` for Clef,
     Clef-flash and the tiny Qwen3.5 releases, ``llama`` for the demo model and the tiny llama releases."""
-    from clef_local.formats.release import QWEN3_5
-
     archs = config.get("architectures") or []
     model_type = config.get("model_type")
     if QWEN3_5 in archs or model_type == "qwen3_5":
@@ -96,8 +92,6 @@ def backbone_of(config: dict[str, Any]) -> str:
 def read_gguf_config(directory: str | Path) -> dict[str, Any] | None:
     """``gguf/gguf_config.json`` of a GGUF release (what wrote the GGUF: ``type``, ``tensor_types``, ``writer``,
     ``source``; :data:`CONFIG_KEYS`), or None when the directory has none (a GGUF from llama.cpp's converter)."""
-    from clef_local.formats.release import read_json
-
     path = Path(directory) / GGUF_DIR / GGUF_CONFIG
     if not path.is_file():
         return None
@@ -142,15 +136,11 @@ def _check_header(path: Path) -> None:
                            f"; re-export it with clef-local export-gguf")
 
 
-def _field(reader: Any, key: str) -> Any:
-    field = reader.get_field(key)
-    return None if field is None else field.contents()
-
-
 def check_gguf(path: str | Path, release: Release, *, hashed: bool = False) -> dict[str, Any]:
     """Check a GGUF against its release before llama.cpp reads it; return ``{"architecture", "tensors", "bytes"}``.
 
-    On every load (cheap: the header, the metadata and the tensor table, through gguf-py's memory-mapped reader):
+    On every load (cheap: the header, the metadata and the tensor table, read over a memory map by
+    :func:`clef_local.formats.gguf_scan.scan`, arrays stepped over):
     the file is listed in the release manifest with its recorded size (when the directory has a manifest), the
     GGUF magic and version, ``general.architecture`` is the one the release's backbone maps to
     (:data:`ARCHITECTURES`), ``<arch>.embedding_length`` is the backbone's ``hidden_size`` and the head's, and every
@@ -165,21 +155,20 @@ def check_gguf(path: str | Path, release: Release, *, hashed: bool = False) -> d
     if release.path in path.parents:
         _check_listed(path, release.path, hashed=hashed)
     _check_header(path)
-    from gguf import GGUFReader
+    from clef_local.formats.gguf_scan import GGUFFormatError, scan
 
     try:
-        reader = GGUFReader(path)
-    except (ValueError, IndexError, KeyError, OSError, UnicodeDecodeError) as exc:
-        # a cut or garbled metadata section / tensor table: gguf-py reads past the end of the map
-        raise ReleaseError(f"{path}: not a complete GGUF file (gguf-py: {exc}); the file is truncated or damaged, "
-                           f"copy or re-export it") from exc
-    arch = _field(reader, "general.architecture")
+        found = scan(path)
+    except (GGUFFormatError, OSError) as exc:
+        raise ReleaseError(f"{path}: not a complete GGUF file ({exc}); the file is truncated or damaged, copy or "
+                           f"re-export it") from exc
+    arch = found.metadata.get("general.architecture")
     expected = ARCHITECTURES[backbone_of(release.config)]
     if arch != expected:
         raise ReleaseError(f"{path}: general.architecture is {arch!r}, but the release at {release.path} has a "
                            f"{backbone_of(release.config)} backbone ({expected!r}); use the GGUF exported from this "
                            f"release")
-    width = _field(reader, f"{arch}.embedding_length")
+    width = found.metadata.get(f"{arch}.embedding_length")
     if width != release.hidden_size:
         raise ReleaseError(f"{path}: {arch}.embedding_length is {width}, the release's config.json has hidden_size "
                            f"{release.hidden_size}; use the GGUF exported from this release")
@@ -187,10 +176,8 @@ def check_gguf(path: str | Path, release: Release, *, hashed: bool = False) -> d
         raise ReleaseError(f"{release.path / 'joint_head_config.json'}: the head reads hidden_size "
                            f"{release.head_config.hidden_size}, {path.name} computes {width}; use the head of the "
                            f"release the GGUF was exported from")
-    size = path.stat().st_size
-    for tensor in reader.tensors:
-        end = int(tensor.data_offset) + int(tensor.n_bytes)
-        if end > size:
-            raise ReleaseError(f"{path}: tensor {tensor.name!r} ends at byte {end}, the file has {size} (truncated); "
-                               f"copy or re-export it")
-    return {"architecture": arch, "tensors": len(reader.tensors), "bytes": size}
+    for tensor in found.tensors:
+        if tensor.offset + tensor.nbytes > found.size:
+            raise ReleaseError(f"{path}: tensor {tensor.name!r} ends at byte {tensor.offset + tensor.nbytes}, the "
+                               f"file has {found.size} (truncated); copy or re-export it")
+    return {"architecture": arch, "tensors": len(found.tensors), "bytes": found.size}

@@ -23,6 +23,9 @@ HEAD_CONFIG = "joint_head_config.json"
 HEAD_WEIGHTS = "joint_head.safetensors"
 SINGLE_WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
+# A GGUF release's backbone (clef_local.formats.gguf_release holds the rest of that layout; it reads this module, so
+# the one path this reader needs lives here)
+GGUF_WEIGHTS = "gguf/model.gguf"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 QWEN3_5 = "Qwen3_5ForConditionalGeneration"
 # The tokenizer classes a release may name (docs/format.md §1): Qwen's (Clef, Clef-flash, the tiny test releases)
@@ -225,9 +228,7 @@ def read_release(path: str | Path) -> Release:
     head_config = read_head_config(path / HEAD_CONFIG)
     if not (path / HEAD_WEIGHTS).is_file():
         raise ReleaseError(f"{path / HEAD_WEIGHTS} is missing")
-    from clef_local.formats.gguf_release import find_gguf
-
-    gguf = find_gguf(path)
+    gguf = path / GGUF_WEIGHTS if (path / GGUF_WEIGHTS).is_file() else None
     safetensors = (path / WEIGHTS_INDEX).is_file() or (path / SINGLE_WEIGHTS).is_file()
     weight_files = find_weight_files(path) if safetensors or gguf is None else (gguf,)
     release = Release(path=path, config=config, head_config=head_config, weight_files=weight_files, gguf=gguf)

@@ -2,18 +2,17 @@
 
 What is written follows llama.cpp's ``convert_hf_to_gguf.py`` (``conversion/llama.py`` ``LlamaModel``,
 ``conversion/qwen.py`` ``Qwen3_5TextModel`` with ``--no-mtp``): the same tensor names, transforms, metadata keys
-and per-tensor types, so that llama.cpp loads the file as it loads its own conversions. :data:`REGISTRY` has one
-:class:`Converter` per release backbone (:data:`clef_local.formats.gguf_release.ARCHITECTURES`); each names its
-tensors (:class:`TensorPlan`) and writes its hyperparameters. The safetensors are read with clef-local's own
-memory-mapped reader, one tensor at a time (tensors that need no transform in row blocks): an 18.8 GB release is
-converted with a few hundred MB of memory.
+and per-tensor types, so that llama.cpp loads the file as it loads its own conversions. :func:`registry` has one
+converter (:class:`~clef_local.export.gguf.plan.Converter`) per release backbone
+(:data:`clef_local.formats.gguf_release.ARCHITECTURES`); each names its tensors and writes its hyperparameters. The
+safetensors are read with clef-local's own memory-mapped reader, one tensor at a time (tensors that need no transform
+in row blocks): an 18.8 GB release is converted with a few hundred MB of memory.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,8 @@ from typing import Any
 import numpy as np
 
 from clef_local.errors import ReleaseError
+from clef_local.export.gguf import llama, qwen35
+from clef_local.export.gguf.plan import Converter, TensorPlan, keeps_float32
 from clef_local.formats.safetensors import Header, TensorInfo, bf16_to_float32, read_arrays, read_header
 
 log = logging.getLogger(__name__)
@@ -33,41 +34,9 @@ SOURCE_TYPES = {"F32": "F32", "F16": "F16", "BF16": "BF16"}  # safetensors dtype
 _BLOCK_BYTES = 64 << 20  # rows converted at a time for an untransformed tensor
 
 
-@dataclass(frozen=True)
-class TensorPlan:
-    """One GGUF tensor: its safetensors ``source``, its GGUF ``name``, its numpy-order ``shape`` as written (GGUF
-    stores the dimensions reversed) and the ``transform`` applied to the float32 source (None: the values as they
-    are, converted in row blocks); ``columns``: how the transform reorders the input columns of a weight, applied to
-    a per-column vector (the importance matrix, :mod:`.imatrix`; None: columns kept in place)."""
-
-    source: str
-    name: str
-    shape: tuple[int, ...]
-    transform: Callable[[np.ndarray], np.ndarray] | None = None
-    columns: Callable[[np.ndarray], np.ndarray] | None = None
-
-
-@dataclass(frozen=True)
-class Converter:
-    """How one release backbone becomes one llama.cpp architecture: ``plan`` maps the text config and the source
-    tensors (``{name: shape}``) to :class:`TensorPlan` entries (a tensor it does not know is an error, one it skips on
-    purpose — a vision tower, MTP layers — is left out); ``parameters`` adds the ``<arch>.*`` keys to a writer."""
-
-    backbone: str
-    arch: str
-    plan: Callable[[dict[str, Any], dict[str, tuple[int, ...]]], list[TensorPlan]]
-    parameters: Callable[[Any, dict[str, Any]], None]
-    # LlamaModel.set_vocab writes tokenizer_config.json's add_prefix_space as tokenizer.ggml.add_space_prefix
-    space_prefix: bool = False
-    # source tensors that stay on torch beside the GGUF (a vision tower), copied byte for byte
-    torch_prefixes: tuple[str, ...] = ()
-
-
 def registry() -> dict[str, Converter]:
     """The converters by release backbone: ``llama`` (the demo model, tiny llama releases) and ``qwen3_5`` (Clef,
     Clef-flash, tiny Qwen3.5 releases: the text model only)."""
-    from clef_local.export.gguf import llama, qwen35
-
     return {c.backbone: c for c in (llama.CONVERTER, qwen35.CONVERTER)}
 
 
@@ -76,18 +45,6 @@ def converter_for(config: dict[str, Any]) -> Converter:
     from clef_local.formats.gguf_release import backbone_of
 
     return registry()[backbone_of(config)]
-
-
-def keeps_float32(name: str, shape: tuple[int, ...]) -> bool:
-    """llama.cpp's converter rule: 1-D tensors, norms, the SSM convolution and every tensor not named ``*.weight``
-    (``ssm_a``, ``*.bias``) stay F32 whatever the file type."""
-    return (len(shape) <= 1 or name.endswith("_norm.weight") or ".ssm_conv1d." in name
-            or not name.endswith(".weight"))
-
-
-def layer_pattern(prefix: str, body: str) -> re.Pattern[str]:
-    """``{prefix}layers.{N}.{body}`` with N captured (``body`` is a regex)."""
-    return re.compile(rf"{re.escape(prefix)}layers\.(\d+)\.{body}")
 
 
 # -- reading -----------------------------------------------------------------------------------------------------
@@ -222,8 +179,8 @@ def write_gguf(release: Any, out: Path, ftype: str, *, output_type: str | None =
     try:
         for done, plan in enumerate(plans, 1):
             header, info = sources[plan.source]
-            raw = read_arrays(header.path, lambda n, s=plan.source: n == s, header=header)[plan.source]
-            writer.write_tensor_data(_Blocks(raw, info.dtype, types[plan.name], plan))  # type: ignore[arg-type]  (duck-typed: nbytes + tofile)
+            raw = read_arrays(header.path, {plan.source}.__contains__, header=header)[plan.source]
+            writer.write_tensor_data(_Blocks(raw, info.dtype, types[plan.name], plan))  # duck-typed: nbytes, tofile
             if progress is not None:
                 progress(done, len(plans), plan.name)
     finally:

@@ -113,7 +113,7 @@ def _copy_torch_tensors(release: Any, path: Path) -> dict[str, Any] | None:
     with path.open("wb") as out:
         out.write(safetensors_header(stored))
         for name, (header, _) in kept.items():
-            out.write(read_arrays(header.path, lambda n, s=name: n == s, header=header)[name].tobytes())
+            out.write(read_arrays(header.path, {name}.__contains__, header=header)[name].tobytes())
     return {"file": path.relative_to(path.parent.parent).as_posix(), "tensors": len(kept),
             "bytes": path.stat().st_size}
 

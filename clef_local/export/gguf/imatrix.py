@@ -72,7 +72,7 @@ def importance_matrix(release: Any, plans: list[Any], *, requests: int = REQUEST
 
     import clef_local
     from clef_local.backends.torch_backend import TorchBackend
-    from clef_local.export.gguf.convert import keeps_float32
+    from clef_local.export.gguf.plan import keeps_float32
     from clef_local.export.gptq_calibration import calibration_dtype, calibration_requests
 
     if requests < 1:

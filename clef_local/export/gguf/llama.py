@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from clef_local.errors import ReleaseError
-from clef_local.export.gguf.convert import Converter, TensorPlan, layer_pattern
+from clef_local.export.gguf.plan import Converter, TensorPlan, layer_pattern
 
 PREFIX = "model."
 LAYER = layer_pattern(PREFIX, r"(.+)")

@@ -86,7 +86,7 @@ def quantize_gguf(source: Path, out: Path, qtype: str, *, output_type: str | Non
     try:
         status = llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(), ctypes.byref(params))
     finally:
-        llama_cpp.llama_log_set(ctypes.cast(None, llama_cpp.llama_log_callback), ctypes.c_void_p())
+        llama_cpp.llama_log_set(llama_cpp.llama_log_callback(), ctypes.c_void_p())  # NULL: llama.cpp's own log
     del keep  # the quantizer copied the importance matrix
     if status != 0:
         why = sink.errors[-1] if sink.errors else f"llama_model_quantize returned {status}"

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from clef_local.errors import ReleaseError
-from clef_local.export.gguf.convert import Converter, TensorPlan, layer_pattern
+from clef_local.export.gguf.plan import Converter, TensorPlan, layer_pattern
 
 TEXT_PREFIX = "model.language_model."
 LAYER = layer_pattern(TEXT_PREFIX, r"(.+)")
@@ -122,7 +122,8 @@ def plan(hparams: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> list[Te
     for name, shape in shapes.items():
         if name.startswith(SKIPPED_PREFIXES) or (tied and name == "lm_head.weight"):
             continue
-        transform = columns = None
+        transform: Callable[[np.ndarray], np.ndarray] | None = None
+        columns: Callable[[np.ndarray], np.ndarray] | None = None
         if name in GLOBAL_NAMES:
             out = GLOBAL_NAMES[name]
             transform = _plus_one if out == "output_norm.weight" else None

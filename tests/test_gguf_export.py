@@ -1,7 +1,7 @@
 """``clef-local export-gguf`` end to end on tiny releases: the GGUF release layout (the release's small files byte for
 byte, no safetensors backbone, gguf/gguf_config.json read back from the file, a manifest that verifies), atomic
-writes (a failure or a refusal leaves nothing at --out), the disk check, and validation refused rather than faked
-until the llama.cpp backend is merged."""
+writes (a failure or a refusal leaves nothing at --out), the disk check, and validation through the llama.cpp backend
+(a faithful GGUF passes, a converter bug is refused at the first look with its report kept)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 
 from clef_local.cli import main as cli_main
 from clef_local.export.gguf import export as gguf_export
+from clef_local.export.gguf import validate as gguf_validate
 from clef_local.export.staging import ExportError
 from clef_local.formats.gguf_release import GGUF_CONFIG_PATH, GGUF_PATH, VISION_PATH, check_gguf
 from clef_local.formats.manifest import MANIFEST, list_files, read_manifest, verify
@@ -83,10 +84,54 @@ def test_float_export_and_force(tiny_qwen: Path, tmp_path: Path) -> None:
     _nothing_at(tmp_path / "imatrix")
 
 
-def test_validation_is_refused_not_faked(tiny_qwen: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    out = tmp_path / "validated"
-    assert cli_main(["export-gguf", "--model", str(tiny_qwen), "--out", str(out), "--type", "F32"]) == 2
-    assert "validation cannot run: the llama.cpp backend" in capsys.readouterr().err
+def test_a_gguf_that_computes_its_reference_passes_validation(tiny_llama: Path, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """F32 on llama.cpp computes what the reference computes (the parity tests): the export's validation, run through
+    the llamacpp backend, passes it. Held to int4's limits here so that 64 probes can decide (int8's 1% needs ~370
+    questions, F32's own limits)."""
+    monkeypatch.setitem(gguf_validate.LIMITS_OF, "F32", "int4")
+    out = tmp_path / "f32"
+    assert cli_main(["export-gguf", "--model", str(tiny_llama), "--out", str(out), "--type", "F32",
+                     "--validation-requests", "64", "--no-progress"]) == 0
+    assert "validation: pass after" in capsys.readouterr().out
+    record = json.loads((out / "validation.json").read_text())
+    assert record["verdict"] == "pass" and record["metrics"]["mean_kl"] < 1e-3
+    assert record["runs"]["variant"]["requests"] == record["requests"]  # the GGUF ran every probe the verdict used
+    assert json.loads((out / GGUF_CONFIG_PATH).read_text())["validation"]["verdict"] == "pass"
+    assert verify(out) == []  # validation.json is in the manifest
+
+
+@pytest.mark.slow  # the demo model: a tiny random release barely reacts to its backbone (this bug moves its KL 20x,
+# to 4e-5, with one flip in 144 questions); the demo's trained head does
+def test_a_converter_bug_is_refused_at_the_first_look_and_its_report_kept(demo_release: Path, tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """The MLP's gate and up projections written under each other's names (same shapes): the model loads and runs,
+    its decisions do not. Refused at the first look, nothing at --out, the measurement kept beside it."""
+    from clef_local.export.gguf import llama
+
+    monkeypatch.setitem(llama.LAYER_NAMES, "mlp.gate_proj.weight", "ffn_up.weight")
+    monkeypatch.setitem(llama.LAYER_NAMES, "mlp.up_proj.weight", "ffn_gate.weight")
+    monkeypatch.setitem(gguf_validate.LIMITS_OF, "F32", "int4")  # as above: 64 probes may decide
+    out = tmp_path / "broken"
+    assert cli_main(["export-gguf", "--model", str(demo_release), "--out", str(out), "--type", "F32",
+                     "--validation-requests", "64", "--no-progress"]) == 1
+    error = capsys.readouterr().err
+    assert "F32" not in error.split(":")[0] and "fails validation" in error and f"nothing was written to {out}" in error
+    _nothing_at(out)
+    report = out.with_name(out.name + ".validation.json")
+    assert f"report: {report}" in error
+    record = json.loads(report.read_text())
+    assert record["verdict"] == "fail" and record["requests"] == 16  # the first look decided
+
+
+def test_too_few_probes_to_ever_pass_are_refused_before_any_work(tiny_llama: Path, tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "few"
+    assert cli_main(["export-gguf", "--model", str(tiny_llama), "--out", str(out), "--type", "Q8_0",
+                     "--validation-requests", "16"]) == 2
+    assert "cannot show a flip rate ≤ 0.01" in capsys.readouterr().err
     _nothing_at(out)
 
 

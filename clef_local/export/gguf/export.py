@@ -23,7 +23,9 @@ from typing import Any
 from clef_local.errors import ClefError
 from clef_local.export.gguf.convert import FLOAT_TYPES, converter_for, source_tensors
 from clef_local.export.gguf.quantize import QUANT_TYPES
+from clef_local.export.refusal import Keep
 from clef_local.export.staging import ExportError, resolve_out, staged
+from clef_local.export.validation_errors import ValidationRefused
 from clef_local.formats.gguf_release import (
     GGUF_CONFIG,
     GGUF_CONFIG_FORMAT,
@@ -137,14 +139,19 @@ def _bar(enabled: bool, desc: str) -> Callable[[int, int, str], None]:
 
 
 def export_gguf(source: str | Path, out: str | Path, qtype: str = DEFAULT_TYPE, *, force: bool = False,
-                validate: bool = True, probes: int = 64, quantize_output: bool = False, threads: int | None = None,
-                imatrix: bool = False, imatrix_requests: int = 64, progress: bool = False) -> dict[str, Any]:
+                validate: bool = True, probes: int | None = None, quantize_output: bool = False,
+                threads: int | None = None, imatrix: bool = False, imatrix_requests: int = 64, progress: bool = False,
+                max_memory: str | None = None, report: str | Path | None = None,
+                quarantine: str | Path | None = None) -> dict[str, Any]:
     """Write the GGUF release of ``source`` to ``out``; return a summary (the gguf_config.json written, seconds).
 
     ``quantize_output``: let llama.cpp choose the output rows' type (Q6_K / Q8_0) instead of keeping the source
     precision the joint head reads exactly. ``threads``: llama.cpp's quantizer threads (default: the project's rule,
     :func:`clef_local.planning.hardware.thread_plan`). ``imatrix``: weigh the quantizer's rounding by an importance
-    matrix of ``imatrix_requests`` calibration requests (:mod:`.imatrix`)."""
+    matrix of ``imatrix_requests`` calibration requests (:mod:`.imatrix`). Validation (unless ``validate`` is
+    False) runs at most ``probes`` probes (None: the type's :func:`.validate.default_probes`), each model under
+    ``max_memory``; a refused GGUF keeps its report as quantize's does (``OUT.validation.json``, ``report``,
+    ``quarantine``: :class:`clef_local.export.refusal.Keep`)."""
     import clef_local
     from clef_local.export.gguf import validate as gguf_validate
     from clef_local.export.gguf.convert import write_gguf
@@ -167,8 +174,16 @@ def export_gguf(source: str | Path, out: str | Path, qtype: str = DEFAULT_TYPE, 
     if imatrix and qtype not in QUANT_TYPES:
         raise ExportError(f"--imatrix weighs a quantizer's rounding; --type {qtype} is not quantized (use one of "
                           f"{', '.join(QUANT_TYPES)})")
-    if validate:
-        gguf_validate.require_validation(probes)
+    if not validate and (report is not None or quarantine is not None):
+        raise ExportError("--report and --quarantine keep what validation measured; drop them or --no-validate")
+    keep = Keep.of(source, out, report=report, quarantine=quarantine, force=force)
+    checked = None
+    if validate:  # refused now (no probes, no memory for the reference), not after the conversion
+        probes = gguf_validate.default_probes(qtype) if probes is None else probes
+        if probes < 1:
+            raise ExportError(f"--validation-requests {probes}: validation needs at least 1 probe (--no-validate "
+                              "skips it)")
+        checked = gguf_validate.check(release, qtype, probes, max_memory=max_memory)
     if qtype in QUANT_TYPES:
         import llama_cpp  # noqa: F401  (missing: refused now, naming the extra, not after the conversion)
     with staged(source, out, force) as tmp:
@@ -205,9 +220,16 @@ def export_gguf(source: str | Path, out: str | Path, qtype: str = DEFAULT_TYPE, 
         config["imatrix"] = matrix.describe() if matrix is not None else False
         write_json(tmp / GGUF_DIR / GGUF_CONFIG, config)
         validation: dict[str, Any] = {"skipped": "--no-validate"}
-        if validate:
-            validation = gguf_validate.validate_gguf(tmp, probes=probes)
-        config["validation"] = validation
+        if checked is not None:
+            write_manifest(tmp, tool="clef-local", version=clef_local.__version__, gguf=config,
+                           scheme={"name": f"gguf-{qtype.lower()}", "source_scheme": None},
+                           source={"path": str(source), "files": source_files})  # the loader checks the GGUF by it
+            try:
+                validation = gguf_validate.validate_gguf(release, tmp, qtype, checked, out=out, max_memory=max_memory)
+            except ValidationRefused as exc:  # kept before staged removes tmp
+                raise keep.refused(exc, tmp) from exc
+        config["validation"] = {key: validation[key] for key in ("verdict", "requests", "metrics")
+                                if key in validation} or validation
         write_json(tmp / GGUF_DIR / GGUF_CONFIG, config)
         write_manifest(tmp, tool="clef-local", version=clef_local.__version__, gguf=config,
                        scheme={"name": f"gguf-{qtype.lower()}", "source_scheme": None},
@@ -215,6 +237,7 @@ def export_gguf(source: str | Path, out: str | Path, qtype: str = DEFAULT_TYPE, 
         if problems := check_files(tmp):
             raise ExportError("the written GGUF release does not check: " + "; ".join(problems))
         check_gguf(target, read_release(tmp), hashed=True)
+    keep.passed(validation)
     log.info("wrote %s (%d files copied beside gguf/%s, %s)", out, len(copied), GGUF_FILE,
              format_size((out / GGUF_DIR / GGUF_FILE).stat().st_size))
     return {"out": str(out), "source": str(source), "type": qtype, "config": config, "validation": validation,
@@ -268,17 +291,24 @@ def build_parser() -> argparse.ArgumentParser:
                         help="calibration requests for --imatrix (default 64)")
     parser.add_argument("--threads", type=int, help="quantizer threads (default: every physical core)")
     parser.add_argument("--force", action="store_true", help="replace an existing --out (once the new one is done)")
-    parser.add_argument("--probes", type=int, default=64, help="validation probe requests (default 64)")
+    parser.add_argument("--validation-requests", type=int, metavar="N",
+                        help="the most validation probes the sequential verdict may use (default: 1024 for 8-bit "
+                             "and float types, 256 for the 4-6 bit ones, as int8 and int4)")
+    parser.add_argument("--max-memory", metavar="CAP", help="cap each validation load, e.g. cpu=6GiB")
+    parser.add_argument("--report", type=Path, metavar="FILE.html",
+                        help="write the validation report as HTML, whether the GGUF passed or not")
+    parser.add_argument("--quarantine", type=Path, metavar="DIR",
+                        help="when validation refuses the GGUF, keep it whole in DIR, marked quarantined")
     parser.add_argument("--no-validate", action="store_true",
-                        help="write the GGUF release without comparing it with the reference (the comparison needs "
-                             "the llama.cpp backend)")
+                        help="write the GGUF release without comparing it with the reference (recorded so)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry point (``clef-local export-gguf``): 0 done, 1 validation failed, 2 refused / bad source."""
-    from clef_local.export.validate import ValidationFailed
+    """CLI entry point (``clef-local export-gguf``): 0 done, 1 validation failed, 3 undecided, 2 refused / bad
+    source."""
+    from clef_local.export.validate import ValidationFailed, ValidationUndecided
     from clef_local.options import model_path
 
     args = build_parser().parse_args(argv)
@@ -287,19 +317,25 @@ def main(argv: list[str] | None = None) -> int:
     args.model = model_path(args.model)
     try:
         summary = export_gguf(args.model, args.out, args.type, force=args.force, validate=not args.no_validate,
-                              probes=args.probes, quantize_output=args.quantize_output, threads=args.threads,
+                              probes=args.validation_requests, quantize_output=args.quantize_output,
+                              threads=args.threads,
                               imatrix=args.imatrix, imatrix_requests=args.imatrix_requests,
-                              progress=not args.no_progress)
+                              progress=not args.no_progress, max_memory=args.max_memory, report=args.report,
+                              quarantine=args.quarantine)
     except ClefError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 1 if isinstance(exc, ValidationFailed) else 2
+        return 1 if isinstance(exc, ValidationFailed) else 3 if isinstance(exc, ValidationUndecided) else 2
     config = summary["config"]
     types = ", ".join(f"{name} {count}" for name, count in config["tensor_types"].items())
     print(f"{summary['type']} → {summary['out']} in {summary['seconds']:.1f} s; gguf/{GGUF_FILE} "
           f"{summary['gguf_bytes'] / 1e6:,.1f} MB; tensors: {types}; {config['lm_head_tensor']} "
           f"{config['output_tensor_type']}")
-    if "skipped" in summary["validation"]:
-        print(f"validation skipped: {summary['validation']['skipped']}")
+    validation = summary["validation"]
+    if "skipped" in validation:
+        print(f"validation skipped: {validation['skipped']}")
+    else:
+        print(f"validation: {validation.get('verdict')} after {validation.get('requests')} probes "
+              f"({', '.join(f'{k} {v:.4g}' for k, v in (validation.get('metrics') or {}).items())})")
     return 0
 
 

@@ -78,27 +78,6 @@ def test_truncated_gguf(copy: Path) -> None:
     assert _one_line(exc).startswith(f"{path}: ")
 
 
-def test_scan_reads_what_gguf_py_reads(gguf_release: Path) -> None:
-    from gguf import GGUFReader
-
-    from clef_local.formats.gguf_scan import scan
-
-    path = gguf_release / GGUF_PATH
-    found, reader = scan(path), GGUFReader(path)
-    assert [(t.name, t.type, t.shape, t.offset, t.nbytes) for t in found.tensors] == [
-        (t.name, t.tensor_type.name, tuple(int(d) for d in t.shape), int(t.data_offset), int(t.n_bytes))
-        for t in reader.tensors]
-    assert found.data_start == reader.data_offset and found.size == path.stat().st_size
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        value = field.contents()
-        if key in found.skipped:
-            assert found.skipped[key] == len(value), key
-        else:
-            assert found.metadata[key] == (pytest.approx(value) if isinstance(value, float) else value), key
-
-
 def test_gguf_of_another_architecture(copy: Path, tiny_llama: Path) -> None:
     path = copy / GGUF_PATH
     write_gguf(read_release(tiny_llama), path, "F32")

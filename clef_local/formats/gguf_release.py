@@ -15,14 +15,14 @@ one file). A GGUF written by llama.cpp's own ``convert_hf_to_gguf.py`` may be pl
 release's small files: it has no ``gguf_config.json`` and, without a manifest, only the structural checks run.
 
 llama.cpp's C++ parser meets a malformed file with a crash or an unhelpful message, so :func:`check_gguf` reads the
-file first in pure Python over a memory map (:mod:`clef_local.formats.gguf_scan`: gguf-py's layout and type sizes,
-without gguf-py's ``GGUFReader``, which takes seconds on a large vocabulary; no tensor data is read).
+file first in pure Python over a memory map (:mod:`clef_local.formats.gguf_tensors`, the one GGUF header reader:
+gguf-py's layout and type sizes without gguf-py's ``GGUFReader``, which takes seconds on a large vocabulary; no
+tensor data is read).
 """
 
 from __future__ import annotations
 
 import logging
-import struct
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +40,6 @@ GGUF_CONFIG_PATH = f"{GGUF_DIR}/{GGUF_CONFIG}"
 VISION_FILE = "vision.safetensors"
 VISION_PATH = f"{GGUF_DIR}/{VISION_FILE}"
 GGUF_CONFIG_FORMAT = 1
-GGUF_MAGIC = b"GGUF"
-GGUF_VERSIONS = (2, 3)  # the versions llama.cpp reads (gguf.h: GGUF_VERSION 3; 2 still loads)
 
 # The release backbone (:func:`backbone_of`) -> the ``general.architecture`` llama.cpp knows it as. The converter
 # registry (clef_local.export.gguf.convert) has one entry per key.
@@ -123,24 +121,11 @@ def _check_listed(path: Path, directory: Path, *, hashed: bool) -> None:
         raise ReleaseError(f"{path}: SHA-256 differs from {MANIFEST}; copy or re-export the file")
 
 
-def _check_header(path: Path) -> None:
-    """The magic and the version, read from the first 8 bytes (before gguf-py parses anything)."""
-    with path.open("rb") as f:
-        head = f.read(8)
-    if len(head) < 8 or head[:4] != GGUF_MAGIC:
-        raise ReleaseError(f"{path}: not a GGUF file (starts with {head[:4]!r}, not {GGUF_MAGIC!r}); export one "
-                           f"with clef-local export-gguf")
-    version = struct.unpack("<I", head[4:])[0]
-    if version not in GGUF_VERSIONS:
-        raise ReleaseError(f"{path}: GGUF version {version}, llama.cpp reads {' or '.join(map(str, GGUF_VERSIONS))}"
-                           f"; re-export it with clef-local export-gguf")
-
-
 def check_gguf(path: str | Path, release: Release, *, hashed: bool = False) -> dict[str, Any]:
     """Check a GGUF against its release before llama.cpp reads it; return ``{"architecture", "tensors", "bytes"}``.
 
     On every load (cheap: the header, the metadata and the tensor table, read over a memory map by
-    :func:`clef_local.formats.gguf_scan.scan`, arrays stepped over):
+    :func:`clef_local.formats.gguf_tensors.gguf_table`, arrays stepped over, once while the file is unchanged):
     the file is listed in the release manifest with its recorded size (when the directory has a manifest), the
     GGUF magic and version, ``general.architecture`` is the one the release's backbone maps to
     (:data:`ARCHITECTURES`), ``<arch>.embedding_length`` is the backbone's ``hidden_size`` and the head's, and every
@@ -154,21 +139,16 @@ def check_gguf(path: str | Path, release: Release, *, hashed: bool = False) -> d
         raise ReleaseError(f"{path} is missing; export it with clef-local export-gguf")
     if release.path in path.parents:
         _check_listed(path, release.path, hashed=hashed)
-    _check_header(path)
-    from clef_local.formats.gguf_scan import GGUFFormatError, scan
+    from clef_local.formats.gguf_tensors import gguf_table
 
-    try:
-        found = scan(path)
-    except (GGUFFormatError, OSError) as exc:
-        raise ReleaseError(f"{path}: not a complete GGUF file ({exc}); the file is truncated or damaged, copy or "
-                           f"re-export it") from exc
-    arch = found.metadata.get("general.architecture")
+    found = gguf_table(path)  # magic, version, a header cut short: each refused in one line
+    arch = found.field("general.architecture")
     expected = ARCHITECTURES[backbone_of(release.config)]
     if arch != expected:
         raise ReleaseError(f"{path}: general.architecture is {arch!r}, but the release at {release.path} has a "
                            f"{backbone_of(release.config)} backbone ({expected!r}); use the GGUF exported from this "
                            f"release")
-    width = found.metadata.get(f"{arch}.embedding_length")
+    width = found.field(f"{arch}.embedding_length")
     if width != release.hidden_size:
         raise ReleaseError(f"{path}: {arch}.embedding_length is {width}, the release's config.json has hidden_size "
                            f"{release.hidden_size}; use the GGUF exported from this release")
@@ -176,8 +156,5 @@ def check_gguf(path: str | Path, release: Release, *, hashed: bool = False) -> d
         raise ReleaseError(f"{release.path / 'joint_head_config.json'}: the head reads hidden_size "
                            f"{release.head_config.hidden_size}, {path.name} computes {width}; use the head of the "
                            f"release the GGUF was exported from")
-    for tensor in found.tensors:
-        if tensor.offset + tensor.nbytes > found.size:
-            raise ReleaseError(f"{path}: tensor {tensor.name!r} ends at byte {tensor.offset + tensor.nbytes}, the "
-                               f"file has {found.size} (truncated); copy or re-export it")
+    found.check_extent()
     return {"architecture": arch, "tensors": len(found.tensors), "bytes": found.size}

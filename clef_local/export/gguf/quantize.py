@@ -15,7 +15,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import re
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -94,12 +93,10 @@ def quantize_gguf(source: Path, out: Path, qtype: str, *, output_type: str | Non
 
 
 def tensor_types(path: Path) -> dict[str, Any]:
-    """What a GGUF really holds, read back with gguf-py: ``{"counts": {type: n}, "tensors": {name: type},
+    """What a GGUF really holds, read back from its tensor table: ``{"counts": {type: n}, "tensors": {name: type},
     "file_type": general.file_type}``."""
-    from gguf import GGUFReader, LlamaFileType
+    from clef_local.formats.gguf_tensors import gguf_table
 
-    reader = GGUFReader(path)
-    tensors = {t.name: t.tensor_type.name for t in reader.tensors}
-    field = reader.get_field("general.file_type")
-    file_type = LlamaFileType(field.contents()).name if field is not None else None
-    return {"counts": dict(sorted(Counter(tensors.values()).items())), "tensors": tensors, "file_type": file_type}
+    table = gguf_table(path)
+    return {"counts": table.type_counts, "tensors": {name: t.type for name, t in table.tensors.items()},
+            "file_type": table.file_type}

@@ -5,29 +5,17 @@ independent of it."""
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
 
-def _quiet(level: int, text: bytes, data: object) -> None:
-    pass
-
-
-_QUIET = None
-
-
 def hidden_states(path: Path, token_ids: Sequence[int], *, threads: int = 1) -> np.ndarray:
     """``[len(token_ids), n_embd]`` float32: the final (normed) hidden state of every token, one decode."""
-    import llama_cpp as L
+    from clef_local.backends.llamacpp_log import llama_cpp_module
 
-    global _QUIET
-    if _QUIET is None:  # kept alive for the process: llama.cpp calls it from C
-        _QUIET = L.llama_log_callback(_quiet)
-    L.llama_backend_init()
-    L.llama_log_set(_QUIET, ctypes.c_void_p())  # the load logs hundreds of lines
+    L = llama_cpp_module()  # its log to Python logging (the load logs hundreds of lines), as everywhere
     params = L.llama_model_default_params()
     params.n_gpu_layers = 0
     model = L.llama_model_load_from_file(str(path).encode(), params)

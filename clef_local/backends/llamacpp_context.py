@@ -5,28 +5,27 @@ joint schema head reads), one sequence, ``n_ctx`` the planned context, a request
 tokens up to the whole context (``Llama.embed`` cuts a long request at ``n_batch`` without a word), the memory cleared
 before every request. Not ``Llama(embedding=True)``: it asks for 256 sequences, so a hybrid model such as Qwen3.5
 would hold 256 recurrent states. The binding's API changes between releases: the ``gguf`` extra pins it.
-llama.cpp's log lines go to Python logging (:data:`LOG_NAME`; its load chatter at DEBUG), not to stderr.
-docs/hardware.md#llamacpp.
+llama.cpp's log lines go to Python logging (:mod:`.llamacpp_log`: :data:`LOG_NAME`, the load chatter at DEBUG), not
+to stderr. docs/hardware.md#llamacpp.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 
+from clef_local.backends.llamacpp_log import LOG_NAME, llama_cpp_module
 from clef_local.errors import ClefError, MaxTokensExceededError, ReleaseError
 from clef_local.planning.hardware import ThreadPlan, thread_plan
 from clef_local.planning.llamacpp_build import build_command
 
 log = logging.getLogger(__name__)
 
-LOG_NAME = "clef_local.llamacpp"  # llama.cpp's own log lines, apart from this module's
 KV_TYPES = ("f16", "f32")  # the KV cache's element type: f32 for exact comparisons, f16 (llama.cpp's default) else
 KvType = Literal["f16", "f32"]
 # Tokens per llama_decode call (n_batch = n_ubatch): the context allocates n_vocab floats of logits per token of a
@@ -35,48 +34,12 @@ DEFAULT_CHUNK = 512
 # the GPU builds (planning.llamacpp_build.BUILD_FLAGS) a device needs, the likeliest first
 _DEVICE_BUILDS = {"cuda": ("CUDA", "ROCm", "Vulkan"), "mps": ("Metal",), "gpu": ("CUDA", "Metal", "Vulkan", "ROCm")}
 
-_log_lock = threading.Lock()
-_log_state: dict[str, Any] = {}  # the installed callback (kept alive here) and the line being assembled
-# enum ggml_log_level: NONE 0, DEBUG 1, INFO 2, WARN 3, ERROR 4, CONT 5; INFO is the loader's metadata dump and
-# buffer sizes, hundreds of lines per load: DEBUG here
-_GGML_LEVELS = {1: logging.DEBUG, 2: logging.DEBUG, 3: logging.WARNING, 4: logging.ERROR}
-# warnings every load of ours triggers on purpose: pooling none on a generative model, a context below the trained one
-_EXPECTED = ("llama_init_from_model: model default pooling_type", "llama_context: n_ctx_seq (")
-
 
 class LlamaCppError(ClefError):
     """llama.cpp refused a model, a context or a decode; the message names the file and the fix."""
 
     status_code = 500
     error_type = "backend_error"
-
-
-def _forward_log(level: int, text: bytes | None, _user_data: Any) -> None:
-    """llama.cpp's log callback: whole lines to :data:`LOG_NAME` (it sends pieces: ``CONT`` continues a line)."""
-    piece = (text or b"").decode("utf-8", "replace")
-    if level != 5:  # GGML_LOG_LEVEL_CONT keeps the level of the line it continues
-        _log_state["level"] = _GGML_LEVELS.get(level, logging.DEBUG)
-    line = _log_state.get("line", "") + piece
-    *whole, rest = line.split("\n")
-    _log_state["line"] = rest
-    logger = logging.getLogger(LOG_NAME)
-    level = _log_state.get("level", logging.DEBUG)
-    for item in whole:
-        if item.strip():
-            logger.log(logging.DEBUG if item.startswith(_EXPECTED) else level, "%s", item.rstrip())
-
-
-def llama_cpp_module() -> Any:
-    """The ``llama_cpp`` binding, its log routed to Python logging and its backend initialised (once per process)."""
-    import llama_cpp
-
-    with _log_lock:
-        if "callback" not in _log_state:
-            _log_state["callback"] = llama_cpp.llama_log_callback(_forward_log)  # referenced: C calls it later
-            llama_cpp.llama_backend_init()
-        # set on every use: the binding's own logger, or another caller (export-gguf's quantizer), may have set theirs
-        llama_cpp.llama_log_set(_log_state["callback"], ctypes.c_void_p(0))
-    return llama_cpp
 
 
 def gpu_layers_for(device: str, supports_gpu: bool) -> int:

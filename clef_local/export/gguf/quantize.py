@@ -24,35 +24,25 @@ from clef_local.export.staging import ExportError
 if TYPE_CHECKING:
     from clef_local.export.gguf.imatrix import ImportanceMatrix
 
-log = logging.getLogger(__name__)
-
 # --type -> llama.h's llama_ftype suffix (LLAMA_FTYPE_MOSTLY_*), for the types llama.cpp's quantizer writes
 QUANT_TYPES = {"Q8_0": "Q8_0", "Q6_K": "Q6_K", "Q5_K_M": "Q5_K_M", "Q4_K_M": "Q4_K_M", "IQ4_XS": "IQ4_XS"}
-# "[  12/ 272]  blk.0.attn_q.weight - ..." : one line per tensor in llama.cpp's quantize log
-_TENSOR_LINE = re.compile(rb"^\[\s*(\d+)/\s*(\d+)\]\s+(\S+)")
-GGML_LOG_LEVEL_ERROR = 4  # ggml.h enum ggml_log_level (the binding does not export it)
+# "[  12/ 272] blk.0.attn_q.weight - ..." : one line per tensor in llama.cpp's quantize log
+_TENSOR_LINE = re.compile(r"^\[\s*(\d+)/\s*(\d+)\]\s+(\S+)")
 
 
-class _Log:
-    """llama.cpp's log while it quantizes: tensor lines drive ``progress``, error lines are kept for the message,
-    everything goes to this module's logger at DEBUG."""
+class _Lines:
+    """llama.cpp's log lines while it quantizes (routed to logging as always): tensor lines drive ``progress``,
+    error lines are kept for the message."""
 
     def __init__(self, progress: Callable[[int, int, str], None] | None) -> None:
-        import llama_cpp
-
         self.progress = progress
         self.errors: list[str] = []
-        self.callback = llama_cpp.llama_log_callback(self._on_log)  # kept referenced while C may call it
 
-    def _on_log(self, level: int, text: bytes, _data: Any) -> None:
-        line = (text or b"").rstrip()
-        if not line:
-            return
-        log.debug("llama.cpp: %s", line.decode("utf-8", "replace"))
-        if level == GGML_LOG_LEVEL_ERROR:
-            self.errors.append(line.decode("utf-8", "replace").strip())
+    def __call__(self, level: int, line: str) -> None:
+        if level >= logging.ERROR:
+            self.errors.append(line.strip())
         if self.progress is not None and (match := _TENSOR_LINE.match(line)):
-            self.progress(int(match.group(1)), int(match.group(2)), match.group(3).decode("utf-8", "replace"))
+            self.progress(int(match.group(1)), int(match.group(2)), match.group(3))
 
 
 def quantize_gguf(source: Path, out: Path, qtype: str, *, output_type: str | None, threads: int,
@@ -62,12 +52,14 @@ def quantize_gguf(source: Path, out: Path, qtype: str, *, output_type: str | Non
     ``llama_model_quantize`` on ``threads`` threads; ``output_type`` (``BF16``, ``F16``, ``F32``; None: llama.cpp's
     rule, Q6_K / Q8_0) is the type of the output rows; ``imatrix`` weighs each column's rounding error
     (:mod:`.imatrix`). A failure is an :class:`ExportError` with llama.cpp's own error line."""
-    import llama_cpp
     from gguf import GGMLQuantizationType
+
+    from clef_local.backends.llamacpp_log import listening, llama_cpp_module
 
     if qtype not in QUANT_TYPES:
         raise ExportError(f"--type {qtype!r} is not one llama.cpp's quantizer writes here; use one of "
                           f"{', '.join(QUANT_TYPES)}")
+    llama_cpp = llama_cpp_module()  # its log routed to logging, as the backend's (never reset: stderr)
     params = llama_cpp.llama_model_quantize_default_params()
     params.nthread = threads
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{QUANT_TYPES[qtype]}")
@@ -79,16 +71,12 @@ def quantize_gguf(source: Path, out: Path, qtype: str, *, output_type: str | Non
         array, keep = imatrix.c_array()
         keep.append(array)
         params.imatrix = ctypes.cast(array, type(params.imatrix))
-    sink = _Log(progress)
-    llama_cpp.llama_backend_init()
-    llama_cpp.llama_log_set(sink.callback, ctypes.c_void_p())
-    try:
+    lines = _Lines(progress)
+    with listening(lines):
         status = llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(), ctypes.byref(params))
-    finally:
-        llama_cpp.llama_log_set(llama_cpp.llama_log_callback(), ctypes.c_void_p())  # NULL: llama.cpp's own log
     del keep  # the quantizer copied the importance matrix
     if status != 0:
-        why = sink.errors[-1] if sink.errors else f"llama_model_quantize returned {status}"
+        why = lines.errors[-1] if lines.errors else f"llama_model_quantize returned {status}"
         raise ExportError(f"llama.cpp could not quantize {source.name} to {qtype}: {why}")
 
 

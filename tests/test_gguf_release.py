@@ -138,3 +138,48 @@ def test_not_a_gguf_and_a_changed_one(copy: Path) -> None:
     with pytest.raises(ReleaseError, match=r"not a GGUF file \(starts with b'PK\\x03\\x04'") as exc:
         check_gguf(path, release)
     _one_line(exc)
+
+
+REQUEST = {"model": "clef-test", "state": "card declined twice",
+           "questions": {"kind": {"type": "choice", "criteria": {"card": "A card problem", "other": None}}}}
+
+
+@pytest.mark.parametrize("command", [
+    ["quantize", "--bits", "8"], ["quantize", "--format", "mixed", "--max-kl", "0.002"], ["export-onnx"],
+    ["decide", "--backend", "torch"], ["drift", "--backend", "torch", "--limit", "2", "--no-progress"]])
+def test_a_gguf_release_where_safetensors_are_read_is_one_line(command: list[str], copy: Path, tiny_qwen: Path,
+                                                               tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """quantize and export-onnx with the GGUF release as --model, decide on torch, drift with it as --reference: one
+    line naming --backend llamacpp and the source release gguf_config.json records, before anything is written."""
+    from clef_local.cli import main
+
+    name, *options = command
+    out = tmp_path / "out"
+    if name in ("quantize", "export-onnx"):
+        argv = [name, "--model", str(copy), "--out", str(out), *options]
+    elif name == "decide":
+        (tmp_path / "request.json").write_text(json.dumps(REQUEST))
+        argv = [name, "--model", str(copy), "--request", str(tmp_path / "request.json"), *options]
+    else:
+        argv = [name, "--reference", str(copy), "--candidate", str(tiny_qwen), *options]
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {copy} is a GGUF release") and "\n" not in err, err
+    assert "--backend llamacpp" in err and f"the source release ({tiny_qwen})" in err, err
+    assert not out.exists() and not list(tmp_path.glob(".out*"))
+
+
+def test_a_gguf_read_as_safetensors_is_one_line(copy: Path) -> None:
+    """Any other path that reaches gguf/model.gguf expecting safetensors (a census, a skeleton's headers)."""
+    from clef_local.formats.safetensors import read_header
+    from clef_local.planning.census import census_from_release
+
+    release = read_release(copy)
+    for read in (lambda: read_header(release.gguf),
+                 lambda: census_from_release(release.path, release.weight_files, release.config)):
+        with pytest.raises(ReleaseError) as exc:
+            read()
+        assert _one_line(exc) == (f"{release.gguf}: a GGUF file (llama.cpp's), not safetensors: run its release with "
+                                  f"--backend llamacpp, or give this command the source release")

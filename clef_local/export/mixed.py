@@ -332,12 +332,14 @@ def mixed_release(source: Path, out: Path, max_kl: float, *, formats: str = DEFA
 
     from clef_local.data.probes import probe_requests
     from clef_local.export.validate import ValidationUnavailable, check_validation
+    from clef_local.formats.gguf_release import require_safetensors
     from clef_local.formats.release import read_release
     from clef_local.formats.safetensors import read_header
 
     started = time.perf_counter()
     source, out = Path(source).expanduser().resolve(), resolve_out(out)
     release = read_release(source)
+    require_safetensors(release, "quantize")
     if release.quantization:
         raise ExportError(f"{source} is already quantized ({release.quantization.get('quant_method')}); quantize "
                           "the BF16 release")

@@ -174,6 +174,7 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
     import torch  # noqa: F401
 
     from clef_local import quant
+    from clef_local.formats.gguf_release import require_safetensors
     from clef_local.formats.release import read_release
     from clef_local.formats.safetensors import read_header
 
@@ -189,6 +190,7 @@ def quantize_release(source: Path, out: Path, scheme: str, group_size: int | Non
         raise ExportError("--calibrate rounds int4 onto the MLX layout's grid (float biases), which the compressed "
                           "layout cannot store; drop --calibrate or --int4-layout compressed")
     release = read_release(source)
+    require_safetensors(release, "quantize")
     if release.quantization:
         raise ExportError(f"{source} is already quantized ({release.quantization.get('quant_method')}); quantize "
                           f"the BF16 release")

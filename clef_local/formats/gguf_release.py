@@ -100,6 +100,26 @@ def read_gguf_config(directory: str | Path) -> dict[str, Any] | None:
     return config
 
 
+def source_hint(release: Release) -> str:
+    """The release a GGUF release was exported from, for a message: ``the source release (PATH)`` with the path its
+    ``gguf_config.json`` records, else ``the source release (safetensors)``."""
+    try:
+        config = read_gguf_config(release.path)
+    except ReleaseError:  # a damaged config is named where it is read; here it only loses the path from a hint
+        config = None
+    path = ((config or {}).get("source") or {}).get("path")
+    return f"the source release ({path})" if path else "the source release (safetensors)"
+
+
+def require_safetensors(release: Release, command: str) -> None:
+    """Refuse a GGUF release for ``command``, which reads the safetensors backbone (quantize, export-onnx): one
+    :class:`ReleaseError` naming the source release and ``--backend llamacpp``."""
+    if release.is_gguf:
+        raise ReleaseError(f"{release.path} is a GGUF release (gguf/model.gguf, no safetensors backbone), which "
+                           f"{command} cannot read; give it {source_hint(release)}, or run this release with "
+                           f"--backend llamacpp")
+
+
 def _check_listed(path: Path, directory: Path, *, hashed: bool) -> None:
     """The GGUF against the release manifest: listed, the recorded size, and (``hashed``) the recorded SHA-256."""
     from clef_local.formats.manifest import MANIFEST, read_manifest, sha256

@@ -158,6 +158,9 @@ def read_header(path: str | Path) -> Header:
             prefix = f.read(8)
             if len(prefix) < 8:
                 raise SafetensorsError(path, f"truncated: {size} bytes, shorter than the 8-byte header length")
+            if prefix[:4] == b"GGUF":  # a GGUF release's gguf/model.gguf reached a torch, MLX or ONNX path
+                raise SafetensorsError(path, "a GGUF file (llama.cpp's), not safetensors: run its release with "
+                                             "--backend llamacpp, or give this command the source release")
             (header_len,) = struct.unpack("<Q", prefix)
             if header_len > MAX_HEADER:
                 raise SafetensorsError(path, f"garbled: a header length of {header_len} bytes is not plausible "

@@ -250,8 +250,10 @@ def plan_gguf_load(release: Release, options: LoadOptions, hardware: Hardware, *
 
     backend = options.backend
     if backend not in ("auto", BACKEND):
+        from clef_local.formats.gguf_release import source_hint
+
         raise ApiUsageError(f"{release.path} is a GGUF release (gguf/model.gguf, no safetensors backbone): only "
-                            f"--backend {BACKEND} runs it, not {backend}; load the source release for {backend}")
+                            f"--backend {BACKEND} runs it, not {backend}; load {source_hint(release)} for {backend}")
     if installed.get(BACKEND) is not None:
         raise ApiUsageError(f"{release.path} holds a GGUF backbone, which runs on llama.cpp: {installed[BACKEND]}")
     footprint = gguf_footprint(release)

@@ -105,11 +105,13 @@ def export_onnx(source: str | Path, out: str | Path, fmt: str | None = None, *, 
     import clef_local
     from clef_local.backends.torch_backend import variant_scheme
     from clef_local.export.quantize import quantize_release
+    from clef_local.formats.gguf_release import require_safetensors
     from clef_local.formats.release import read_release
 
     started = time.perf_counter()
     source, out = Path(source).expanduser().resolve(), resolve_out(out)
     release = read_release(source)
+    require_safetensors(release, "export-onnx")  # before the release is copied to a staging directory
     fmt = _resolve_format(fmt, variant_scheme(release.config), source)
     if validate:  # no probe set: refused now, not after the export (ValidationUnavailable)
         from clef_local.export.onnx.validate import parity_requests

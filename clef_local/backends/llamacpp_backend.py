@@ -50,7 +50,7 @@ class LlamaCppBackend:
     def __init__(self, release: Release, *, device: str = "cpu", dtype: str | None = None,
                  context: int | None = None, chunk: int | None = None) -> None:
         from clef_local.backends.llamacpp_context import LlamaCppContext
-        from clef_local.formats.gguf_tensors import checked_table
+        from clef_local.formats.gguf_release import checked_table
         from clef_local.planning.gguf_plan import chunk_for, kv_dtype
         from clef_local.runtime.encoding import default_max_length
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from clef_local.errors import ReleaseError
+from clef_local.formats.gguf_tensors import GgufTable, gguf_table
 from clef_local.formats.release import GGUF_WEIGHTS, QWEN3_5, Release, read_json
 
 log = logging.getLogger(__name__)
@@ -159,8 +160,6 @@ def check_gguf(path: str | Path, release: Release, *, hashed: bool = False) -> d
         raise ReleaseError(f"{path} is missing; export it with clef-local export-gguf")
     if release.path in path.parents:
         _check_listed(path, release.path, hashed=hashed)
-    from clef_local.formats.gguf_tensors import gguf_table
-
     found = gguf_table(path)  # magic, version, a header cut short: each refused in one line
     arch = found.field("general.architecture")
     expected = ARCHITECTURES[backbone_of(release.config)]
@@ -178,3 +177,18 @@ def check_gguf(path: str | Path, release: Release, *, hashed: bool = False) -> d
                            f"release the GGUF was exported from")
     found.check_extent()
     return {"architecture": arch, "tensors": len(found.tensors), "bytes": found.size}
+
+
+_checked: set[tuple[str, int, int, str]] = set()
+
+
+def checked_table(path: str | Path, release: Release) -> GgufTable:
+    """:func:`check_gguf` of ``path`` against ``release`` (once while the file is unchanged: the planner and the
+    backend both read it on a load), then its :class:`~clef_local.formats.gguf_tensors.GgufTable`."""
+    path = Path(path).resolve()
+    stat = path.stat()
+    key = (str(path), stat.st_size, stat.st_mtime_ns, str(Path(release.path).resolve()))
+    if key not in _checked:
+        check_gguf(path, release)
+        _checked.add(key)
+    return gguf_table(path)

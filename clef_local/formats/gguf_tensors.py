@@ -8,8 +8,9 @@ five times that at Qwen3.5's 248K vocabulary, on every load. Here string arrays 
 numeric arrays by their size (GGUF v2/v3, little-endian; gguf-py's enums and block sizes name the types), over a
 memory map: tens of milliseconds. Only the rows asked for are read from a tensor and dequantized by gguf-py
 (:meth:`GgufTable.rows`). A file that does not parse (not a GGUF, another version, cut short, a type gguf-py does not
-know) is a one-line :class:`~clef_local.errors.ReleaseError` naming it; the checks against a release are
-:func:`~clef_local.formats.gguf_release.check_gguf`'s (:func:`checked_table` runs them first).
+know) is a one-line :class:`~clef_local.errors.ReleaseError` naming it. The checks against a release are
+:func:`clef_local.formats.gguf_release.check_gguf`'s; ``gguf_release.checked_table`` runs them, then returns the
+table.
 """
 
 from __future__ import annotations
@@ -21,14 +22,11 @@ import struct
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from clef_local.errors import ReleaseError
-
-if TYPE_CHECKING:
-    from clef_local.formats.release import Release
 
 GGUF_MAGIC = b"GGUF"
 GGUF_VERSIONS = (2, 3)  # the versions llama.cpp reads (gguf.h: GGUF_VERSION 3; 2 still loads)
@@ -259,20 +257,3 @@ def gguf_table(path: str | Path) -> GgufTable:
     path = Path(path).resolve()
     stat = path.stat()
     return _cached(str(path), stat.st_size, stat.st_mtime_ns)
-
-
-_checked: set[tuple[str, int, int, str]] = set()
-
-
-def checked_table(path: str | Path, release: Release) -> GgufTable:
-    """:func:`~clef_local.formats.gguf_release.check_gguf` of ``path`` against ``release`` (once while the file is
-    unchanged: the planner and the backend both read it on a load), then its :class:`GgufTable`."""
-    from clef_local.formats.gguf_release import check_gguf
-
-    path = Path(path).resolve()
-    stat = path.stat()
-    key = (str(path), stat.st_size, stat.st_mtime_ns, str(Path(release.path).resolve()))
-    if key not in _checked:
-        check_gguf(path, release)
-        _checked.add(key)
-    return gguf_table(path)

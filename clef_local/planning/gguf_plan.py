@@ -78,7 +78,8 @@ class GgufFootprint:
 def gguf_footprint(release: Release, path: Path | None = None) -> GgufFootprint:
     """The footprint of the release's GGUF (``path``, default ``release.gguf``) from its tensor table, once the file
     passed :func:`~clef_local.formats.gguf_release.check_gguf`."""
-    from clef_local.formats.gguf_tensors import TOKEN_EMBD, checked_table
+    from clef_local.formats.gguf_release import checked_table
+    from clef_local.formats.gguf_tensors import TOKEN_EMBD
     from clef_local.formats.head_config import head_tensor_shapes
 
     path = path or release.gguf

@@ -278,7 +278,7 @@ def validate_export(reference_dir: Path | Release, variant_dir: Path, scheme: st
                     thresholds: Mapping[str, float] | None = None, max_memory: str | None = None,
                     reference_file: str | Path | None = None, max_length: int | None = None,
                     checked: ValidationInputs | None = None, cache: bool = True,
-                    data: str | Path | None = None) -> dict[str, Any]:
+                    data: str | Path | None = None, label: str | None = None) -> dict[str, Any]:
     """Validation as the export runs it, sequentially (docs/quantization.md#the-verdict-sequentially): the probe set
     in growing batches (:func:`clef_local.quality.sequential.schedule`), the bounds of each gated figure looked at
     after each batch against the scheme's limits, until they decide or the probe set is used up.
@@ -292,7 +292,8 @@ def validate_export(reference_dir: Path | Release, variant_dir: Path, scheme: st
     caps each load (streamed from disk when it does not fit); ``reference_file``: the reference's probabilities
     computed elsewhere instead of running it; ``max_length``: the context both models load at (None: the model's
     default); ``checked``: what :func:`check_validation` found before the export began; ``data``: the user's JSONL
-    requests instead of the packaged probe set. ``cache``: the reference's
+    requests instead of the packaged probe set; ``label``: what the one-line errors call the variant (default
+    "``scheme`` variant"). ``cache``: the reference's
     answers are read from and added to the user cache (:mod:`clef_local.export.reference_cache`), so the next
     variant of the same release does not run the reference again."""
     from clef_local.export.turns import Turns
@@ -333,10 +334,11 @@ def validate_export(reference_dir: Path | Release, variant_dir: Path, scheme: st
     if inputs.left_out:  # validation_context cut the probe set to what fits this machine
         result["probes_left_out"] = inputs.left_out
     (variant_dir / VALIDATION).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    what = label or f"{scheme} variant"
     if last.verdict == "fail":
-        raise ValidationFailed(f"{scheme} variant fails validation: " + ", ".join(result["failed"]), result)
+        raise ValidationFailed(f"{what} fails validation: " + ", ".join(result["failed"]), result)
     if last.verdict != "pass":
-        raise ValidationUndecided(f"{scheme} variant: validation undecided ({', '.join(result['failed'])}); "
+        raise ValidationUndecided(f"{what}: validation undecided ({', '.join(result['failed'])}); "
                                   f"{sequential.what_would_decide(last)}", result)
     return result
 

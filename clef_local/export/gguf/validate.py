@@ -52,4 +52,4 @@ def validate_gguf(release: Release, staged: Path, qtype: str, checked: Validatio
     scheme = limits_scheme(qtype)
     return validate_export(release, staged, scheme, len(checked.requests), variant_name=out,
                            thresholds=THRESHOLDS[scheme], max_memory=max_memory, max_length=max_length,
-                           checked=checked)
+                           checked=checked, label=f"the {qtype} GGUF (held to {scheme}'s limits)")

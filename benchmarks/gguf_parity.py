@@ -41,9 +41,10 @@ def jevcompat_requests() -> list[dict]:
 
     questions = {"refund": NOUL, "team": CHOICE, "frustration": SCORE}
     unicode = {"type": "choice", "instructions": "이 문의는 어떤 유형인가요?", "criteria": dict(UNICODE_OPTIONS)}
-    return [{"state": TICKET, "questions": questions},
-            *({"state": TICKET, "questions": {k: v}} for k, v in questions.items()),
-            {"state": "배송이 3일째 안 와요. 그냥 환불해 주세요 😡", "questions": {"kind": unicode}}]
+    bodies = [{"state": TICKET, "questions": questions},
+              *({"state": TICKET, "questions": {k: v}} for k, v in questions.items()),
+              {"state": "배송이 3일째 안 와요. 그냥 환불해 주세요 😡", "questions": {"kind": unicode}}]
+    return [{"model": "clef-local", **body} for body in bodies]
 
 
 def gguf_release(source: Path, work: Path) -> Path:

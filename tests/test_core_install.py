@@ -26,10 +26,10 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 # README's commands that need an extra (its extras table): not run here.
-NEEDS_AN_EXTRA = {"serve", "mcp", "ui", "export-onnx", "report"}
+NEEDS_AN_EXTRA = {"serve", "mcp", "ui", "export-onnx", "export-gguf", "report"}
 # import names of every extra's packages: none may be in the core install, or the test would prove nothing
 EXTRA_MODULES = ("fastapi", "uvicorn", "mcp", "gradio", "matplotlib", "onnxruntime", "onnx", "mlx", "pyarrow", "ray",
-                 "bitsandbytes", "torchvision")
+                 "bitsandbytes", "torchvision", "llama_cpp")
 
 
 class Core(NamedTuple):

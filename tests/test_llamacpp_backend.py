@@ -139,7 +139,7 @@ def test_the_plan_counts_what_llama_cpp_allocates(backbone: str, dtype: str | No
                                                   caplog: pytest.LogCaptureFixture) -> None:
     release = read_release(gguf[backbone])
     footprint = gguf_footprint(release)
-    with caplog.at_level(logging.DEBUG, logger="clef_local.llamacpp"):
+    with caplog.at_level(logging.DEBUG, logger="clef_local.backends.llamacpp_log"):
         model = clef_local.load(gguf[backbone], max_length=4096, dtype=dtype)
     kv = "float32" if dtype == "float32" else "float16"
     planned = gguf_plan(footprint, detect(), context=4096, kv=kv)

@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-LOG_NAME = "clef_local.llamacpp"  # llama.cpp's own log lines, apart from clef-local's modules
+LOG_NAME = __name__  # llama.cpp's own log lines, under this module's name
 LogListener = Callable[[int, str], None]  # (Python logging level, whole line)
 
 _log_lock = threading.Lock()

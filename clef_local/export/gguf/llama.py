@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from clef_local.errors import ReleaseError
-from clef_local.export.gguf.plan import Converter, TensorPlan, layer_pattern
+from clef_local.export.gguf.plan import Converter, TensorPlan, layer_pattern, text_parameters
 
 PREFIX = "model."
 LAYER = layer_pattern(PREFIX, r"(.+)")
@@ -81,14 +81,7 @@ def parameters(writer: Any, hparams: dict[str, Any]) -> None:
     """``llama.*`` as ``LlamaModel.set_gguf_parameters`` writes them."""
     import gguf
 
-    n_head = int(hparams["num_attention_heads"])
-    writer.add_block_count(int(hparams["num_hidden_layers"]))
-    if (n_ctx := hparams.get("max_position_embeddings")) is not None:
-        writer.add_context_length(int(n_ctx))
-    writer.add_embedding_length(int(hparams["hidden_size"]))
-    writer.add_feed_forward_length(int(hparams["intermediate_size"]))
-    writer.add_head_count(n_head)
-    writer.add_head_count_kv(int(hparams.get("num_key_value_heads") or n_head))
+    text_parameters(writer, hparams)
     params = rope(hparams)
     if params.get("rope_type", params.get("type")) == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
@@ -99,7 +92,7 @@ def parameters(writer: Any, hparams: dict[str, Any]) -> None:
         writer.add_key_length(int(head_dim))
         writer.add_value_length(int(head_dim))
     writer.add_vocab_size(int(hparams["vocab_size"]))
-    writer.add_rope_dimension_count(int(head_dim or int(hparams["hidden_size"]) // n_head))
+    writer.add_rope_dimension_count(int(head_dim or int(hparams["hidden_size"]) // int(hparams["num_attention_heads"])))
 
 
 CONVERTER = Converter("llama", "llama", plan, parameters, space_prefix=True)

@@ -51,3 +51,16 @@ def keeps_float32(name: str, shape: tuple[int, ...]) -> bool:
 def layer_pattern(prefix: str, body: str) -> re.Pattern[str]:
     """``{prefix}layers.{N}.{body}`` with N captured (``body`` is a regex)."""
     return re.compile(rf"{re.escape(prefix)}layers\.(\d+)\.{body}")
+
+
+def text_parameters(writer: Any, hparams: dict[str, Any]) -> None:
+    """The keys every text model writes (llama.cpp's ``TextModel.set_gguf_parameters``): blocks, context, widths and
+    head counts; each architecture's ``parameters`` adds its own after them."""
+    n_head = int(hparams["num_attention_heads"])
+    writer.add_block_count(int(hparams["num_hidden_layers"]))
+    if (n_ctx := hparams.get("max_position_embeddings")) is not None:
+        writer.add_context_length(int(n_ctx))
+    writer.add_embedding_length(int(hparams["hidden_size"]))
+    writer.add_feed_forward_length(int(hparams["intermediate_size"]))
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(int(hparams.get("num_key_value_heads") or n_head))

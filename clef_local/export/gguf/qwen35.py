@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from clef_local.errors import ReleaseError
-from clef_local.export.gguf.plan import Converter, TensorPlan, layer_pattern
+from clef_local.export.gguf.plan import Converter, TensorPlan, layer_pattern, text_parameters
 
 TEXT_PREFIX = "model.language_model."
 LAYER = layer_pattern(TEXT_PREFIX, r"(.+)")
@@ -143,13 +143,7 @@ def parameters(writer: Any, hparams: dict[str, Any]) -> None:
     """``qwen35.*`` as ``Qwen3_5TextModel.set_gguf_parameters`` writes them without MTP layers."""
     n_head = int(hparams["num_attention_heads"])
     n_layer = int(hparams["num_hidden_layers"])
-    writer.add_block_count(n_layer)
-    if (n_ctx := hparams.get("max_position_embeddings")) is not None:
-        writer.add_context_length(int(n_ctx))
-    writer.add_embedding_length(int(hparams["hidden_size"]))
-    writer.add_feed_forward_length(int(hparams["intermediate_size"]))
-    writer.add_head_count(n_head)
-    writer.add_head_count_kv(int(hparams.get("num_key_value_heads") or n_head))
+    text_parameters(writer, hparams)
     rope = dict(hparams.get("rope_parameters") or hparams.get("rope_scaling") or {})
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind != "default":

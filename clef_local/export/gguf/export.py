@@ -221,9 +221,6 @@ def export_gguf(source: str | Path, out: str | Path, qtype: str = DEFAULT_TYPE, 
         write_json(tmp / GGUF_DIR / GGUF_CONFIG, config)
         validation: dict[str, Any] = {"skipped": "--no-validate"}
         if checked is not None:
-            write_manifest(tmp, tool="clef-local", version=clef_local.__version__, gguf=config,
-                           scheme={"name": f"gguf-{qtype.lower()}", "source_scheme": None},
-                           source={"path": str(source), "files": source_files})  # the loader checks the GGUF by it
             try:
                 validation = gguf_validate.validate_gguf(release, tmp, qtype, checked, out=out, max_memory=max_memory)
             except ValidationRefused as exc:  # kept before staged removes tmp

@@ -2,9 +2,9 @@
 
 With F32 weights and an F32 KV cache (``dtype="float32"``) its probabilities are torch float32's on the source
 release within 1e-5 (measured ~2e-7); the head's lexical rows are the GGUF's own output rows; ``auto`` runs a GGUF
-release on llama.cpp and never picks llama.cpp for a safetensors release; media, other backends and a bad GGUF are
-refused in one line before llama.cpp reads anything; the planner's KV cache is the one llama.cpp allocates.
-Skipped without llama-cpp-python.
+release on llama.cpp and never picks llama.cpp for a safetensors release; media without a vision tower, other
+backends and a bad GGUF are refused in one line before llama.cpp reads anything; the planner's KV cache is the one
+llama.cpp allocates. Skipped without llama-cpp-python.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from media_gen import data_uri, image
 from request_gen import max_dp, varied_requests
 
 import clef_local
+from clef_local.backends.llamacpp_backend import vision_refusal
 from clef_local.errors import ApiUsageError, ReleaseError
 from clef_local.export.gguf.export import export_gguf
 from clef_local.formats.release import read_release
@@ -98,16 +99,17 @@ def test_backend_choice(gguf: dict[str, Path], tiny_llama: Path, tmp_path: Path)
     assert clef_local.load(both, backend="llamacpp", max_length=512).backend.name == "llamacpp"
 
 
-def test_media_is_refused_in_one_line(gguf: dict[str, Path]) -> None:
-    model = clef_local.load(gguf["qwen"], max_length=2048)
+def test_media_need_a_vision_tower(gguf: dict[str, Path]) -> None:
+    model = clef_local.load(gguf["llama"], max_length=2048)
     request = {"model": "m", "state": "s", "images": [data_uri(image(64, 64))], "questions": {"q": {"type": "noul"}}}
     with pytest.raises(ApiUsageError) as refused:
         model.decide(request)
     message = str(refused.value)
     assert "\n" not in message
-    assert "llamacpp backend does not run the vision tower" in message
-    assert "source release (safetensors) with --backend torch" in message
+    assert "has no vision tower" in message and not model.backend.accepts_media
     assert model.decide({**request, "images": None})["answers"]["q"]["type"] == "noul"  # text still works
+    # Qwen3.5's tower is kept beside the GGUF and runs on torch: tests/test_llamacpp_vision.py
+    assert vision_refusal(read_release(gguf["qwen"])) is None
 
 
 def test_a_gguf_written_by_another_tool_loads(gguf: dict[str, Path], tmp_path: Path) -> None:

@@ -3,7 +3,9 @@
 One model, one context of our own: embeddings on, pooling none (every token's state after the final RMSNorm, what the
 joint schema head reads), one sequence, ``n_ctx`` the planned context, a request decoded in chunks of ``n_batch``
 tokens up to the whole context (``Llama.embed`` cuts a long request at ``n_batch`` without a word), the memory cleared
-before every request. Not ``Llama(embedding=True)``: it asks for 256 sequences, so a hybrid model such as Qwen3.5
+before every request. A sequence may also hold input embeddings (:meth:`LlamaCppContext.decode`: token spans and
+embedding spans, e.g. a vision tower's rows at Qwen's multimodal rope positions, four per row in llama.cpp's
+section-major layout). Not ``Llama(embedding=True)``: it asks for 256 sequences, so a hybrid model such as Qwen3.5
 would hold 256 recurrent states. The binding's API changes between releases: the ``gguf`` extra pins it.
 llama.cpp's log lines go to Python logging (:mod:`.llamacpp_log`: :data:`LOG_NAME`, the load chatter at DEBUG), not
 to stderr. docs/hardware.md#llamacpp.
@@ -14,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -57,6 +60,56 @@ def gpu_layers_for(device: str, supports_gpu: bool) -> int:
     return 1 << 30  # every layer (llama.cpp clamps to the model's)
 
 
+@dataclass(frozen=True, eq=False)
+class TokenSpan:
+    """Token ids of one sequence at their 1-D positions (int32 ``[n]`` each); with M-RoPE llama.cpp gives every
+    section (temporal, height, width) that position."""
+
+    ids: np.ndarray
+    positions: np.ndarray
+    kind = "tokens"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ids", np.ascontiguousarray(self.ids, dtype=np.int32))
+        object.__setattr__(self, "positions", np.ascontiguousarray(self.positions, dtype=np.int32))
+        if self.ids.ndim != 1 or self.positions.shape != self.ids.shape:
+            raise ValueError(f"a token span needs ids [n] and positions [n], got {self.ids.shape} and "
+                             f"{self.positions.shape}")
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def triples(self) -> np.ndarray:
+        """``[3, n]``: (temporal, height, width), each the token's position."""
+        return np.broadcast_to(self.positions, (3, len(self.ids)))
+
+
+@dataclass(frozen=True, eq=False)
+class EmbeddingSpan:
+    """Input embedding rows (float32 ``[n, n_embd_inp]``, e.g. a vision tower's output) at their M-RoPE positions
+    (int32 ``[3, n]``: temporal, height, width; llama.cpp's fourth section is 0)."""
+
+    rows: np.ndarray
+    positions: np.ndarray
+    kind = "embeddings"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rows", np.ascontiguousarray(self.rows, dtype=np.float32))
+        object.__setattr__(self, "positions", np.ascontiguousarray(self.positions, dtype=np.int32))
+        if self.rows.ndim != 2 or self.positions.shape != (3, len(self.rows)):
+            raise ValueError(f"an embedding span needs rows [n, width] and positions [3, n], got {self.rows.shape} "
+                             f"and {self.positions.shape}")
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def triples(self) -> np.ndarray:
+        return self.positions
+
+
+Span = TokenSpan | EmbeddingSpan
+
+
 class LlamaCppContext:
     """A GGUF backbone loaded by llama.cpp with a context for per-token hidden states.
 
@@ -75,6 +128,7 @@ class LlamaCppContext:
         if context < 1 or chunk < 1:
             raise ValueError(f"context and chunk must be positive, got {context} and {chunk}")
         self._model = self._ctx = self._batch = None
+        self._embd: tuple[np.ndarray, np.ndarray, Any, tuple[Any, ...]] | None = None  # made on first use
         lib = llama_cpp_module()
         self._lib = lib
         self.path = Path(model_path)
@@ -97,6 +151,11 @@ class LlamaCppContext:
             self.close()
             raise
         self.hidden_size = int(lib.llama_model_n_embd_out(self._model))
+        self.input_width = int(lib.llama_model_n_embd_inp(self._model))  # an embedding row's values
+        # llama.cpp's n_pos_per_embd: M-RoPE (Qwen-VL) and IMROPE (Qwen3.5) take 4 positions per embedding row
+        rope = int(lib.llama_model_rope_type(self._model))
+        self.positions_per_embedding = 4 if rope in (lib.LLAMA_ROPE_TYPE_MROPE, lib.LLAMA_ROPE_TYPE_IMROPE,
+                                                     lib.LLAMA_ROPE_TYPE_VISION) else 1
         log.debug("llama.cpp context: n_ctx %d, n_batch %d, %s KV cache, %s", self.n_ctx, self.n_batch, kv_type,
                   self.thread_plan.describe())
 
@@ -132,38 +191,116 @@ class LlamaCppContext:
 
     def hidden_states(self, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
         """Every token's hidden state after the final norm, ``[T, hidden]`` float32, for one request's
-        ``token_ids``, decoded in chunks of :attr:`n_batch` from an empty memory. A request longer than the context
-        is a :class:`~clef_local.errors.MaxTokensExceededError` (413), never cut."""
+        ``token_ids`` at positions 0 … T-1, decoded in chunks of :attr:`n_batch` from an empty memory. A request
+        longer than the context is a :class:`~clef_local.errors.MaxTokensExceededError` (413), never cut."""
+        ids = np.ascontiguousarray(token_ids, dtype=np.int32)
+        return self.decode([TokenSpan(ids, np.arange(len(ids), dtype=np.int32))])
+
+    def decode(self, spans: Sequence[Span]) -> np.ndarray:
+        """The hidden state after the final norm of every position of one sequence made of ``spans`` (token ids and
+        embedding rows, in order), ``[T, hidden]`` float32, decoded from an empty memory in chunks of at most
+        :attr:`n_batch` (a chunk never mixes tokens and embeddings: each is its own batch).
+
+        The positions must grow with the sequence, ``(temporal, height, width)`` strictly in lexicographic order (a
+        token's is ``(p, p, p)``), and a token's temporal position must pass the one before it: llama.cpp masks
+        attention by position (``p0 > p1``, then within one temporal position by height and width; the 2D causal
+        mask of ``is_pos_2d``), so only then is its mask the sequence's causal mask that transformers applies."""
         if self._ctx is None:
             raise LlamaCppError(f"{self.path}: this llama.cpp context is closed")
-        ids = np.ascontiguousarray(token_ids, dtype=np.int32)
-        total = len(ids)
+        total = sum(len(span) for span in spans)
         if total == 0:
-            raise ValueError("hidden_states needs at least one token")
+            raise ValueError("decode needs at least one token or embedding row")
         if total > self.n_ctx:
             raise MaxTokensExceededError(
                 f"the request has {total:,} tokens; this llama.cpp context holds {self.n_ctx:,}: send a shorter "
                 "state or load the model with a longer max_length", input_tokens=total, max_tokens=self.n_ctx)
-        lib, batch = self._lib, self._batch
+        self._check_spans(spans)
+        lib = self._lib
         out = np.empty((total, self.hidden_size), dtype=np.float32)
         lib.llama_memory_clear(lib.llama_get_memory(self._ctx), True)  # no state of the previous request remains
-        for start in range(0, total, self.n_batch):
-            n = min(self.n_batch, total - start)
-            ctypes.memmove(batch.token, ids[start:].ctypes.data, n * 4)
-            positions = np.arange(start, start + n, dtype=np.int32)
-            ctypes.memmove(batch.pos, positions.ctypes.data, n * 4)
-            batch.n_tokens = n
-            status = lib.llama_decode(self._ctx, batch)
-            if status != 0:
-                lib.llama_memory_clear(lib.llama_get_memory(self._ctx), True)
-                raise LlamaCppError(f"{self.path}: llama_decode returned {status} at tokens {start:,}-{start + n:,} "
-                                    f"of {total:,} (1: no KV slot, 2: aborted, <0: error; its log at DEBUG under "
-                                    f"{LOG_NAME})")
-            pointer = lib.llama_get_embeddings(self._ctx)
-            if not pointer:
-                raise LlamaCppError(f"{self.path}: llama.cpp returned no embeddings (pooling must be none)")
-            out[start:start + n] = np.ctypeslib.as_array(pointer, shape=(n * self.hidden_size,)).reshape(n, -1)
+        start = 0
+        for span in spans:
+            offset = 0
+            while offset < len(span):  # cut at the span's end and at the multiples of n_batch of the sequence
+                n = min(len(span) - offset, (start // self.n_batch + 1) * self.n_batch - start)
+                batch = self._fill(span, offset, n)
+                status = lib.llama_decode(self._ctx, batch)
+                if status != 0:
+                    lib.llama_memory_clear(lib.llama_get_memory(self._ctx), True)
+                    raise LlamaCppError(f"{self.path}: llama_decode returned {status} at positions {start:,}-"
+                                        f"{start + n:,} of {total:,} ({span.kind}; 1: no KV slot, 2: aborted, <0: "
+                                        f"error; its log at DEBUG under {LOG_NAME})")
+                pointer = lib.llama_get_embeddings(self._ctx)
+                if not pointer:
+                    raise LlamaCppError(f"{self.path}: llama.cpp returned no embeddings (pooling must be none)")
+                out[start:start + n] = np.ctypeslib.as_array(pointer, shape=(n * self.hidden_size,)).reshape(n, -1)
+                offset += n
+                start += n
         return out
+
+    def _check_spans(self, spans: Sequence[Span]) -> None:
+        """Refuse spans llama.cpp would mask otherwise than a causal sequence (:meth:`decode`), or cannot take."""
+        rows = []
+        for index, span in enumerate(spans):
+            if isinstance(span, EmbeddingSpan):
+                if self.positions_per_embedding != 4:
+                    raise LlamaCppError(f"{self.path}: embedding span {index} has M-RoPE positions, but this model's "
+                                        "rope is not multimodal (llama.cpp's M-RoPE / IMROPE); embeddings need a "
+                                        "Qwen-VL-style backbone such as Qwen3.5")
+                if span.rows.shape[1] != self.input_width:
+                    raise ValueError(f"embedding span {index} has rows of {span.rows.shape[1]} values; this model "
+                                     f"takes {self.input_width} (llama_model_n_embd_inp)")
+            rows.append(span.triples())
+        if not rows:
+            return
+        triples = np.concatenate(rows, axis=1).astype(np.int64)
+        tokens = np.concatenate([np.full(len(s), isinstance(s, TokenSpan)) for s in spans])
+        t, y, x = triples
+        dt, dy, dx = np.diff(t), np.diff(y), np.diff(x)
+        ordered = (dt > 0) | ((dt == 0) & ((dy > 0) | ((dy == 0) & (dx > 0))))
+        ordered &= ~tokens[1:] | (dt > 0)  # llama.cpp: a token's position passes the memory's last (X < Y)
+        if not ordered.all():
+            i = int(np.argmin(ordered)) + 1
+            raise ValueError(f"position {i} of the sequence, {tuple(int(v) for v in triples[:, i])}, does not follow "
+                             f"{tuple(int(v) for v in triples[:, i - 1])}: llama.cpp's positional mask would not be "
+                             "the causal mask; give positions in the sequence's order (transformers' get_rope_index)")
+
+    def _fill(self, span: Span, offset: int, n: int) -> Any:
+        """The batch of ``span``'s items ``offset`` … ``offset + n - 1``, ready to decode."""
+        if isinstance(span, TokenSpan):
+            batch = self._batch
+            ctypes.memmove(batch.token, span.ids[offset:].ctypes.data, n * 4)
+            ctypes.memmove(batch.pos, np.ascontiguousarray(span.positions[offset:offset + n]).ctypes.data, n * 4)
+            batch.n_tokens = n
+            return batch
+        rows, positions, batch = self._embedding_batch()
+        rows[:n] = span.rows[offset:offset + n]
+        # section-major, as llama.cpp reads an embeddings batch: pos[j*n + i], j = temporal, height, width, 0
+        positions[:4 * n].reshape(4, n)[:3] = span.positions[:, offset:offset + n]
+        positions[3 * n:4 * n] = 0
+        batch.n_tokens = n
+        return batch
+
+    def _embedding_batch(self) -> tuple[np.ndarray, np.ndarray, Any]:
+        """The embeddings batch, made on first use: its buffers are numpy arrays of our own, since
+        ``llama_batch_init`` allocates one position per row and M-RoPE rows take four."""
+        if self._embd is None:
+            lib, n = self._lib, self.n_batch
+            rows = np.zeros((n, self.input_width), dtype=np.float32)
+            positions = np.zeros(4 * n, dtype=np.int32)
+            n_seq_id = np.ones(n, dtype=np.int32)
+            seq = np.zeros(1, dtype=np.int32)  # every row in sequence 0
+            seq_ids = (ctypes.POINTER(ctypes.c_int) * (n + 1))(*[seq.ctypes.data_as(ctypes.POINTER(ctypes.c_int))] * n)
+            outputs = np.ones(n, dtype=np.int8)  # every row an output
+            batch = lib.llama_batch(
+                n_tokens=0, token=None, embd=rows.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
+                pos=positions.ctypes.data_as(ctypes.POINTER(ctypes.c_int)),
+                n_seq_id=n_seq_id.ctypes.data_as(ctypes.POINTER(ctypes.c_int)),
+                seq_id=ctypes.cast(seq_ids, ctypes.POINTER(ctypes.POINTER(ctypes.c_int))),
+                logits=outputs.ctypes.data_as(ctypes.POINTER(ctypes.c_byte)))
+            self._embd = (rows, positions, batch, (n_seq_id, seq, seq_ids, outputs))  # the buffers live with it
+        rows, positions, batch, _ = self._embd
+        return rows, positions, batch
 
     def metadata(self, key: str) -> str | None:
         """A GGUF metadata value as llama.cpp read it (``general.architecture``, ...), or None."""
@@ -194,6 +331,7 @@ class LlamaCppContext:
         if self._batch is not None:
             lib.llama_batch_free(self._batch)
             self._batch = None
+        self._embd = None  # numpy's buffers: freed with it
         if self._ctx is not None:
             lib.llama_free(self._ctx)
             self._ctx = None

@@ -28,9 +28,12 @@ _CONT = 5  # GGML_LOG_LEVEL_CONT: continues the line of the piece before, at its
 # enum ggml_log_level: NONE 0, DEBUG 1, INFO 2, WARN 3, ERROR 4, CONT 5; INFO is the loader's metadata dump and
 # buffer sizes (hundreds of lines per load) and the quantizer's line per tensor: DEBUG here
 _GGML_LEVELS = {1: logging.DEBUG, 2: logging.DEBUG, 3: logging.WARNING, 4: logging.ERROR}
-# warnings clef-local triggers on purpose: pooling none on a generative model, a context below the trained one, and a
-# quantizer falling back on a narrow model (the types it really wrote are read back into gguf_config.json)
-_EXPECTED = ("model default pooling_type", "n_ctx_seq (", "required fallback quantization")
+# warnings clef-local triggers on purpose: pooling none on a generative model, a context below the trained one, a
+# quantizer falling back on a narrow model (the types it really wrote are read back into gguf_config.json), and the
+# recurrent state seeing M-RoPE positions jump (an image's rows share one temporal position; the text after it
+# starts past its height and width: Qwen's multimodal rope, gguf_vision)
+_EXPECTED = ("model default pooling_type", "n_ctx_seq (", "required fallback quantization",
+             "non-consecutive token position")
 
 
 def _forward_log(level: int, text: bytes | None, _user_data: Any) -> None:

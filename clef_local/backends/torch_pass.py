@@ -76,6 +76,24 @@ def collate_media(records: Sequence[EncodedRecord], length: int, device: torch.d
     return out
 
 
+def rope_index(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+               media: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """Qwen's multimodal rope positions ``[3, B, T]`` (temporal, height, width) of ``input_ids`` with ``media``
+    (:func:`collate_media`'s), from the multimodal ``model`` 's own ``get_rope_index`` (``model.model`` of
+    ``Qwen3_5ForConditionalGeneration``; it reads only the config, so a model on the meta device will do), and the
+    rope offset they leave (the first row's delta: the text after the media sits at token index + offset). The
+    torch pass and the llama.cpp backend's vision path (:mod:`clef_local.backends.gguf_vision`) both place media
+    by it."""
+    get_rope_index = getattr(model, "get_rope_index", None)
+    if get_rope_index is None:
+        raise TypeError(f"{type(model).__name__} has no get_rope_index: this transformers does not give the "
+                        "multimodal rope positions a chunked, cached or llama.cpp pass places media by")
+    positions, deltas = get_rope_index(input_ids, mm_token_type_ids=media["mm_token_type_ids"],
+                                       image_grid_thw=media.get("image_grid_thw"),
+                                       video_grid_thw=media.get("video_grid_thw"), attention_mask=attention_mask)
+    return positions, int(deltas.reshape(-1)[0])
+
+
 def chunk_bounds(start: int, end: int, chunk: int | None, first_end: int | None = None) -> list[tuple[int, int]]:
     """``[a, b)`` of each chunk of the positions ``start`` … ``end - 1``, cut at the multiples of ``chunk`` (None:
     one piece); ``first_end``: the first chunk reaches at least there (a record's media stay in one chunk)."""
@@ -143,15 +161,7 @@ class Run:
         media = collate_media([self.media_record], b, device)
         if plain:
             return None, media
-        get_rope_index = getattr(backbone.model.model, "get_rope_index", None)
-        if get_rope_index is None:
-            raise TypeError(f"{type(backbone.model.model).__name__} has no get_rope_index: this transformers does not "
-                            "give the multimodal rope positions a chunked or cached pass continues from")
-        positions, deltas = get_rope_index(self.ids[:, :b], mm_token_type_ids=media["mm_token_type_ids"],
-                                           image_grid_thw=media.get("image_grid_thw"),
-                                           video_grid_thw=media.get("video_grid_thw"),
-                                           attention_mask=self.mask[:, :b])
-        self.offset = int(deltas.reshape(-1)[0])
+        positions, self.offset = rope_index(backbone.model.model, self.ids[:, :b], self.mask[:, :b], media)
         return positions, media
 
 

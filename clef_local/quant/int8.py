@@ -66,9 +66,11 @@ def int8_matmul(x: torch.Tensor, packed: dict[str, torch.Tensor]) -> torch.Tenso
     return x @ dequantize(packed, x.dtype).T
 
 
-# Output features converted per block by blocked_matmul: 2 MiB of bf16 at in_features 4096, so the block stays in
-# cache while its matmul reads it.
-CHUNK = 256
+# Output features converted per block by blocked_matmul: 32 MiB of bf16 at in_features 4096. Each block is one
+# matmul (one parallel region): at 256 features (a cache-sized 2 MiB block) the 48 small matmuls of a Clef-flash MLP
+# weight ran at 37-80% of the dense matmul when another process shared the cores, 4,096 at 73-92%
+# (docs/benchmarks.md#int4-and-int8-on-a-cpu); the conversion is a small share of a long call's work either way.
+CHUNK = 4096
 
 
 def blocked_matmul(x: torch.Tensor, packed: dict[str, torch.Tensor], chunk: int = CHUNK) -> torch.Tensor:

@@ -93,14 +93,14 @@ def release_memory() -> None:
         _LIBC.malloc_trim(0)
 
 
-def write_shard(tensors: dict[str, torch.Tensor], tmp: Path, shard: str, metadata: dict[str, str] | None
-                ) -> dict[str, Any]:
-    """Save one output shard into ``tmp`` with the umask's mode and return its manifest entry (size, SHA-256): hashed
-    here, while its pages are still in the page cache, rather than read back from disk when the manifest is written.
-    ``tensors`` is emptied once written."""
+def write_shard(tensors: dict[str, torch.Tensor], tmp: Path, shard: str, metadata: dict[str, str] | None,
+                mode: int) -> dict[str, Any]:
+    """Save one output shard into ``tmp`` with ``mode`` (:func:`file_mode`) and return its manifest entry (size,
+    SHA-256): hashed here, while its pages are still in the page cache, rather than read back from disk when the
+    manifest is written. ``tensors`` is emptied once written."""
     path = tmp / shard
     save_shard(tensors, path, metadata)
-    os.chmod(path, file_mode())  # safetensors writes 0600; give shards the umask's mode
+    os.chmod(path, mode)  # safetensors writes 0600; give shards the umask's mode
     log.debug("wrote %s (%d tensors)", shard, len(tensors))
     # freed now, before the hash, not whenever the thread pool lets go of the task's arguments
     tensors.clear()
@@ -118,6 +118,8 @@ class ShardWriter:
 
     def __init__(self, tmp: Path, background: bool) -> None:
         self.tmp = tmp
+        # read here, on the calling thread: file_mode sets the process-wide umask for a moment
+        self.mode = file_mode()
         self.files: dict[str, dict[str, Any]] = {}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=WRITER_THREAD) if background else None
         self._pending: tuple[str, Future[dict[str, Any]]] | None = None
@@ -138,9 +140,9 @@ class ShardWriter:
         """Write ``tensors`` as ``shard`` (in the background: after the previous write has finished)."""
         self.wait()
         if self._pool is None:
-            self.files[shard] = write_shard(tensors, self.tmp, shard, metadata)
+            self.files[shard] = write_shard(tensors, self.tmp, shard, metadata, self.mode)
         else:
-            self._pending = shard, self._pool.submit(write_shard, tensors, self.tmp, shard, metadata)
+            self._pending = shard, self._pool.submit(write_shard, tensors, self.tmp, shard, metadata, self.mode)
 
     def check(self) -> None:
         """Raise a finished write's error now (a full disk stops the export at the next tensor, not a shard later)."""

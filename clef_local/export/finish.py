@@ -55,7 +55,10 @@ def finish_variant(source: Path, tmp: Path, *, shards: Collection[str], result: 
     else:
         validation = dict(SKIPPED)
         (tmp / VALIDATION).write_text(json.dumps(validation, indent=2) + "\n", encoding="utf-8")
-    files = file_entries(tmp)
+    # the shards were hashed as they were written (quantize_shards' "files"); the other files are hashed now
+    names, written = list_files(tmp), result["files"]
+    hashed = {**file_entries(tmp, [name for name in names if name not in written]), **written}
+    files = {name: hashed[name] for name in names}  # in list_files' order, as file_entries(tmp) gave them
     sizes = result["sizes"]
     nbytes = {"linear_before": sizes.get("linear_before", 0), "linear_after": sizes.get("linear_after", 0),
               "total_before": sum(e["size"] for e in source_files.values()),

@@ -1,7 +1,8 @@
 """``clef-local quantize``: write a quantized variant of a release, streaming, atomically, validated.
 
 The layout, config and manifest: docs/format.md §6; usage, GPTQ and the validation: docs/quantization.md. Shard by
-shard, each output shard written before the next is read, so the peak is about one shard and its quantized copy;
+shard, each output shard written (and hashed) in the background while the next is quantized, one write in flight at
+most, so the peak is about one shard and its quantized copy plus the previous shard's quantized copy;
 :mod:`clef_local.export.staging` makes the output appear whole or not at all.
 """
 

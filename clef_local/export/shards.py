@@ -1,7 +1,12 @@
 """Streaming a release's shards into a variant's: each weight quantized (or kept) as it is read, each output shard
-written before the next is read (:func:`quantize_shards`), with the helpers every export shares — row-block
-quantization, freeing heap memory, the umask's file mode, the shard index, and whether a source already lies on a
-4-bit grid. Used by :mod:`.quantize` (one scheme) and :mod:`.mixed` (a scheme per layer group).
+written — and hashed for the manifest — on one background thread while the next is quantized
+(:func:`quantize_shards`), with the helpers every export shares — row-block quantization, freeing heap memory, the
+umask's file mode, the shard index, and whether a source already lies on a 4-bit grid. Used by :mod:`.quantize` (one
+scheme) and :mod:`.mixed` (a scheme per layer group).
+
+Memory: at most one write is in flight (the next shard is handed over only once the previous one is on disk), so the
+peak is the shard being quantized and its quantized copy plus at most one more quantized output shard, the one being
+written. The bytes written are those of writing each shard in turn (:data:`BACKGROUND_WRITES`).
 """
 
 from __future__ import annotations
@@ -12,10 +17,13 @@ import os
 import re
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from clef_local.export.staging import ExportError
+from clef_local.formats.manifest import file_entries
 from clef_local.quant import registry
 
 if TYPE_CHECKING:
@@ -35,6 +43,10 @@ FOUR_BIT_TOLERANCE = 1e-2  # relative error of an int4 g32 round trip below whic
 INDEX = "model.safetensors.index.json"
 PLAN_KEPT = "kept in the source precision by the mixed-precision plan"
 Picked = tuple["Scheme", "int | None", "dict[str, Any]"]  # (scheme, group size, options) of one weight
+# Write (and hash) each output shard on one background thread while the next is quantized; False writes each in turn
+# on the calling thread, as before (the tests compare the two byte for byte).
+BACKGROUND_WRITES = True
+WRITER_THREAD = "clef-shard-writer"
 
 
 def file_mode() -> int:
@@ -81,6 +93,72 @@ def release_memory() -> None:
         _LIBC.malloc_trim(0)
 
 
+def write_shard(tensors: dict[str, torch.Tensor], tmp: Path, shard: str, metadata: dict[str, str] | None,
+                mode: int) -> dict[str, Any]:
+    """Save one output shard into ``tmp`` with ``mode`` (:func:`file_mode`) and return its manifest entry (size,
+    SHA-256): hashed here, while its pages are still in the page cache, rather than read back from disk when the
+    manifest is written. ``tensors`` is emptied once written."""
+    path = tmp / shard
+    save_shard(tensors, path, metadata)
+    os.chmod(path, mode)  # safetensors writes 0600; give shards the umask's mode
+    log.debug("wrote %s (%d tensors)", shard, len(tensors))
+    # freed now, before the hash, not whenever the thread pool lets go of the task's arguments
+    tensors.clear()
+    return file_entries(tmp, [shard])[shard]
+
+
+class ShardWriter:
+    """Writes output shards (:func:`write_shard`) one at a time: on one background thread when ``background``, else
+    on the calling thread. :meth:`submit` waits for the previous write before handing over the next, so at most one
+    quantized shard waits to be written besides the one being built. ``files``: the written shards' manifest entries.
+
+    A write's error is raised by the next :meth:`check`, :meth:`submit` or :meth:`wait`, as the exception
+    :func:`save_shard` raised. Leaving the ``with`` block, on success or on an exception, waits for the write in
+    flight and stops the thread: nothing writes into the staging directory after, so its removal is final."""
+
+    def __init__(self, tmp: Path, background: bool) -> None:
+        self.tmp = tmp
+        # read here, on the calling thread: file_mode sets the process-wide umask for a moment
+        self.mode = file_mode()
+        self.files: dict[str, dict[str, Any]] = {}
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=WRITER_THREAD) if background else None
+        self._pending: tuple[str, Future[dict[str, Any]]] | None = None
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if self._pool is None:
+            return
+        self._pool.shutdown(wait=True)  # the thread ends only once the write in flight has
+        if exc is not None and self._pending is not None and (error := self._pending[1].exception()) is not None:
+            # the main thread's exception is the one raised; the writer's is only recorded
+            log.debug("writing %s failed as well: %s", self._pending[0], error)
+
+    def submit(self, shard: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> None:
+        """Write ``tensors`` as ``shard`` (in the background: after the previous write has finished)."""
+        self.wait()
+        if self._pool is None:
+            self.files[shard] = write_shard(tensors, self.tmp, shard, metadata, self.mode)
+        else:
+            self._pending = shard, self._pool.submit(write_shard, tensors, self.tmp, shard, metadata, self.mode)
+
+    def check(self) -> None:
+        """Raise a finished write's error now (a full disk stops the export at the next tensor, not a shard later)."""
+        if self._pending is not None and self._pending[1].done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Wait for the write in flight, if any; raise its error or record its entry."""
+        if self._pending is None:
+            return
+        shard, future = self._pending
+        self._pending = None
+        self.files[shard] = future.result()
+        release_memory()  # the written shard's tensors, freed by the writer, back to the OS
+
+
 def quantize_shards(source: Path, tmp: Path, shards: list[str], scheme: Scheme | None, group: int | None,
                     options: dict[str, Any], precomputed: dict[str, dict[str, torch.Tensor]] | None = None,
                     on_tensor: Callable[[str], None] | None = None, *,
@@ -90,7 +168,10 @@ def quantize_shards(source: Path, tmp: Path, shards: list[str], scheme: Scheme |
     ``precomputed`` (``--calibrate``): packed tensors per weight name, written instead of round-to-nearest; every
     quantized weight must have one and every one must be used. ``choose`` (a mixed-precision plan,
     :mod:`clef_local.export.mixed`): the ``(scheme, group, options)`` of each weight the predicate would quantize,
-    or None to keep it in the source precision; ``scheme``, ``group`` and ``options`` are then unused."""
+    or None to keep it in the source precision; ``scheme``, ``group`` and ``options`` are then unused.
+
+    Each output shard is written while the next is quantized (:class:`ShardWriter`, :data:`BACKGROUND_WRITES`); the
+    record's ``files`` holds their manifest entries ``{shard: {"size", "sha256"}}``, hashed as they were written."""
     from safetensors import safe_open
     from tqdm import tqdm
 
@@ -105,13 +186,15 @@ def quantize_shards(source: Path, tmp: Path, shards: list[str], scheme: Scheme |
     weight_map: dict[str, str] = {}
     sizes: Counter[str] = Counter()
     params = 0
-    with tqdm(total=total, unit="tensor", disable=None, dynamic_ncols=True) as bar:
+    with tqdm(total=total, unit="tensor", disable=None, dynamic_ncols=True) as bar, \
+            ShardWriter(tmp, BACKGROUND_WRITES) as writer:
         for shard in shards:
             bar.set_description(shard)
             out: dict[str, torch.Tensor] = {}
             with safe_open(str(source / shard), framework="pt") as f:
                 metadata = f.metadata()
                 for name in f.keys():  # noqa: SIM118 (safe_open handles are not iterable)
+                    writer.check()
                     # a view of the mapped file: its pages are read (with the kernel's readahead) as the scheme first
                     # touches them, so there is nothing for a reader thread to overlap short of copying the next
                     # tensor in, one tensor more of peak for a read a few % of int4's time
@@ -155,15 +238,15 @@ def quantize_shards(source: Path, tmp: Path, shards: list[str], scheme: Scheme |
                     bar.update()
                     if on_tensor is not None:
                         on_tensor(name)
-            save_shard(out, tmp / shard, metadata)
-            os.chmod(tmp / shard, file_mode())  # safetensors writes 0600; give shards the umask's mode
-            log.debug("wrote %s (%d tensors)", shard, len(out))
-            del out
+            # the kept tensors are views of the source's mapping, which they keep alive after the handle closes
+            writer.submit(shard, out, metadata)
+            del out  # the writer holds the shard until it is on disk
             release_memory()
+        writer.wait()
     if precomputed:
         raise ExportError(f"calibrated weights not found in {source}: {', '.join(sorted(precomputed)[:5])}")
     return {"quantized": quantized, "skipped": skipped, "weight_map": weight_map, "sizes": dict(sizes),
-            "params": params}
+            "params": params, "files": writer.files}
 
 
 def save_shard(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None) -> None:

@@ -269,6 +269,8 @@ class LlamaCppContext:
         """The batch of ``span``'s items ``offset`` … ``offset + n - 1``, ready to decode."""
         if isinstance(span, TokenSpan):
             batch = self._batch
+            if batch is None:
+                raise LlamaCppError(f"{self.path}: this llama.cpp context is closed")
             ctypes.memmove(batch.token, span.ids[offset:].ctypes.data, n * 4)
             ctypes.memmove(batch.pos, np.ascontiguousarray(span.positions[offset:offset + n]).ctypes.data, n * 4)
             batch.n_tokens = n

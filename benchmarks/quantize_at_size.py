@@ -1,5 +1,6 @@
 """``clef-local quantize`` of a full-size release on this machine: the default ``--bits 4`` end to end, then
-``--bits 8`` of the same release reusing the reference answers the first run kept.
+``--bits 8`` of the same release reusing the reference answers the first run kept (``--bits 8`` alone: int8 with its
+reference run live).
 
     python benchmarks/synthetic_release.py --config clef-flash --scheme bf16 --out /data/flash-bf16
     python benchmarks/quantize_at_size.py --model /data/flash-bf16 --work /data/q --max-memory cpu=6GiB
@@ -67,6 +68,9 @@ def main() -> None:
     parser.add_argument("--work", type=Path, required=True, help="a folder for the variants and the private cache")
     parser.add_argument("--max-memory", default="cpu=6GiB")
     parser.add_argument("--no-validate", action="store_true", help="add a --bits 4 --no-validate row (the grid)")
+    parser.add_argument("--bits", nargs="+", default=["4", "8"], choices=["4", "8"],
+                        help="the validated runs, in order (the first computes the reference; `--bits 8` alone: "
+                             "int8 with its reference live)")
     args = parser.parse_args()
     linears, hidden, intermediate = linear_weights(args.model)
     peak = json.loads(subprocess.run([sys.executable, "-c", PEAK, "512", str(hidden), str(intermediate)],
@@ -75,7 +79,7 @@ def main() -> None:
     shutil.rmtree(args.work, ignore_errors=True)
     args.work.mkdir(parents=True)
     runs = []
-    plan = [["--bits", "4", "--max-memory", args.max_memory], ["--bits", "8", "--max-memory", args.max_memory]]
+    plan = [["--bits", bits, "--max-memory", args.max_memory] for bits in args.bits]
     if args.no_validate:
         plan.insert(0, ["--bits", "4", "--no-validate"])
     for n, flags in enumerate(plan):

@@ -121,8 +121,8 @@ def _media_support(release: Release, backend: Backend, tokenizer: ReleaseTokeniz
         return MediaSupport(None, f"{release.path.name} has no vision tower ({release.architecture}): it reads "
                                   "text and JSON states only; send the request without images or videos")
     processor = MediaProcessor(release.path, release.config, tokenizer, limits)  # loads on first use
-    if not backend.accepts_media and (why := getattr(backend, "media_refusal", None)):
-        return MediaSupport(processor, why)  # the backend's own reason (llamacpp: no vision.safetensors, no torch)
+    if not backend.accepts_media and backend.media_refusal:
+        return MediaSupport(processor, backend.media_refusal)  # its own reason (llamacpp: no vision.safetensors, ...)
     if not backend.accepts_media:
         # a backend without the vision tower (ONNX, MLX): torch runs it; a GGUF release's source release, if any
         how = ("load its source release (safetensors) with --backend torch (backend=\"torch\")" if release.is_gguf

@@ -186,6 +186,7 @@ class _NoCacheBackend:
     """A backend that cannot continue a pass (as MLX and ONNX Runtime): wraps a torch one's ``logits``."""
 
     accepts_media = False
+    media_refusal = None
     state_cache_blocker = "the ONNX Runtime backend runs every state in full (the state cache is torch's)"
     prefill = None  # no memory plan: every pass in one piece
     batch_tokens = pad_waste = None

@@ -174,7 +174,8 @@ def test_mlx_and_onnx_backends_name_the_torch_backend(tiny_vision: Path) -> None
 
     assert OnnxBackend.accepts_media is False
     onnx_like = SimpleNamespace(name="onnx", device="cpu", load_decision=None, describe=dict, accepts_media=False,
-                                state_cache_blocker=OnnxBackend.state_cache_blocker, batch_tokens=None, pad_waste=None)
+                                media_refusal=None, state_cache_blocker=OnnxBackend.state_cache_blocker,
+                                batch_tokens=None, pad_waste=None)
     model = ClefModel(read_release(tiny_vision), onnx_like, ReleaseTokenizer(tiny_vision))  # type: ignore[arg-type]
     with pytest.raises(ApiUsageError, match=r"onnx backend does not run the vision tower.*--backend torch"):
         model.decide(request)

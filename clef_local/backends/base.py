@@ -33,6 +33,8 @@ class Backend(Protocol):
     # build_backend; None: built without the loader, no check and one pass)
     prefill: PrefillBudget | None
     accepts_media: bool  # runs the vision tower (images and videos in the state, docs/format.md §7)
+    # why this backend refuses images and videos, in its own words (None: accepts them, or ClefModel's generic line)
+    media_refusal: str | None
     # why this backend cannot continue a pass from a cached state (None: it can; docs/serving.md#the-state-cache)
     state_cache_blocker: str | None
     # what makes two loaded models compute the same states: the state cache's key prefix, and the model part of

@@ -278,6 +278,7 @@ class MLXBackend:
 
     name = "mlx"
     accepts_media = False  # no vision tower here: a media request is refused, naming --backend torch
+    media_refusal = None  # ClefModel's line says it
     state_cache_blocker = "the MLX backend runs every state in full (the state cache is torch's)"
     batch_tokens: int | None = None  # the device's default batches (ClefModel.run)
     pad_waste: float | None = None

@@ -86,6 +86,7 @@ class OnnxBackend:
 
     name = "onnx"
     accepts_media = False  # the export holds the text model only: a media request is refused, naming --backend torch
+    media_refusal = None  # ClefModel's line says it
     state_cache_blocker = "the ONNX Runtime backend runs every state in full (the state cache is torch's)"
     batch_tokens: int | None = None  # the device's default batches (ClefModel.run)
     pad_waste: float | None = None

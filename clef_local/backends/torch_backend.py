@@ -196,6 +196,7 @@ class TorchBackend:
 
     name = "torch"
     accepts_media = True
+    media_refusal = None
     load_decision: LoadDecision | None = None  # set by clef_local.backends.loader
     prefill: PrefillBudget | None = None  # set by clef_local.backends.loader
 

@@ -28,8 +28,9 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from _timing import run_child
 
 from clef_local.decide import read_request
 from clef_local.formats.release import find_weight_files, read_json
@@ -115,18 +116,14 @@ def run_tree(tree: Path, model: Path, request: Path, keep_env: bool) -> dict:
                                               if k not in ("OMP_NUM_THREADS", "CLEF_LOCAL_THREADS")}
     env["PYTHONPATH"] = str(tree.resolve())
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        begin = time.perf_counter()
-        child = subprocess.Popen([sys.executable, "-c", RUNNER, str(model), str(request)], stdout=out, stderr=err,
-                                 env=env, cwd=tree)
-        _, status, usage = os.wait4(child.pid, 0)
-        child.returncode = os.waitstatus_to_exitcode(status)
-        wall = time.perf_counter() - begin
+        run = run_child([sys.executable, "-c", RUNNER, str(model), str(request)], stdout=out, stderr=err, env=env,
+                        cwd=tree)
         err.seek(0)
         log = err.read().decode(errors="replace")
     lines = [line for line in log.splitlines() if line.startswith("CLEF_DECIDE ")]
-    if child.returncode != 0 or not lines:
-        raise SystemExit(f"{tree}: decide failed (exit {child.returncode}):\n{log[-3000:]}")
-    return json.loads(lines[-1].removeprefix("CLEF_DECIDE ")) | {"wall_s": wall, "peak_rss": usage.ru_maxrss * 1024}
+    if run.code != 0 or not lines:
+        raise SystemExit(f"{tree}: decide failed (exit {run.code}):\n{log[-3000:]}")
+    return json.loads(lines[-1].removeprefix("CLEF_DECIDE ")) | {"wall_s": run.wall_s, "peak_rss": run.peak_rss}
 
 
 def main(argv: list[str] | None = None) -> int:

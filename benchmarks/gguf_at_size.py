@@ -20,15 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
+from _timing import run_child
 from cpu_decide import PEAK, linear_weights, run_tree, sized_request
 
 from clef_local.units import GiB
@@ -37,14 +36,11 @@ from clef_local.units import GiB
 def run_step(command: list[str], log: Path) -> dict[str, Any]:
     """One console-script step in a fresh process: wall, the child's peak RSS, exit status (its stderr to ``log``)."""
     print("$", " ".join(command), file=sys.stderr, flush=True)
-    started = time.perf_counter()
     with log.open("w") as sink:
-        child = subprocess.Popen(command, stderr=sink)
-        _, status, usage = os.wait4(child.pid, 0)
-    code = os.waitstatus_to_exitcode(status)
-    if code != 0:
-        raise SystemExit(f"{' '.join(command)} exited {code}:\n{log.read_text()[-3000:]}")
-    return {"wall_s": time.perf_counter() - started, "peak_rss": usage.ru_maxrss * 1024}
+        run = run_child(command, stderr=sink)
+    if run.code != 0:
+        raise SystemExit(f"{' '.join(command)} exited {run.code}:\n{log.read_text()[-3000:]}")
+    return {"wall_s": run.wall_s, "peak_rss": run.peak_rss}
 
 
 def size_of(directory: Path, suffixes: tuple[str, ...]) -> int:

@@ -25,10 +25,10 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
+from _timing import run_child
 from cpu_decide import PEAK, linear_weights
 
 from clef_local.units import GiB
@@ -40,16 +40,13 @@ def run_quantize(model: Path, out: Path, cache: Path, flags: list[str]) -> dict[
     command = [sys.executable, "-m", "clef_local.cli", "quantize", "--model", str(model), "--out", str(out), *flags]
     print("$", " ".join(command), file=sys.stderr, flush=True)
     log = out.with_name(out.name + ".log")
-    started = time.perf_counter()
     with log.open("w") as sink:
-        child = subprocess.Popen(command, env=env, stderr=sink)
-        _, status, usage = os.wait4(child.pid, 0)  # the child's own peak RSS, not the largest of all children
+        run = run_child(command, env=env, stderr=sink)
     stderr = log.read_text()
-    wall = time.perf_counter() - started
     sys.stderr.write(stderr[-4000:])
     error = next((line for line in stderr.splitlines() if line.startswith("error:")), "")
-    return {"flags": " ".join(flags), "code": os.waitstatus_to_exitcode(status), "wall_s": wall, "error": error,
-            "peak_rss": usage.ru_maxrss * 1024, "stderr": stderr}
+    return {"flags": " ".join(flags), "code": run.code, "wall_s": run.wall_s, "error": error,
+            "peak_rss": run.peak_rss, "stderr": stderr}
 
 
 def validation_of(out: Path, error: str) -> dict[str, Any] | None:
